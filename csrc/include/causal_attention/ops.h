@@ -1,0 +1,33 @@
+// Public C++ API of causal_attention: exact causal scaled-dot-product attention.
+//
+// Shapes: q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); a 2-D (L, D) call is one
+// head. Hq % Hkv == 0: query head h reads K/V head h / (Hq / Hkv). Query row i may attend key j iff
+// j <= i + (Lk - Lq) (bottom-right alignment). A row with no visible key returns zeros, lse = -inf
+// and zero gradient. Accumulation is float32 for half/bfloat16/float32 and float64 for float64.
+//
+// Every function goes through the dispatcher (cached operator handles), so C++ callers get the
+// same autograd, Meta and device dispatch as Python callers. Bad input raises c10::ValueError
+// (shapes, devices, scale) or c10::TypeError (dtypes), naming the argument.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace causal_attention {
+
+// The public, differentiable op: returns out (..., Hq, Lq, Dv). `scale` defaults to 1/sqrt(D).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     std::optional<double> scale = std::nullopt);
+
+// Kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, double scale);
+
+// Gradients of `attention` given the forward's out and lse: returns (dq, dk, dv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale);
+
+}  // namespace causal_attention

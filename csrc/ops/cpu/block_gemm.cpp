@@ -1,0 +1,58 @@
+#include "block_gemm.h"
+
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+
+namespace causal_attention::cpu {
+namespace {
+
+template <typename T>
+void zero_block(int64_t M, int64_t N, T* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i) {
+    std::fill_n(C + i * ldc, N, T(0));
+  }
+}
+
+}  // namespace
+
+// float32 goes to oneDNN's brgemm micro-kernel (libtorch falls back to its own GEMM on CPUs
+// oneDNN does not support); it is deterministic for fixed sizes, which the kernels rely on.
+void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) {
+    return;
+  }
+  if (K == 0) {
+    if (!accumulate) {
+      zero_block(M, N, C, ldc);
+    }
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+}
+
+// float64 has no micro-kernel in libtorch; a plain i-k-j loop keeps the inner loop contiguous
+// so the compiler vectorizes it. float64 is for reference accuracy, not speed.
+void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
+                int64_t ldb, double* C, int64_t ldc, bool accumulate) {
+  if (!accumulate) {
+    zero_block(M, N, C, ldc);
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    double* c_row = C + i * ldc;
+    for (int64_t p = 0; p < K; ++p) {
+      const double a = A[i * lda + p];
+      const double* b_row = B + p * ldb;
+      for (int64_t j = 0; j < N; ++j) {
+        c_row[j] += a * b_row[j];
+      }
+    }
+  }
+}
+
+void block_gemm_release() {
+  at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+}
+
+}  // namespace causal_attention::cpu
