@@ -19,6 +19,7 @@ def scaled_dot_product_attention(
     attn_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> Tensor:

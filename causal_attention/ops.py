@@ -43,3 +43,19 @@ def attention_backward(
     """The backward kernel: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``.
     Not differentiable itself (double backward raises)."""
     return torch.ops.causal_attention.attention_backward(grad_out, q, k, v, out, lse, scale)
+
+
+def attention_weights(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None
+) -> Tensor:
+    """The attention probabilities that :func:`attention` applies to ``v``, materialized.
+
+    Returns ``(..., Hq, Lq, Lk)`` in the inputs' dtype: row ``i`` is the softmax of
+    ``scale * q_i k^T`` over the keys ``j <= i + (Lk - Lq)`` (bottom-right causal alignment, as
+    :func:`attention`), zero above that boundary, and all zeros for a row with no visible key.
+    Arguments and errors are those of :func:`attention`; ``v`` is only validated.
+
+    This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
+    Differentiable in ``q`` and ``k``.
+    """
+    return torch.ops.causal_attention.attention_weights(q, k, v, scale=scale)

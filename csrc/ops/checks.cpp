@@ -89,6 +89,13 @@ double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> 
   return 1.0 / std::sqrt(static_cast<double>(head_dim));
 }
 
+double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            std::optional<double> scale) {
+  constexpr const char* op = "causal_attention.attention";
+  check_attention_inputs(op, q, k, v);
+  return resolve_scale(op, q, scale);
+}
+
 at::ScalarType accumulation_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }

@@ -20,6 +20,10 @@ void check_scale(const char* op, double scale);
 // The scale `attention` uses: `scale` if given (checked finite), else 1/sqrt(D).
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale);
 
+// Everything `attention` checks, reported under its own name; returns the resolved scale.
+double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            std::optional<double> scale);
+
 // Checks the inputs of attention_backward: those of the forward plus grad_out and out shaped
 // (..., Hq, Lq, Dv) in q's dtype, and lse (..., Hq, Lq) in the accumulation dtype.
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,

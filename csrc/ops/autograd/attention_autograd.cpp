@@ -60,7 +60,7 @@ class AttentionForwardFunction : public torch::autograd::Function<AttentionForwa
 
 at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               std::optional<double> scale) {
-  const double resolved = detail::resolve_scale("causal_attention.attention", q, scale);
+  const double resolved = detail::check_attention_call(q, k, v, scale);
   return AttentionForwardFunction::apply(q, k, v, resolved)[0];
 }
 

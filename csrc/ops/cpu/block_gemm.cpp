@@ -1,5 +1,6 @@
 #include "block_gemm.h"
 
+#include <ATen/Context.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -14,22 +15,40 @@ void zero_block(int64_t M, int64_t N, T* C, int64_t ldc) {
   }
 }
 
-}  // namespace
-
-// float32 goes to oneDNN's brgemm micro-kernel (libtorch falls back to its own GEMM on CPUs
-// oneDNN does not support); it is deterministic for fixed sizes, which the kernels rely on.
-void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+// Handles the sizes the micro-kernel is not given: returns true when nothing is left to do.
+template <typename T>
+bool degenerate(int64_t M, int64_t N, int64_t K, T* C, int64_t ldc, bool accumulate) {
   if (M == 0 || N == 0) {
-    return;
+    return true;
   }
   if (K == 0) {
     if (!accumulate) {
       zero_block(M, N, C, ldc);
     }
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// oneDNN's brgemm micro-kernel (libtorch falls back to its own GEMM where oneDNN cannot run);
+// deterministic for fixed sizes, which the kernels' bitwise reproducibility relies on.
+void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (degenerate(M, N, K, C, ldc, accumulate)) {
     return;
   }
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+}
+
+void block_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
+                const c10::BFloat16* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (degenerate(M, N, K, C, ldc, accumulate)) {
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B_vnni, C,
+                              /*is_vnni=*/true);
 }
 
 // float64 has no micro-kernel in libtorch; a plain i-k-j loop keeps the inner loop contiguous
@@ -51,8 +70,20 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, c
   }
 }
 
+bool bf16_block_gemm_available() {
+  // The same condition under which libtorch's brgemm takes the oneDNN path for bfloat16
+  // (ISA at least avx512_core); elsewhere a VNNI-layout call would raise.
+  static const bool cpu_has_avx512_core =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return cpu_has_avx512_core && at::globalContext().userEnabledMkldnn();
+}
+
 void block_gemm_release() {
   at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+  if (bf16_block_gemm_available()) {
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  }
 }
 
 }  // namespace causal_attention::cpu

@@ -21,7 +21,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, c
 
 at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           std::optional<double> scale) {
-  const double resolved = detail::resolve_scale("causal_attention.attention", q, scale);
+  const double resolved = detail::check_attention_call(q, k, v, scale);
   return std::get<0>(attention_forward_meta(q, k, v, resolved));
 }
 

@@ -1,0 +1,56 @@
+// `_block_gemm_gflops`: the throughput of the block-product micro-kernel behind block_gemm.h on
+// cache-resident blocks, every thread multiplying its own blocks at once. scripts/bench.py uses
+// it as the practical limit ("share of the limit") that the attention kernels are held to.
+#include "block_gemm.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <vector>
+
+namespace causal_attention::cpu {
+namespace {
+
+template <typename T>
+double run_blocks(int64_t m, int64_t n, int64_t k, int64_t iterations) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> seconds(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::vector<T> a(m * k, T(1) / T(3)), b(k * n, T(1) / T(7));
+      std::vector<float> c(m * n, 0.0f);
+      block_gemm(m, n, k, a.data(), k, b.data(), n, c.data(), n, false);  // warm-up
+      const auto start = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < iterations; ++i) {
+        block_gemm(m, n, k, a.data(), k, b.data(), n, c.data(), n, true);
+      }
+      seconds[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      block_gemm_release();
+    }
+  });
+  double slowest = 0.0;
+  for (double s : seconds) slowest = std::max(slowest, s);
+  return 2.0 * m * n * k * iterations * threads / slowest / 1e9;
+}
+
+double block_gemm_gflops(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
+                         int64_t iterations) {
+  TORCH_CHECK_VALUE(m > 0 && n > 0 && k > 0 && iterations > 0,
+                    "_block_gemm_gflops: m, n, k and iterations must be positive, got m=", m,
+                    ", n=", n, ", k=", k, ", iterations=", iterations);
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
+                   "_block_gemm_gflops: dtype must be float32 or bfloat16, got ", dtype);
+  return dtype == at::kFloat ? run_blocks<float>(m, n, k, iterations)
+                             : run_blocks<at::BFloat16>(m, n, k, iterations);
+}
+
+}  // namespace
+}  // namespace causal_attention::cpu
+
+TORCH_LIBRARY_FRAGMENT(causal_attention, m) {
+  m.def("_block_gemm_gflops(ScalarType dtype, int m, int n, int k, int iterations) -> float",
+        causal_attention::cpu::block_gemm_gflops);
+}

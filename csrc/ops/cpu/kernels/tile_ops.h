@@ -1,0 +1,321 @@
+// What the forward and backward kernels share: the problem's geometry, strided row access,
+// packing of block operands for block_gemm, and vectorized row operations of the softmax.
+//
+// Included only by the per-instruction-set kernel sources: everything here lives in the
+// namespace named by CPU_CAPABILITY, so that inline code compiled with AVX-512 flags is never
+// merged by the linker with its AVX2 or baseline twin.
+#pragma once
+
+#include "../block_gemm.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// Rows of queries and keys per block: a 64 x 64 float32 score tile is 16 KiB, and with the
+// K/V blocks of D <= 128 it stays in L1/L2 beside the running output block.
+constexpr int64_t kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 64;
+
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+struct AttentionDims {
+  int64_t batch;  // product of the leading dims
+  int64_t heads_q;
+  int64_t heads_kv;
+  int64_t len_q;
+  int64_t len_k;
+  int64_t head_dim;
+  int64_t value_dim;
+
+  AttentionDims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
+      : batch(q.size(0)),
+        heads_q(q.size(1)),
+        heads_kv(k.size(1)),
+        len_q(q.size(2)),
+        len_k(k.size(2)),
+        head_dim(q.size(3)),
+        value_dim(v.size(3)) {}
+
+  int64_t group() const { return heads_q / heads_kv; }
+  // Bottom-right alignment: query row r sees keys 0 .. r + (len_k - len_q).
+  int64_t visible_keys(int64_t row) const {
+    return std::clamp<int64_t>(row + (len_k - len_q) + 1, 0, len_k);
+  }
+  // The first query row that sees key `key`.
+  int64_t first_row_seeing(int64_t key) const {
+    return std::max<int64_t>(key - (len_k - len_q), 0);
+  }
+};
+
+// Row pointers into a (batch, head, row, col) tensor with unit stride along col.
+template <typename T>
+struct HeadRows {
+  T* data;
+  int64_t batch_stride;
+  int64_t head_stride;
+  int64_t row_stride;
+
+  explicit HeadRows(const at::Tensor& t)
+      : data(static_cast<T*>(t.data_ptr())),
+        batch_stride(t.stride(0)),
+        head_stride(t.stride(1)),
+        row_stride(t.stride(2)) {}
+
+  T* row(int64_t b, int64_t h, int64_t r) const {
+    return data + b * batch_stride + h * head_stride + r * row_stride;
+  }
+};
+
+// Causal blocks differ in cost (the last query block sees every key, the first only a few).
+// Tasks take contiguous ranges of work items, so items are ordered 0, n-1, 1, n-2, ... within
+// each head: any contiguous range then mixes cheap and expensive blocks. Only the order of the
+// work items changes, never the order of the sums inside one, so results do not depend on the
+// split between threads.
+inline int64_t balanced_block(int64_t position, int64_t num_blocks) {
+  return position % 2 == 0 ? position / 2 : num_blocks - 1 - position / 2;
+}
+
+template <typename dst_t, typename src_t>
+inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<dst_t, src_t>) {
+    std::memcpy(dst, src, n * sizeof(dst_t));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// How block operands reach block_gemm for operand type gemm_t (the type the micro-kernel
+// multiplies): float32 and float64 row-major, used in place when the source already has that
+// type; bfloat16 with B in VNNI layout and the reduction dim K padded to even with zeros.
+template <typename gemm_t>
+struct Operands {
+  static constexpr bool kVnni = std::is_same_v<gemm_t, c10::BFloat16>;
+
+  static int64_t padded_k(int64_t k) { return kVnni ? k + (k & 1) : k; }
+  // Scratch elements that any operand of at most `rows` x `cols` (either orientation) needs.
+  static int64_t scratch_size(int64_t rows, int64_t cols) {
+    return padded_k(rows + 1) * padded_k(cols + 1);
+  }
+
+  // A = src (rows x k, leading dim ld).
+  template <typename src_t>
+  static const gemm_t* a(const src_t* src, int64_t rows, int64_t k, int64_t ld, gemm_t* scratch,
+                         int64_t* ld_out) {
+    const int64_t kp = padded_k(k);
+    if constexpr (std::is_same_v<src_t, gemm_t>) {
+      if (kp == k) {
+        *ld_out = ld;
+        return src;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      convert_row(src + r * ld, scratch + r * kp, k);
+      std::fill(scratch + r * kp + k, scratch + (r + 1) * kp, gemm_t(0));
+    }
+    *ld_out = kp;
+    return scratch;
+  }
+
+  // A = src^T, where src is (k x rows) with leading dim ld.
+  template <typename src_t>
+  static const gemm_t* a_transposed(const src_t* src, int64_t k, int64_t rows, int64_t ld,
+                                    gemm_t* scratch, int64_t* ld_out) {
+    const int64_t kp = padded_k(k);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < k; ++i) {
+        scratch[r * kp + i] = static_cast<gemm_t>(src[i * ld + r]);
+      }
+      std::fill(scratch + r * kp + k, scratch + (r + 1) * kp, gemm_t(0));
+    }
+    *ld_out = kp;
+    return scratch;
+  }
+
+  // B = src (k x n, leading dim ld).
+  template <typename src_t>
+  static const gemm_t* b(const src_t* src, int64_t k, int64_t n, int64_t ld, gemm_t* scratch,
+                         int64_t* ld_out) {
+    *ld_out = n;
+    if constexpr (kVnni) {
+      for (int64_t p = 0; p < k / 2; ++p) {
+        const src_t* even = src + 2 * p * ld;
+        const src_t* odd = even + ld;
+        gemm_t* out = scratch + 2 * p * n;
+        for (int64_t j = 0; j < n; ++j) {
+          out[2 * j] = static_cast<gemm_t>(even[j]);
+          out[2 * j + 1] = static_cast<gemm_t>(odd[j]);
+        }
+      }
+      if (k & 1) {
+        const src_t* last = src + (k - 1) * ld;
+        gemm_t* out = scratch + (k - 1) * n;
+        for (int64_t j = 0; j < n; ++j) {
+          out[2 * j] = static_cast<gemm_t>(last[j]);
+          out[2 * j + 1] = gemm_t(0);
+        }
+      }
+      return scratch;
+    } else {
+      if constexpr (std::is_same_v<src_t, gemm_t>) {
+        *ld_out = ld;
+        return src;
+      }
+      for (int64_t i = 0; i < k; ++i) {
+        convert_row(src + i * ld, scratch + i * n, n);
+      }
+      return scratch;
+    }
+  }
+
+  // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K.
+  template <typename src_t>
+  static const gemm_t* b_transposed(const src_t* src, int64_t n, int64_t k, int64_t ld,
+                                    gemm_t* scratch, int64_t* ld_out) {
+    *ld_out = n;
+    if constexpr (kVnni) {
+      // VNNI pairs are consecutive along k, i.e. along a row of src: one 32-bit word each.
+      static_assert(std::is_same_v<src_t, gemm_t>, "VNNI operands come from bfloat16 rows");
+      const int64_t pairs = k / 2;
+      for (int64_t j = 0; j < n; ++j) {
+        const src_t* row = src + j * ld;
+        for (int64_t p = 0; p < pairs; ++p) {
+          std::memcpy(scratch + (p * n + j) * 2, row + 2 * p, 2 * sizeof(gemm_t));
+        }
+        if (k & 1) {
+          scratch[(pairs * n + j) * 2] = row[k - 1];
+          scratch[(pairs * n + j) * 2 + 1] = gemm_t(0);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const src_t* row = src + j * ld;
+        for (int64_t i = 0; i < k; ++i) {
+          scratch[i * n + j] = static_cast<gemm_t>(row[i]);
+        }
+      }
+    }
+    return scratch;
+  }
+};
+
+template <typename acc_t>
+inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return x.exp_u20();  // the accuracy torch's own CPU flash attention uses
+  } else {
+    return x.exp();
+  }
+}
+
+// row[c] *= scale for c < visible; returns the max of those (NaN if any is NaN, -inf if none).
+template <typename acc_t>
+inline acc_t scale_and_max(acc_t* row, int64_t visible, acc_t scale) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec scale_vec(scale);
+  Vec max_vec(-std::numeric_limits<acc_t>::infinity());
+  int64_t c = 0;
+  for (; c + Vec::size() <= visible; c += Vec::size()) {
+    const Vec x = Vec::loadu(row + c) * scale_vec;
+    x.store(row + c);
+    max_vec = at::vec::maximum(max_vec, x);
+  }
+  acc_t result = at::vec::vec_reduce_all<acc_t>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, max_vec);
+  for (; c < visible; ++c) {
+    row[c] *= scale;
+    result = std::isnan(row[c]) ? row[c] : std::max(result, row[c]);
+  }
+  return result;
+}
+
+// row[c] = exp(row[c] * scale - shift) for c < visible, 0 for visible <= c < cols; returns the
+// sum of the exponentials. (scale = 1, shift = row max in the forward; scale, shift = lse in the
+// backward.)
+template <typename acc_t>
+inline acc_t exp_and_sum(acc_t* row, int64_t visible, int64_t cols, acc_t scale, acc_t shift) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec scale_vec(scale), shift_vec(shift);
+  Vec sum_vec(acc_t(0));
+  int64_t c = 0;
+  for (; c + Vec::size() <= visible; c += Vec::size()) {
+    const Vec p = vec_exp(at::vec::fmsub(Vec::loadu(row + c), scale_vec, shift_vec));
+    p.store(row + c);
+    sum_vec = sum_vec + p;
+  }
+  if (c < visible) {
+    const int64_t tail = visible - c;
+    const Vec p = vec_exp(at::vec::fmsub(Vec::loadu(row + c, tail), scale_vec, shift_vec));
+    p.store(row + c, tail);
+    sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);
+  }
+  std::fill(row + visible, row + cols, acc_t(0));
+  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
+}
+
+// ds[c] = p[c] * (ds[c] - delta): the softmax gradient, given ds = dO V^T on entry.
+template <typename acc_t>
+inline void softmax_gradient(const acc_t* p, acc_t* ds, int64_t cols, acc_t delta) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec delta_vec(delta);
+  at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds, p, ds, cols);
+}
+
+// Sum of row[0, n).
+template <typename acc_t>
+inline acc_t row_sum(const acc_t* row, int64_t n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  return at::vec::reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, row, n);
+}
+
+// row[c] -= factor * other[c].
+template <typename acc_t>
+inline void subtract_scaled_row(acc_t* row, const acc_t* other, int64_t n, acc_t factor) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec factor_vec(factor);
+  at::vec::map2<acc_t>([&](Vec x, Vec y) { return x - y * factor_vec; }, row, row, other, n);
+}
+
+template <typename acc_t>
+inline void scale_row(acc_t* row, int64_t n, acc_t factor) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec factor_vec(factor);
+  at::vec::map<acc_t>([&](Vec x) { return x * factor_vec; }, row, row, n);
+}
+
+// dst[c] = src[c] * factor, converted to the output dtype.
+template <typename scalar_t, typename acc_t>
+inline void store_scaled_row(const acc_t* src, int64_t n, acc_t factor, scalar_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    using Vec = at::vec::Vectorized<acc_t>;
+    const Vec factor_vec(factor);
+    at::vec::map<acc_t>([&](Vec x) { return x * factor_vec; }, dst, src, n);
+  } else {
+    for (int64_t c = 0; c < n; ++c) {
+      dst[c] = static_cast<scalar_t>(src[c] * factor);
+    }
+  }
+}
+
+// sum_c a[c] * b[c], accumulated in acc_t.
+template <typename acc_t, typename scalar_t>
+inline acc_t dot_row(const scalar_t* a, const scalar_t* b, int64_t n) {
+  acc_t sum = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    sum += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
+  }
+  return sum;
+}
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Every test, from a fresh machine: installs what is missing, builds once, runs ctest and pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k sdpa).
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+setup_everything
+
+echo "==> ctest"
+(cd "$ROOT/build" && ctest --output-on-failure)
+
+echo "==> pytest"
+cd "$ROOT"
+"$PY" -m pytest -q "$@"

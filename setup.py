@@ -1,0 +1,67 @@
+"""pip entry point: drives the same CMake build as scripts/test.sh, never a second copy of it.
+
+    pip install --no-build-isolation -e .
+
+--no-build-isolation matters: the library must be compiled against the torch it will be loaded
+into, not one that pip picks for an isolated build environment.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    """Builds the library in build/ (shared with scripts/test.sh, so nothing compiles twice), then
+    copies it where setuptools wants the extension: a wheel, or the editable install's staging."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # A plain shared library loaded with torch.ops.load_library, not a CPython module.
+        return str(Path(*fullname.split("."))) + ".so"
+
+    def build_extension(self, ext: Extension) -> None:
+        import torch
+
+        build_dir = ROOT / "build"
+        configure = [
+            "cmake",
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_dir),
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+        ]
+        if not (build_dir / "CMakeCache.txt").exists() and shutil.which("ninja"):
+            configure += ["-G", "Ninja"]
+        subprocess.check_call(configure)
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "causal_attention_ops"])
+        built = ROOT / "causal_attention" / "libcausal_attention_ops.so"
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        if target != built:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(built, target)
+
+
+setup(
+    name="causal_attention",
+    version="0.1.0",
+    description="Exact causal scaled-dot-product attention for PyTorch: C++ custom ops with "
+    "autograd, Meta kernels and a multi-head module",
+    packages=["causal_attention"],
+    ext_modules=[CMakeExtension("causal_attention.libcausal_attention_ops")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.10",
+    install_requires=["torch==2.13.0"],
+    extras_require={"test": ["pytest", "hypothesis", "numpy", "expecttest"]},
+    zip_safe=False,
+)

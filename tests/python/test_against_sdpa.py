@@ -1,0 +1,101 @@
+"""Forward and gradients against torch.nn.functional.scaled_dot_product_attention.
+
+For each of out, dq, dk, dv: ``max|ours - ref64| <= 2 * max|sdpa_same_dtype - ref64| + 1e-6``,
+where ref64 is SDPA in float64 on the same (dtype-rounded) inputs and grad_out. So in every
+dtype the op must be at most twice as far from the exact answer as PyTorch's own kernel.
+"""
+
+import pytest
+import torch
+
+import causal_attention
+from attention_testing import (
+    Case,
+    dtype_params,
+    empty_rows,
+    make_tensor,
+    max_abs_diff,
+    sdpa_reference,
+    to64,
+)
+
+# Together these cover every L in {1, 2, 17, 64, 129, 1000}, D in {1, 8, 64, 80, 128},
+# Hq/Hkv in {1, 2, 4}, Dv != D, Lq < Lk, Lq > Lk, 2-D/3-D/4-D/5-D inputs and the
+# transposed-view and sliced/strided layouts; each case runs in every dtype.
+CASES = [
+    pytest.param(Case(1, 1, 8, hq=2, hkv=2), id="L1-D8-H2"),
+    pytest.param(Case(2, 2, 1, batch=(2,)), id="L2-D1-B2"),
+    pytest.param(Case(17, 17, 80, dv=32, hq=4, hkv=2), id="L17-D80-Dv32-gqa2"),
+    pytest.param(
+        Case(64, 64, 64, hq=4, hkv=1, batch=(2,), layout="transposed"),
+        id="L64-D64-gqa4-transposed",
+    ),
+    pytest.param(Case(129, 129, 128, hq=2, hkv=2, layout="strided"), id="L129-D128-strided"),
+    pytest.param(Case(1000, 1000, 64, hq=2, hkv=1), id="L1000-D64-gqa2"),
+    pytest.param(Case(129, 129, 8, heads=False), id="2d-L129-D8"),
+    pytest.param(Case(17, 64, 64, heads=False, layout="strided"), id="2d-Lq17-Lk64-D64-strided"),
+    pytest.param(Case(17, 17, 8, hq=3, hkv=3, batch=()), id="3d-H3-L17-D8"),
+    pytest.param(Case(64, 64, 8, dv=16, hq=2, hkv=1, batch=(2, 3)), id="5d-L64-D8-Dv16-gqa2"),
+    pytest.param(Case(1, 129, 64, hq=4, hkv=1), id="kvcache-Lq1-Lk129-D64-gqa4"),
+    pytest.param(
+        Case(17, 1000, 80, hq=2, hkv=2, layout="transposed"),
+        id="kvcache-Lq17-Lk1000-D80-transposed",
+    ),
+    pytest.param(Case(129, 64, 8, hq=2, hkv=1), id="Lq129-Lk64-D8-gqa2"),
+    pytest.param(Case(1000, 17, 128, dv=8), id="Lq1000-Lk17-D128-Dv8"),
+    pytest.param(Case(2, 1, 1), id="Lq2-Lk1-D1"),
+    pytest.param(
+        Case(64, 2, 64, hq=2, hkv=2, batch=(), layout="transposed"),
+        id="3d-Lq64-Lk2-D64-transposed",
+    ),
+]
+
+EMPTY_ROW_CASES = [p for p in CASES if p.values[0].lq > p.values[0].lk]
+
+
+def _ours_with_grads(case: Case, dtype: torch.dtype):
+    """Runs our op forward and backward; returns inputs, grad_out, out and (dq, dk, dv)."""
+    q, k, v = case.inputs(dtype, requires_grad=True)
+    grad_out = make_tensor(case.out_shape, dtype)
+    out = causal_attention.attention(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    return (q, k, v), grad_out, out, grads
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("case", CASES)
+def test_matches_sdpa_within_twice_its_error(case, dtype):
+    inputs, grad_out, out, grads = _ours_with_grads(case, dtype)
+    ref_out, ref_grads = sdpa_reference(*(to64(t) for t in inputs), to64(grad_out))
+    same_out, same_grads = sdpa_reference(*inputs, grad_out)
+
+    failures = []
+    for name, ours, same, ref, input_ in zip(
+        ("out", "dq", "dk", "dv"),
+        (out,) + tuple(grads),
+        (same_out,) + tuple(same_grads),
+        (ref_out,) + tuple(ref_grads),
+        (None,) + tuple(inputs),
+    ):
+        expected_shape = case.out_shape if input_ is None else input_.shape
+        assert ours.shape == expected_shape, f"{name}: shape {tuple(ours.shape)}"
+        assert ours.dtype == dtype, f"{name}: dtype {ours.dtype}"
+        assert torch.isfinite(ref).all(), f"reference {name} is not finite"
+        err = max_abs_diff(ours, ref)
+        sdpa_err = max_abs_diff(same, ref)
+        bound = 2 * sdpa_err + 1e-6
+        if not err <= bound:
+            failures.append(f"{name}: ours {err:.3g} > bound {bound:.3g} (sdpa {sdpa_err:.3g})")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("case", EMPTY_ROW_CASES)
+def test_rows_without_keys_are_exact_zeros(case, dtype):
+    _, _, out, (dq, _, _) = _ours_with_grads(case, dtype)
+    rows = empty_rows(case.lq, case.lk)
+    assert rows.any()
+    assert torch.equal(out[..., rows, :], torch.zeros_like(out[..., rows, :]))
+    assert torch.equal(dq[..., rows, :], torch.zeros_like(dq[..., rows, :]))
+    # The rows that do see keys are not all zero (the mask is not shifted by one).
+    assert out[..., ~rows, :].abs().amax(dim=-1).gt(0).all()
