@@ -1,6 +1,8 @@
 // `_block_gemm_gflops`: the throughput of the block-product micro-kernel behind block_gemm.h on
 // cache-resident blocks, every thread multiplying its own blocks at once. scripts/bench.py uses
 // it as the practical limit ("share of the limit") that the attention kernels are held to.
+// For bfloat16 it measures what the kernels use on this CPU: the bfloat16 micro-kernel where
+// it runs natively, else float32 (the kernels then convert bfloat16 tiles to float32).
 #include "block_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -43,8 +45,9 @@ double block_gemm_gflops(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
                     ", n=", n, ", k=", k, ", iterations=", iterations);
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
                    "_block_gemm_gflops: dtype must be float32 or bfloat16, got ", dtype);
-  return dtype == at::kFloat ? run_blocks<float>(m, n, k, iterations)
-                             : run_blocks<at::BFloat16>(m, n, k, iterations);
+  const bool native_bf16 = dtype == at::kBFloat16 && bf16_block_gemm_available();
+  return native_bf16 ? run_blocks<at::BFloat16>(m, n, k + (k & 1), iterations)
+                     : run_blocks<float>(m, n, k, iterations);
 }
 
 }  // namespace

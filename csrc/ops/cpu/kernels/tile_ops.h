@@ -96,6 +96,37 @@ inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
   }
 }
 
+// dst[j * ld_dst + i] = src[i * ld_src + j] for a rows x cols block of src, converting to dst_t.
+// Same-type blocks go through at::vec's register transposes (8x8 with AVX2, 16x16 with
+// AVX-512): the kernels transpose a block for nearly every block product, so this matters.
+template <typename dst_t, typename src_t>
+inline void transpose_block(const src_t* src, int64_t rows, int64_t cols, int64_t ld_src,
+                            dst_t* dst, int64_t ld_dst) {
+  int64_t full_rows = 0, full_cols = 0;
+  if constexpr (std::is_same_v<dst_t, src_t> && std::is_same_v<src_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    constexpr int64_t kTile = 16;
+#else
+    constexpr int64_t kTile = 8;
+#endif
+    full_rows = rows / kTile * kTile;
+    full_cols = cols / kTile * kTile;
+    for (int64_t i = 0; i < full_rows; i += kTile) {
+      for (int64_t j = 0; j < full_cols; j += kTile) {
+        at::vec::transpose_mxn<float, kTile, kTile>(src + i * ld_src + j, ld_src,
+                                                    dst + j * ld_dst + i, ld_dst);
+      }
+    }
+  }
+  // The edges the register transposes did not cover: columns past full_cols of the tiled rows,
+  // and every row past full_rows.
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = i < full_rows ? full_cols : 0; j < cols; ++j) {
+      dst[j * ld_dst + i] = static_cast<dst_t>(src[i * ld_src + j]);
+    }
+  }
+}
+
 // How block operands reach block_gemm for operand type gemm_t (the type the micro-kernel
 // multiplies): float32 and float64 row-major, used in place when the source already has that
 // type; bfloat16 with B in VNNI layout and the reduction dim K padded to even with zeros.
@@ -133,11 +164,11 @@ struct Operands {
   static const gemm_t* a_transposed(const src_t* src, int64_t k, int64_t rows, int64_t ld,
                                     gemm_t* scratch, int64_t* ld_out) {
     const int64_t kp = padded_k(k);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < k; ++i) {
-        scratch[r * kp + i] = static_cast<gemm_t>(src[i * ld + r]);
+    transpose_block(src, k, rows, ld, scratch, kp);
+    if (kp != k) {
+      for (int64_t r = 0; r < rows; ++r) {
+        scratch[r * kp + k] = gemm_t(0);
       }
-      std::fill(scratch + r * kp + k, scratch + (r + 1) * kp, gemm_t(0));
     }
     *ld_out = kp;
     return scratch;
@@ -199,12 +230,7 @@ struct Operands {
         }
       }
     } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const src_t* row = src + j * ld;
-        for (int64_t i = 0; i < k; ++i) {
-          scratch[i * n + j] = static_cast<gemm_t>(row[i]);
-        }
-      }
+      transpose_block(src, n, k, ld, scratch, n);
     }
     return scratch;
   }
