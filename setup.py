@@ -62,6 +62,8 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
-    extras_require={"test": ["pytest", "hypothesis", "numpy", "expecttest"]},
+    extras_require={
+        "test": ["pytest", "hypothesis", "numpy", "expecttest", "tqdm", "matplotlib"],
+    },
     zip_safe=False,
 )

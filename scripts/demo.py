@@ -3,14 +3,11 @@ max error against a float64 reference (ours and SDPA's), and median times of for
 forward+backward. Run by scripts/run.sh."""
 
 import argparse
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 import causal_attention
+from bench_common import forward_backward, median_seconds, sdpa
 
 CASES = [
     # (label, B, Hq, Hkv, Lq, Lk, D, dtype)
@@ -20,29 +17,6 @@ CASES = [
     ("fp32 decode 16 of 4096", 4, 8, 8, 16, 4096, 64, torch.float32),
     ("bf16 L=2048", 1, 8, 8, 2048, 2048, 64, torch.bfloat16),
 ]
-
-
-def sdpa(q, k, v):
-    gqa = q.size(-3) != k.size(-3)
-    if q.size(-2) == k.size(-2):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    mask = causal_lower_right(q.size(-2), k.size(-2))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def median_seconds(fn, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def forward_backward(attn, q, k, v, grad):
-    out = attn(q, k, v)
-    torch.autograd.grad(out, (q, k, v), grad)
 
 
 def main():

@@ -133,7 +133,9 @@ class BackwardKernel {
       const int64_t visible =
           empty_row ? 0 : std::clamp<int64_t>(dims_.visible_keys(q0 + r) - k0, 0, cols);
       exp_and_sum(p, visible, cols, scale_, lse[r]);
-      softmax_gradient(p, ds, cols, with_delta ? delta[r] : acc_t(0));
+      // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
+      softmax_gradient(p, ds, visible, with_delta ? delta[r] : acc_t(0));
+      std::fill(ds + visible, ds + cols, acc_t(0));
     }
   }
 

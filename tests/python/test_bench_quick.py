@@ -1,0 +1,51 @@
+"""scripts/bench.py --quick runs end to end and writes its CSV, JSON and PNG (a smoke test of every
+code path of the benchmark; no timing assertions)."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_quick_writes_results(tmp_path):
+    # A tiny memory budget makes the materializing implementations skip the larger quick case,
+    # so the "skipped (memory)" path runs too.
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--out",
+         str(tmp_path), "--mem-budget-gib", "0.001"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in ("results.csv", "results.json", "gflops.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "gflops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    report = json.loads((tmp_path / "results.json").read_text())
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    impls = report["implementations"]
+    assert set(impls) == {"ours", "sdpa", "sdpa_math", "naive"}
+    for impl in impls:
+        assert any(r["impl"] == impl and r["status"] == "ok" for r in rows), impl
+    assert {r["section"] for r in rows} == {"short", "decode"}
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    assert any(r["status"] == "skipped (memory)" for r in rows)
+    assert all(r["status"] == "skipped (memory)" or float(r["time_ms"]) > 0 for r in rows)
+    assert len(rows) == len(report["results"])
+
+    assert set(report["limit_gflops"]) == {"float32", "bfloat16"}
+    assert all(value > 0 for value in report["limit_gflops"].values())
+    assert report["copy_gbps"] > 0
+    assert report["environment"]["cpu_model"]
+    assert set(report["scaling"]) == {"ours", "sdpa"}
+    assert [m["impl"] for m in report["memory"]] == ["ours"]
+    assert report["memory"][0]["ratio"] > 0, report["memory"]
+    assert set(report["accuracy"]["max_abs_error"]) == {"ours", "sdpa"}
+    assert report["summary"]
+    assert "summary" in result.stdout
