@@ -1,16 +1,27 @@
 """causal_attention: exact causal scaled-dot-product attention for PyTorch, as custom operators
-(``torch.ops.causal_attention.*``) with C++ autograd and Meta kernels."""
+(``torch.ops.causal_attention.*``) with C++ autograd and Meta kernels, and a multi-head
+``CausalSelfAttention`` module with a KV cache."""
 
 from . import _library
 
 _library.load()
 
 from .functional import scaled_dot_product_attention  # noqa: E402
-from .ops import attention, attention_backward, attention_forward  # noqa: E402
+from .kv_cache import KVCache  # noqa: E402
+from .nn import CausalSelfAttention  # noqa: E402
+from .ops import (  # noqa: E402
+    attention,
+    attention_backward,
+    attention_forward,
+    attention_weights,
+)
 
 __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
+    "attention_weights",
     "scaled_dot_product_attention",
+    "CausalSelfAttention",
+    "KVCache",
 ]

@@ -1,4 +1,4 @@
-// The three op schemas, defined once, and the public C++ API. The API calls through cached
+// The op schemas, defined once, and the public C++ API. The API calls through cached
 // dispatcher handles rather than the kernels, so C++ callers get autograd, Meta and device
 // dispatch exactly as Python callers do.
 #include "causal_attention/ops.h"
@@ -30,6 +30,13 @@ c10::TypedOperatorHandle<decltype(attention_backward)> attention_backward_handle
   return handle;
 }
 
+c10::TypedOperatorHandle<decltype(attention_weights)> attention_weights_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("causal_attention::attention_weights", "")
+                                 .typed<decltype(attention_weights)>();
+  return handle;
+}
+
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -48,12 +55,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   return attention_backward_handle().call(grad_out, q, k, v, out, lse, scale);
 }
 
+at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             std::optional<double> scale) {
+  return attention_weights_handle().call(q, k, v, scale);
+}
+
 TORCH_LIBRARY(causal_attention, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, *, float? scale=None) -> Tensor");
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("attention_weights(Tensor q, Tensor k, Tensor v, *, float? scale=None) -> Tensor");
 }
 
 }  // namespace causal_attention

@@ -25,6 +25,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale);
 
+// The attention probabilities (..., Hq, Lq, Lk) that `attention` applies to v, materialized for
+// inspection: O(Lq * Lk) memory, unlike `attention`. Zero above the causal boundary and in rows
+// with no visible key. Differentiable in q and k. `scale` defaults to 1/sqrt(D).
+at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             std::optional<double> scale = std::nullopt);
+
 // Gradients of `attention` given the forward's out and lse: returns (dq, dk, dv).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

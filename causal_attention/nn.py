@@ -1,0 +1,210 @@
+"""``CausalSelfAttention``: a multi-head causal self-attention module on the causal_attention op,
+with nanoGPT's parameter names, so it swaps into nanoGPT-style models and loads their checkpoints.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .kv_cache import KVCache
+
+# The ops themselves rather than the Python wrappers of .ops: TorchScript cannot compile the
+# wrappers' keyword-only arguments, and this module must script.
+_attention = torch.ops.causal_attention.attention
+_attention_weights = torch.ops.causal_attention.attention_weights
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, ``(B, L, E) -> (B, L, E)``.
+
+    Parameters are nanoGPT's: ``c_attn``, one ``Linear(E, (Hq + Hkv) * D + Hkv * Dv)`` whose
+    output is split into queries, keys and values, and ``c_proj``, ``Linear(Hq * Dv, E)``.
+    The C++ module ``causal_attention::nn::CausalSelfAttention`` has the same names and layout, so
+    a state_dict moves between nanoGPT, this module and C++ unchanged. nanoGPT's ``bias`` buffer
+    (its causal mask) is accepted by ``load_state_dict`` and ignored: this module is causal by
+    construction.
+
+    Args:
+        embed_dim: ``E``, the width of input and output.
+        num_heads: ``Hq``, the query heads.
+        num_kv_heads: ``Hkv``, the key/value heads, a divisor of ``num_heads`` (GQA; 1 is MQA).
+            Default: ``num_heads``.
+        head_dim: ``D``, the query/key width per head. Default: ``embed_dim // num_heads``.
+        value_head_dim: ``Dv``, the value width per head. Default: ``head_dim``.
+        bias: whether ``c_attn`` and ``c_proj`` have biases.
+        dropout: dropout on the output projection in training (nanoGPT's ``resid_dropout``).
+        attn_dropout: dropout on the attention probabilities; not implemented, so anything but 0
+            raises ``NotImplementedError`` instead of being silently ignored.
+
+    Bad sizes raise ``ValueError``; an input of the wrong dtype raises ``TypeError`` (inside a
+    scripted module, errors arrive as ``torch.jit.Error`` naming the Python exception).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        value_head_dim: Optional[int] = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                "CausalSelfAttention: embed_dim and num_heads must be positive, got "
+                f"embed_dim={embed_dim}, num_heads={num_heads}"
+            )
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                "CausalSelfAttention: num_kv_heads must be a positive divisor of num_heads, got "
+                f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None and embed_dim % num_heads != 0:
+            raise ValueError(
+                "CausalSelfAttention: embed_dim must be a multiple of num_heads unless head_dim "
+                f"is given, got embed_dim={embed_dim}, num_heads={num_heads}"
+            )
+        head_dim = embed_dim // num_heads if head_dim is None else head_dim
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        if head_dim <= 0 or value_head_dim <= 0:
+            raise ValueError(
+                "CausalSelfAttention: head_dim and value_head_dim must be positive, got "
+                f"head_dim={head_dim}, value_head_dim={value_head_dim}"
+            )
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(
+                f"CausalSelfAttention: dropout must be in [0, 1], got dropout={dropout}"
+            )
+        if attn_dropout != 0.0:
+            raise NotImplementedError(
+                "CausalSelfAttention: attn_dropout (dropout on the attention probabilities) is not "
+                f"implemented, got attn_dropout={attn_dropout}; dropout applies to the output "
+                "projection"
+            )
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.value_head_dim = value_head_dim
+        factory = {"device": device, "dtype": dtype}
+        qkv_width = (num_heads + num_kv_heads) * head_dim + num_kv_heads * value_head_dim
+        self.c_attn = nn.Linear(embed_dim, qkv_width, bias=bias, **factory)
+        self.c_proj = nn.Linear(num_heads * value_head_dim, embed_dim, bias=bias, **factory)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None, need_weights: bool = False):
+        """Attends ``x (B, L, E)`` causally and returns ``(B, L, E)``.
+
+        With ``cache``, ``x`` holds the positions after the cached ones: their keys and values
+        are appended to the cache, and the queries attend to all of it.
+
+        With ``need_weights=True``, returns ``(output, weights)``, the attention probabilities
+        ``(B, Hq, L, cached + L)``, materialized (O(L²) memory) for inspection. A TorchScript
+        function has a single return type, so a scripted module's ``forward`` returns the output
+        only and raises for ``need_weights=True``: call ``forward_with_weights`` there.
+        """
+        if need_weights:
+            # The else is needed: TorchScript compiles only the branch that is_scripting() picks,
+            # so the tuple-returning call never enters the scripted forward's return type.
+            if torch.jit.is_scripting():
+                raise RuntimeError(
+                    "CausalSelfAttention: a scripted forward returns the output only; call "
+                    "forward_with_weights(x, cache) for the attention weights"
+                )
+            else:
+                return self.forward_with_weights(x, cache)
+        q, k, v = self._project_heads(x, cache)
+        return self._project_output(_attention(q, k, v))
+
+    @torch.jit.export
+    def forward_with_weights(
+        self, x: Tensor, cache: Optional[KVCache] = None
+    ) -> Tuple[Tensor, Tensor]:
+        """``forward(x, cache, need_weights=True)``: the output and the attention probabilities
+        ``(B, Hq, L, cached + L)``; also on a scripted module."""
+        q, k, v = self._project_heads(x, cache)
+        return self._project_output(_attention(q, k, v)), _attention_weights(q, k, v)
+
+    @torch.jit.export
+    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_len`` positions,
+        in the dtype and on the device of the parameters."""
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(
+                "CausalSelfAttention.make_cache: batch_size and max_len must be positive, got "
+                f"batch_size={batch_size}, max_len={max_len}"
+            )
+        weight = self.c_attn.weight
+        shape = [batch_size, self.num_kv_heads, max_len]
+        return KVCache(
+            torch.zeros(shape + [self.head_dim], dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape + [self.value_head_dim], dtype=weight.dtype, device=weight.device),
+        )
+
+    def _project_heads(
+        self, x: Tensor, cache: Optional[KVCache]
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """Queries ``(B, Hq, L, D)``, keys ``(B, Hkv, *, D)`` and values ``(B, Hkv, *, Dv)``, the
+        keys and values including the cache's."""
+        if x.dim() != 3 or x.size(2) != self.embed_dim:
+            raise ValueError(
+                f"CausalSelfAttention: x must be (B, L, E) with E=embed_dim={self.embed_dim}, "
+                f"got x.shape={list(x.shape)}"
+            )
+        if x.dtype != self.c_attn.weight.dtype:
+            raise TypeError(
+                f"CausalSelfAttention: x must have the parameters' dtype "
+                f"{self.c_attn.weight.dtype}, got x.dtype={x.dtype}"
+            )
+        batch, length = x.size(0), x.size(1)
+        q, k, v = self.c_attn(x).split(
+            [
+                self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                self.num_kv_heads * self.value_head_dim,
+            ],
+            dim=-1,
+        )
+        # (B, L, H * D) -> (B, H, L, D) as views: the op reads any strides.
+        q = q.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, length, self.num_kv_heads, self.value_head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return q, k, v
+
+    def _project_output(self, attended: Tensor) -> Tensor:
+        merged = attended.transpose(1, 2).flatten(2)  # (B, L, Hq * Dv)
+        return self.resid_dropout(self.c_proj(merged))
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Dict[str, Any],
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
+        # nanoGPT's non-flash module saves its causal mask as a buffer named `bias`; the mask is
+        # implied by this module, so the entry is dropped rather than reported as unexpected.
+        state_dict.pop(prefix + "bias", None)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"value_head_dim={self.value_head_dim}"
+        )

@@ -1,0 +1,114 @@
+// Public C++ modules of causal_attention: the multi-head CausalSelfAttention and its KV cache.
+//
+// The module keeps nanoGPT's parameter names and layout (c_attn: one Linear producing Q, K and V;
+// c_proj: the output projection), as does the Python module causal_attention.CausalSelfAttention,
+// so a state_dict moves between nanoGPT, Python and C++ unchanged. Bad options or input raise
+// c10::ValueError (shapes, sizes) or c10::TypeError (dtypes), naming the argument.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+namespace causal_attention::nn {
+
+// Preallocated keys (B, Hkv, max_len, D) and values (B, Hkv, max_len, Dv) for incremental
+// decoding, and how many positions they hold. Made by CausalSelfAttention::make_cache.
+class KVCache {
+ public:
+  // Takes the storage; both must be 4-D with equal (B, Hkv, max_len), dtype and device.
+  KVCache(at::Tensor key_storage, at::Tensor value_storage);
+
+  int64_t length() const { return length_; }
+  int64_t max_len() const { return key_storage_.size(2); }
+  int64_t batch_size() const { return key_storage_.size(0); }
+
+  // The cached positions: views (B, Hkv, length, D) and (B, Hkv, length, Dv) of the storage.
+  at::Tensor keys() const;
+  at::Tensor values() const;
+
+  // Forgets the cached positions, keeping the storage, so that the cache can serve a new sequence.
+  void reset();
+
+  // Writes keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) after the cached positions and returns
+  // all cached positions, the new ones included: views of the storage, or copies when autograd
+  // records (so that backward works through a decoded sequence, whose later appends overwrite
+  // the storage in place). Throws, leaving the cache unchanged, if they do not match the storage
+  // or would overflow max_len.
+  std::pair<at::Tensor, at::Tensor> append(const at::Tensor& keys, const at::Tensor& values);
+
+ private:
+  at::Tensor key_storage_;
+  at::Tensor value_storage_;
+  int64_t length_ = 0;
+};
+
+struct CausalSelfAttentionOptions {
+  CausalSelfAttentionOptions(int64_t embed_dim, int64_t num_heads);
+
+  // Width E of the input and output (B, L, E).
+  TORCH_ARG(int64_t, embed_dim);
+  // Query heads.
+  TORCH_ARG(int64_t, num_heads);
+  // Key/value heads, a divisor of num_heads (GQA; 1 is MQA). Default: num_heads.
+  TORCH_ARG(std::optional<int64_t>, num_kv_heads) = std::nullopt;
+  // Query/key width per head. Default: embed_dim / num_heads.
+  TORCH_ARG(std::optional<int64_t>, head_dim) = std::nullopt;
+  // Value width per head. Default: head_dim.
+  TORCH_ARG(std::optional<int64_t>, value_head_dim) = std::nullopt;
+  // Whether c_attn and c_proj have biases.
+  TORCH_ARG(bool, bias) = true;
+  // Dropout on the output projection in training (nanoGPT's resid_dropout).
+  TORCH_ARG(double, dropout) = 0.0;
+  // Dropout on the attention probabilities: not implemented, so anything but 0 throws
+  // c10::NotImplementedError rather than being silently ignored.
+  TORCH_ARG(double, attn_dropout) = 0.0;
+};
+
+// Multi-head causal self-attention, (B, L, E) -> (B, L, E), on causal_attention::attention.
+class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionImpl> {
+ public:
+  CausalSelfAttentionImpl(int64_t embed_dim, int64_t num_heads)
+      : CausalSelfAttentionImpl(CausalSelfAttentionOptions(embed_dim, num_heads)) {}
+  explicit CausalSelfAttentionImpl(const CausalSelfAttentionOptions& options);
+
+  void reset() override;
+
+  // With a cache, x holds the positions after the cached ones: their keys and values are
+  // appended, and the queries attend to the whole cache (bottom-right causal alignment).
+  at::Tensor forward(const at::Tensor& x, KVCache* cache = nullptr);
+
+  // forward's output and the attention probabilities (B, num_heads, L, cached + L); the latter
+  // are materialized, O(L^2) memory, for inspection only.
+  std::tuple<at::Tensor, at::Tensor> forward_with_weights(const at::Tensor& x,
+                                                          KVCache* cache = nullptr);
+
+  // An empty cache for batch_size sequences of up to max_len positions, in the dtype and on the
+  // device of the parameters.
+  KVCache make_cache(int64_t batch_size, int64_t max_len) const;
+
+  // The options with every default resolved (num_kv_heads, head_dim, value_head_dim are set).
+  CausalSelfAttentionOptions options;
+  torch::nn::Linear c_attn{nullptr};
+  torch::nn::Linear c_proj{nullptr};
+  torch::nn::Dropout resid_dropout{nullptr};
+
+ private:
+  struct Heads {
+    at::Tensor q, k, v;  // (B, H, L, D) views of c_attn's output; k and v include the cache
+  };
+  Heads project_heads(const at::Tensor& x, KVCache* cache);
+  at::Tensor project_output(const at::Tensor& attended);
+};
+
+TORCH_MODULE(CausalSelfAttention);
+
+}  // namespace causal_attention::nn

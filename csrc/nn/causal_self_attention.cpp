@@ -1,0 +1,126 @@
+// CausalSelfAttention: nanoGPT's module layout (c_attn, c_proj, resid_dropout) around
+// causal_attention::attention, with GQA, a separate value head width and a KV cache.
+#include "causal_attention/nn.h"
+#include "causal_attention/ops.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace causal_attention::nn {
+namespace {
+
+constexpr const char* kModule = "CausalSelfAttention";
+
+// Checks the options and fills in the defaults of num_kv_heads, head_dim and value_head_dim.
+CausalSelfAttentionOptions resolve(CausalSelfAttentionOptions options) {
+  const int64_t embed_dim = options.embed_dim();
+  const int64_t num_heads = options.num_heads();
+  TORCH_CHECK_VALUE(embed_dim > 0 && num_heads > 0, kModule,
+                    ": embed_dim and num_heads must be positive, got embed_dim=", embed_dim,
+                    ", num_heads=", num_heads);
+  const int64_t num_kv_heads = options.num_kv_heads().value_or(num_heads);
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, kModule,
+                    ": num_kv_heads must be a positive divisor of num_heads, got num_heads=",
+                    num_heads, ", num_kv_heads=", num_kv_heads);
+  TORCH_CHECK_VALUE(options.head_dim().has_value() || embed_dim % num_heads == 0, kModule,
+                    ": embed_dim must be a multiple of num_heads unless head_dim is given, got "
+                    "embed_dim=",
+                    embed_dim, ", num_heads=", num_heads);
+  const int64_t head_dim = options.head_dim().value_or(embed_dim / num_heads);
+  const int64_t value_head_dim = options.value_head_dim().value_or(head_dim);
+  TORCH_CHECK_VALUE(head_dim > 0 && value_head_dim > 0, kModule,
+                    ": head_dim and value_head_dim must be positive, got head_dim=", head_dim,
+                    ", value_head_dim=", value_head_dim);
+  TORCH_CHECK_VALUE(options.dropout() >= 0.0 && options.dropout() <= 1.0, kModule,
+                    ": dropout must be in [0, 1], got dropout=", options.dropout());
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      options.attn_dropout() == 0.0, kModule,
+      ": attn_dropout (dropout on the attention probabilities) is not implemented, got "
+      "attn_dropout=",
+      options.attn_dropout(), "; dropout applies to the output projection");
+  return options.num_kv_heads(num_kv_heads).head_dim(head_dim).value_head_dim(value_head_dim);
+}
+
+}  // namespace
+
+CausalSelfAttentionOptions::CausalSelfAttentionOptions(int64_t embed_dim, int64_t num_heads)
+    : embed_dim_(embed_dim), num_heads_(num_heads) {}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const CausalSelfAttentionOptions& options)
+    : options(resolve(options)) {
+  reset();
+}
+
+void CausalSelfAttentionImpl::reset() {
+  const int64_t num_heads = options.num_heads();
+  const int64_t num_kv_heads = *options.num_kv_heads();
+  const int64_t head_dim = *options.head_dim();
+  const int64_t value_head_dim = *options.value_head_dim();
+  const int64_t qkv_width = (num_heads + num_kv_heads) * head_dim + num_kv_heads * value_head_dim;
+  c_attn = register_module(
+      "c_attn", torch::nn::Linear(
+                    torch::nn::LinearOptions(options.embed_dim(), qkv_width).bias(options.bias())));
+  c_proj = register_module(
+      "c_proj",
+      torch::nn::Linear(torch::nn::LinearOptions(num_heads * value_head_dim, options.embed_dim())
+                            .bias(options.bias())));
+  resid_dropout = register_module("resid_dropout", torch::nn::Dropout(options.dropout()));
+}
+
+CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(const at::Tensor& x,
+                                                                      KVCache* cache) {
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.size(2) == options.embed_dim(), kModule,
+                    ": x must be (B, L, E) with E=embed_dim=", options.embed_dim(),
+                    ", got x.shape=", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == c_attn->weight.scalar_type(), kModule,
+                   ": x must have the parameters' dtype ", c_attn->weight.scalar_type(),
+                   ", got x.dtype=", x.scalar_type());
+  const int64_t batch = x.size(0);
+  const int64_t len = x.size(1);
+  const int64_t num_heads = options.num_heads();
+  const int64_t num_kv_heads = *options.num_kv_heads();
+  const int64_t head_dim = *options.head_dim();
+  const int64_t value_head_dim = *options.value_head_dim();
+  // (B, L, H * D) -> (B, H, L, D) as a view: the op reads any strides.
+  const auto split_heads = [&](const at::Tensor& t, int64_t heads, int64_t dim) {
+    return t.view({batch, len, heads, dim}).transpose(1, 2);
+  };
+  const std::vector<at::Tensor> qkv = c_attn(x).split_with_sizes(
+      {num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * value_head_dim}, -1);
+  Heads heads{split_heads(qkv[0], num_heads, head_dim), split_heads(qkv[1], num_kv_heads, head_dim),
+              split_heads(qkv[2], num_kv_heads, value_head_dim)};
+  if (cache != nullptr) {
+    std::tie(heads.k, heads.v) = cache->append(heads.k, heads.v);
+  }
+  return heads;
+}
+
+at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
+  const at::Tensor merged = attended.transpose(1, 2).flatten(2);  // (B, L, H * Dv)
+  return resid_dropout(c_proj(merged));
+}
+
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache) {
+  const Heads heads = project_heads(x, cache);
+  return project_output(attention(heads.q, heads.k, heads.v));
+}
+
+std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights(
+    const at::Tensor& x, KVCache* cache) {
+  const Heads heads = project_heads(x, cache);
+  return {project_output(attention(heads.q, heads.k, heads.v)),
+          attention_weights(heads.q, heads.k, heads.v)};
+}
+
+KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {
+  TORCH_CHECK_VALUE(batch_size > 0 && max_len > 0, kModule,
+                    ".make_cache: batch_size and max_len must be positive, got batch_size=",
+                    batch_size, ", max_len=", max_len);
+  const int64_t num_kv_heads = *options.num_kv_heads();
+  const auto storage_options = c_attn->weight.options();
+  return KVCache(
+      at::zeros({batch_size, num_kv_heads, max_len, *options.head_dim()}, storage_options),
+      at::zeros({batch_size, num_kv_heads, max_len, *options.value_head_dim()}, storage_options));
+}
+
+}  // namespace causal_attention::nn

@@ -1,0 +1,405 @@
+// causal_attention::nn: CausalSelfAttention equals torch::nn::MultiheadAttention with a causal
+// mask and a nanoGPT-style reference on its own parameters, in output and every gradient, across
+// GQA, Dv != D, no bias and three dtypes; KV-cache decoding equals the full forward and every
+// misuse throws a typed error; attention_weights equals a naive softmax.
+#include "causal_attention/nn.h"
+
+#include "attention_test_utils.h"
+
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/modules/activation.h>
+
+#include <string>
+#include <vector>
+
+namespace causal_attention::tests {
+namespace {
+
+using nn::CausalSelfAttention;
+using nn::CausalSelfAttentionOptions;
+using nn::KVCache;
+
+// nanoGPT's computation, with SDPA, on the parameters of `module`.
+at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x) {
+  namespace F = torch::nn::functional;
+  const CausalSelfAttentionOptions& o = module->options;
+  const int64_t batch = x.size(0), len = x.size(1);
+  const int64_t heads = o.num_heads(), kv_heads = *o.num_kv_heads();
+  const int64_t dim = *o.head_dim(), value_dim = *o.value_head_dim();
+  const auto qkv = F::linear(x, module->c_attn->weight, module->c_attn->bias)
+                       .split_with_sizes({heads * dim, kv_heads * dim, kv_heads * value_dim}, -1);
+  const auto split_heads = [&](const at::Tensor& t, int64_t h, int64_t d) {
+    return t.reshape({batch, len, h, d}).transpose(1, 2);
+  };
+  const at::Tensor y = at::scaled_dot_product_attention(
+      split_heads(qkv[0], heads, dim), split_heads(qkv[1], kv_heads, dim),
+      split_heads(qkv[2], kv_heads, value_dim), /*attn_mask=*/{}, /*dropout_p=*/0.0,
+      /*is_causal=*/true, /*scale=*/std::nullopt, /*enable_gqa=*/heads != kv_heads);
+  return F::linear(y.transpose(1, 2).reshape({batch, len, heads * value_dim}),
+                   module->c_proj->weight, module->c_proj->bias);
+}
+
+// The output of fn(x) and the gradients under grad_out of x (first) and of `params`.
+template <typename Fn>
+std::vector<at::Tensor> output_and_grads(Fn fn, const at::Tensor& x, const at::Tensor& grad_out,
+                                         const std::vector<at::Tensor>& params) {
+  const at::Tensor leaf = x.detach().requires_grad_(true);
+  const at::Tensor out = fn(leaf);
+  std::vector<at::Tensor> inputs{leaf};
+  inputs.insert(inputs.end(), params.begin(), params.end());
+  std::vector<at::Tensor> results = torch::autograd::grad({out}, inputs, {grad_out});
+  results.insert(results.begin(), out.detach());
+  return results;
+}
+
+struct ModuleConfig {
+  std::string name;
+  CausalSelfAttentionOptions options;
+};
+
+std::vector<ModuleConfig> module_configs() {
+  return {
+      {"Mha", CausalSelfAttentionOptions(32, 4)},
+      {"Gqa", CausalSelfAttentionOptions(32, 4).num_kv_heads(2)},
+      {"MqaD10Dv6",
+       CausalSelfAttentionOptions(24, 4).num_kv_heads(1).head_dim(10).value_head_dim(6)},
+      {"NoBias", CausalSelfAttentionOptions(24, 3).bias(false)},
+  };
+}
+
+class AgainstNanoGptReference : public ::testing::TestWithParam<ModuleConfig> {};
+
+// In float64 tightly; in float32 and bfloat16 at most twice as far from the float64 answer as
+// the reference computed in the same dtype. The dtypes share one test (one process under ctest).
+TEST_P(AgainstNanoGptReference, OutputAndEveryGradientInEachDtype) {
+  const CausalSelfAttentionOptions& options = GetParam().options;
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    CausalSelfAttention module(options);
+    module->to(dtype);
+    auto module64 = std::dynamic_pointer_cast<nn::CausalSelfAttentionImpl>(module->clone());
+    module64->to(at::kDouble);
+    CausalSelfAttention reference64(module64);
+
+    const at::Tensor x = torch::randn({2, 70, options.embed_dim()}, at::kDouble).to(dtype);
+    const at::Tensor grad_out = torch::randn(x.sizes(), at::kDouble).to(dtype);
+    const auto ours = output_and_grads([&](const at::Tensor& t) { return module(t); }, x, grad_out,
+                                       module->parameters());
+    const auto same_dtype =
+        output_and_grads([&](const at::Tensor& t) { return nanogpt_reference(module, t); }, x,
+                         grad_out, module->parameters());
+    const auto exact =
+        output_and_grads([&](const at::Tensor& t) { return nanogpt_reference(reference64, t); },
+                         x.to(at::kDouble), grad_out.to(at::kDouble), reference64->parameters());
+
+    ASSERT_EQ(ours.size(), 2 + module->parameters().size());
+    EXPECT_EQ(ours[0].scalar_type(), dtype);
+    for (size_t i = 0; i < ours.size(); ++i) {
+      SCOPED_TRACE(i == 0   ? "output"
+                   : i == 1 ? "grad x"
+                            : "grad of parameter " + std::to_string(i - 2));
+      const double error = max_abs_diff(ours[i], exact[i]);
+      if (dtype == at::kDouble) {
+        EXPECT_LE(error, 1e-10);
+      } else {
+        // Plus a float32 rounding slack relative to the magnitude: sums over many positions
+        // (bias gradients) round differently with the memory alignment of their operands.
+        EXPECT_LE(error, 2 * max_abs_diff(same_dtype[i], exact[i]) +
+                             1e-6 * std::max(1.0, max_abs(exact[i])));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, AgainstNanoGptReference, ::testing::ValuesIn(module_configs()),
+                         [](const auto& info) { return info.param.name; });
+
+class AgainstMultiheadAttention : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AgainstMultiheadAttention, OutputGradientsAndWeights) {
+  const bool bias = GetParam();
+  const int64_t embed_dim = 32, heads = 4, len = 19;
+  CausalSelfAttention module(CausalSelfAttentionOptions(embed_dim, heads).bias(bias));
+  torch::nn::MultiheadAttention mha(
+      torch::nn::MultiheadAttentionOptions(embed_dim, heads).bias(bias));
+  module->to(at::kDouble);
+  mha->to(at::kDouble);
+  {
+    torch::NoGradGuard no_grad;
+    mha->in_proj_weight.copy_(module->c_attn->weight);
+    mha->out_proj->weight.copy_(module->c_proj->weight);
+    if (bias) {
+      mha->in_proj_bias.copy_(module->c_attn->bias);
+      mha->out_proj->bias.copy_(module->c_proj->bias);
+    }
+  }
+  // The C++ module adds attn_mask to the scores (a bool mask is not a mask there).
+  const at::Tensor causal_mask = torch::zeros({len, len}, at::kDouble)
+                                     .masked_fill(bottom_right_mask(len, len).logical_not(),
+                                                  -std::numeric_limits<double>::infinity());
+  // torch::nn::MultiheadAttention takes (L, B, E).
+  const auto mha_forward = [&](const at::Tensor& x, bool need_weights) {
+    const at::Tensor seq_first = x.transpose(0, 1);
+    auto [out, weights] =
+        mha->forward(seq_first, seq_first, seq_first, /*key_padding_mask=*/at::Tensor(),
+                     need_weights, causal_mask, /*average_attn_weights=*/false);
+    return std::make_pair(out.transpose(0, 1), weights);
+  };
+
+  const at::Tensor x = torch::randn({3, len, embed_dim}, at::kDouble);
+  const at::Tensor grad_out = torch::randn(x.sizes(), at::kDouble);
+  std::vector<at::Tensor> module_params{module->c_attn->weight, module->c_proj->weight};
+  std::vector<at::Tensor> mha_params{mha->in_proj_weight, mha->out_proj->weight};
+  if (bias) {
+    module_params.insert(module_params.end(), {module->c_attn->bias, module->c_proj->bias});
+    mha_params.insert(mha_params.end(), {mha->in_proj_bias, mha->out_proj->bias});
+  }
+  const auto ours =
+      output_and_grads([&](const at::Tensor& t) { return module(t); }, x, grad_out, module_params);
+  const auto theirs = output_and_grads(
+      [&](const at::Tensor& t) { return mha_forward(t, false).first; }, x, grad_out, mha_params);
+  ASSERT_EQ(ours.size(), theirs.size());
+  for (size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_LE(max_abs_diff(ours[i], theirs[i]), 1e-10) << "result " << i;
+  }
+
+  torch::NoGradGuard no_grad;
+  const auto [out, weights] = module->forward_with_weights(x);
+  EXPECT_LE(max_abs_diff(out, ours[0]), 1e-12);
+  EXPECT_LE(max_abs_diff(weights, mha_forward(x, true).second), 1e-10);
+}
+
+INSTANTIATE_TEST_SUITE_P(Bias, AgainstMultiheadAttention, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Bias" : "NoBias"; });
+
+TEST(CausalSelfAttentionOptions, DefaultsAreResolved) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(48, 6).num_kv_heads(2).value_head_dim(4));
+  EXPECT_EQ(*module->options.num_kv_heads(), 2);
+  EXPECT_EQ(*module->options.head_dim(), 8);
+  EXPECT_EQ(*module->options.value_head_dim(), 4);
+  EXPECT_EQ(module->c_attn->weight.sizes(), at::IntArrayRef({(6 + 2) * 8 + 2 * 4, 48}));
+  EXPECT_EQ(module->c_proj->weight.sizes(), at::IntArrayRef({48, 6 * 4}));
+  std::vector<std::string> names;
+  for (const auto& item : module->named_parameters()) {
+    names.push_back(item.key());
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"c_attn.weight", "c_attn.bias", "c_proj.weight",
+                                             "c_proj.bias"}));
+}
+
+TEST(CausalSelfAttentionOptions, BadOptionsThrowValueError) {
+  const auto make = [](const CausalSelfAttentionOptions& options) {
+    return [options] { CausalSelfAttention module(options); };
+  };
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(0, 4)),
+                                {"embed_dim and num_heads must be positive", "embed_dim=0"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).num_kv_heads(3)),
+                                {"num_kv_heads must be a positive divisor", "num_kv_heads=3"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(30, 4)),
+                                {"multiple of num_heads", "embed_dim=30, num_heads=4"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).value_head_dim(0)),
+                                {"value_head_dim=0"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).dropout(1.5)),
+                                {"dropout must be in [0, 1]", "dropout=1.5"});
+  expect_error<c10::NotImplementedError>(make(CausalSelfAttentionOptions(32, 4).attn_dropout(0.1)),
+                                         {"attn_dropout", "not implemented"});
+}
+
+TEST(CausalSelfAttention, BadInputThrowsTypedErrors) {
+  CausalSelfAttention module(32, 4);
+  expect_error<c10::ValueError>(
+      [&] {
+        module(torch::randn({2, 5, 16}));
+      },
+      {"x must be (B, L, E) with E=embed_dim=32", "[2, 5, 16]"});
+  expect_error<c10::ValueError>([&] { module(torch::randn({5, 32})); }, {"x.shape=[5, 32]"});
+  expect_error<c10::TypeError>(
+      [&] {
+        module(torch::randn({2, 5, 32}, at::kDouble));
+      },
+      {"parameters' dtype Float", "x.dtype=Double"});
+}
+
+TEST(CausalSelfAttention, DropoutActsOnTheOutputInTrainingOnly) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(32, 4).dropout(1.0));
+  const at::Tensor x = torch::randn({2, 5, 32});
+  module->train();
+  EXPECT_EQ(module(x).count_nonzero().item<int64_t>(), 0);
+  module->eval();
+  EXPECT_LE(max_abs_diff(module(x), nanogpt_reference(module, x)), 1e-5);
+}
+
+// Feeds x (B, L, E) through the module in chunks of the given sizes, concatenating the outputs.
+at::Tensor decode(CausalSelfAttention& module, const at::Tensor& x, KVCache& cache,
+                  const std::vector<int64_t>& chunks) {
+  std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (const int64_t size : chunks) {
+    outputs.push_back(module(x.narrow(1, start, size), &cache));
+    start += size;
+  }
+  EXPECT_EQ(start, x.size(1));
+  return torch::cat(outputs, 1);
+}
+
+TEST(KVCache, DecodingEqualsTheFullForward) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(24, 4).num_kv_heads(2).value_head_dim(5));
+  const at::Tensor x = torch::randn({2, 11, 24});
+  torch::NoGradGuard no_grad;
+  const at::Tensor full = module(x);
+  for (const auto& chunks :
+       std::vector<std::vector<int64_t>>{std::vector<int64_t>(11, 1), {3, 1, 4, 2, 1}, {11}}) {
+    KVCache cache = module->make_cache(2, 16);
+    EXPECT_LE(max_abs_diff(decode(module, x, cache, chunks), full), 1e-5);
+    EXPECT_EQ(cache.length(), 11);
+    EXPECT_EQ(cache.keys().sizes(), at::IntArrayRef({2, 2, 11, 6}));
+    EXPECT_EQ(cache.values().sizes(), at::IntArrayRef({2, 2, 11, 5}));
+  }
+}
+
+TEST(KVCache, ResetAndReuse) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(32, 4).num_kv_heads(2));
+  const at::Tensor x = torch::randn({2, 6, 32});
+  c10::InferenceMode inference;
+  KVCache cache = module->make_cache(2, 6);
+  const at::Tensor first = decode(module, x, cache, {2, 4});
+  cache.reset();
+  EXPECT_EQ(cache.length(), 0);
+  decode(module, torch::randn({2, 6, 32}), cache, {6});
+  cache.reset();
+  EXPECT_LE(max_abs_diff(decode(module, x, cache, std::vector<int64_t>(6, 1)), first), 1e-5);
+}
+
+TEST(KVCache, WeightsSeeTheCachedPositions) {
+  CausalSelfAttention module(32, 4);
+  const at::Tensor x = torch::randn({1, 7, 32});
+  torch::NoGradGuard no_grad;
+  const at::Tensor full_weights = std::get<1>(module->forward_with_weights(x));
+  KVCache cache = module->make_cache(1, 8);
+  module(x.narrow(1, 0, 4), &cache);
+  const auto [out, weights] = module->forward_with_weights(x.narrow(1, 4, 3), &cache);
+  EXPECT_EQ(weights.sizes(), at::IntArrayRef({1, 4, 3, 7}));
+  EXPECT_LE(max_abs_diff(weights, full_weights.narrow(2, 4, 3)), 1e-5);
+  EXPECT_LE(max_abs_diff(out, module(x).narrow(1, 4, 3)), 1e-5);
+}
+
+TEST(KVCache, DecodingBackpropagatesAndResetDropsTheGraph) {
+  CausalSelfAttention module(16, 2);
+  module->to(at::kDouble);
+  const at::Tensor x = torch::randn({1, 5, 16}, at::kDouble);
+  const at::Tensor full_grad =
+      torch::autograd::grad({module(x).sum()}, {module->c_attn->weight})[0];
+  KVCache cache = module->make_cache(1, 5);
+  const at::Tensor decoded_grad =
+      torch::autograd::grad({decode(module, x, cache, {2, 3}).sum()}, {module->c_attn->weight})[0];
+  EXPECT_LE(max_abs_diff(decoded_grad, full_grad), 1e-10);
+  EXPECT_TRUE(cache.keys().requires_grad());
+  cache.reset();
+  EXPECT_FALSE(cache.keys().requires_grad());
+}
+
+// Asserts that fn throws E with every needle in its message and leaves the cache as it was.
+template <typename E, typename Fn>
+void expect_cache_unchanged_after_error(Fn fn, KVCache& cache,
+                                        std::initializer_list<const char*> needles) {
+  const int64_t length = cache.length();
+  const at::Tensor keys = cache.keys().clone(), values = cache.values().clone();
+  expect_error<E>(fn, needles);
+  EXPECT_EQ(cache.length(), length);
+  EXPECT_TRUE(cache.keys().equal(keys));
+  EXPECT_TRUE(cache.values().equal(values));
+}
+
+TEST(KVCache, MisuseThrowsAndLeavesTheCacheUnchanged) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(32, 4).num_kv_heads(2));
+  KVCache cache = module->make_cache(2, 5);
+  module(torch::randn({2, 3, 32}), &cache);
+
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        module(torch::randn({2, 3, 32}), &cache);
+      },
+      cache, {"cannot append 3 positions to a cache holding 3 of max_len=5"});
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        module(torch::randn({3, 1, 32}), &cache);
+      },
+      cache, {"must match the cache's batch size", "keys.shape=[3, 2, 1, 8]"});
+  CausalSelfAttention other_heads(32, 4);
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        other_heads(torch::randn({2, 1, 32}), &cache);
+      },
+      cache, {"keys.shape=[2, 4, 1, 8]", "(B, Hkv, max_len, D)=[2, 2, 5, 8]"});
+  CausalSelfAttention other_value_width(
+      CausalSelfAttentionOptions(32, 4).num_kv_heads(2).value_head_dim(4));
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        other_value_width(torch::randn({2, 1, 32}), &cache);
+      },
+      cache, {"values.shape=[2, 2, 1, 4]"});
+  CausalSelfAttention float64(CausalSelfAttentionOptions(32, 4).num_kv_heads(2));
+  float64->to(at::kDouble);
+  expect_cache_unchanged_after_error<c10::TypeError>(
+      [&] {
+        float64(torch::randn({2, 1, 32}, at::kDouble), &cache);
+      },
+      cache, {"cache's dtype Float", "keys.dtype=Double"});
+
+  module(torch::randn({2, 2, 32}), &cache);  // still usable
+  EXPECT_EQ(cache.length(), 5);
+}
+
+TEST(KVCache, BadSizesAndStorageThrow) {
+  CausalSelfAttention module(32, 4);
+  expect_error<c10::ValueError>([&] { module->make_cache(0, 4); },
+                                {"batch_size and max_len must be positive", "batch_size=0"});
+  expect_error<c10::ValueError>([&] { module->make_cache(2, 0); }, {"max_len=0"});
+  expect_error<c10::ValueError>(
+      [] {
+        KVCache(torch::zeros({2, 5, 8}), torch::zeros({2, 1, 5, 8}));
+      },
+      {"must be 4-D", "key_storage.shape=[2, 5, 8]"});
+  expect_error<c10::ValueError>(
+      [] {
+        KVCache(torch::zeros({2, 1, 5, 8}), torch::zeros({2, 1, 6, 8}));
+      },
+      {"agree in (B, Hkv, max_len)"});
+  expect_error<c10::TypeError>(
+      [] {
+        KVCache(torch::zeros({2, 1, 5, 8}), torch::zeros({2, 1, 5, 8}, at::kDouble));
+      },
+      {"same dtype"});
+}
+
+TEST(AttentionWeights, EqualNaiveSoftmaxWithZerosAboveTheBoundaryAndInEmptyRows) {
+  // Lq > Lk: the first two query rows see no key.
+  const at::Tensor q = torch::randn({2, 4, 6, 8}, at::kDouble);
+  const at::Tensor k = torch::randn({2, 2, 4, 8}, at::kDouble);
+  const at::Tensor v = torch::randn({2, 2, 4, 3}, at::kDouble);
+  const at::Tensor weights = causal_attention::attention_weights(q, k, v, 0.3);
+  const at::Tensor visible = bottom_right_mask(6, 4);
+  const at::Tensor scores =
+      at::matmul(q, expand_kv_heads(k, 4).transpose(-2, -1))
+          .mul(0.3)
+          .masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
+  const at::Tensor expected = scores.softmax(-1).nan_to_num(0.0);
+  EXPECT_LE(max_abs_diff(weights, expected), 1e-12);
+  EXPECT_EQ(weights.narrow(2, 0, 2).count_nonzero().item<int64_t>(), 0);
+  EXPECT_EQ(weights.masked_select(visible.logical_not()).count_nonzero().item<int64_t>(), 0);
+  EXPECT_LE(max_abs_diff(at::matmul(weights, expand_kv_heads(v, 4)),
+                         causal_attention::attention(q, k, v, 0.3)),
+            1e-12);
+}
+
+TEST(AttentionWeights, BadInputThrowsNamingTheOp) {
+  expect_error<c10::TypeError>(
+      [] {
+        causal_attention::attention_weights(torch::randn({5, 8}), torch::randn({5, 8}, at::kDouble),
+                                            torch::randn({5, 8}));
+      },
+      {"causal_attention.attention_weights", "same dtype"});
+}
+
+}  // namespace
+}  // namespace causal_attention::tests

@@ -1,0 +1,206 @@
+// Models and weights crossing between Python and C++, through the directory named by
+// $CAUSAL_ATTENTION_INTEROP_DIR (scripts/test.sh sets it to build/interop and first runs
+// scripts/export_torchscript_model.py into it):
+// - the scripted TinyGPT runs forward and backward here and matches Python's logits and
+//   gradients;
+// - the Python module's weights load into the C++ module, which then matches Python's output;
+// - the C++ module's state_dict is written there for tests/python/test_nn_cpp_interop.py;
+// - the README's C++ example compiles (it is included below) and runs.
+// A missing directory or file fails the tests, saying how to make it; nothing is skipped.
+#include "causal_attention/nn.h"
+
+#include "attention_test_utils.h"
+#include "readme_use_in_model.h"
+
+#include <torch/csrc/jit/passes/inliner.h>
+#include <torch/serialize.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace causal_attention::tests {
+namespace {
+
+constexpr const char* kInteropDirVariable = "CAUSAL_ATTENTION_INTEROP_DIR";
+
+// The interop directory, or a failure saying how to make it.
+::testing::AssertionResult interop_dir(std::filesystem::path* dir) {
+  const char* value = std::getenv(kInteropDirVariable);
+  if (value == nullptr || *value == '\0') {
+    return ::testing::AssertionFailure()
+           << "$" << kInteropDirVariable
+           << " is not set: run scripts/test.sh, or `python scripts/export_torchscript_model.py "
+              "DIR` and set "
+           << kInteropDirVariable << "=DIR";
+  }
+  *dir = value;
+  return ::testing::AssertionSuccess();
+}
+
+// The file `name` of the interop directory, or a failure naming what is missing.
+::testing::AssertionResult interop_file(const std::string& name, std::filesystem::path* path) {
+  std::filesystem::path dir;
+  if (auto found = interop_dir(&dir); !found) {
+    return found;
+  }
+  *path = dir / name;
+  if (!std::filesystem::exists(*path)) {
+    return ::testing::AssertionFailure()
+           << *path
+           << " is missing: scripts/export_torchscript_model.py writes it (scripts/test.sh "
+           << "runs it before ctest)";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// What Python's torch.save wrote (a dict of str keys), as a map.
+std::map<std::string, c10::IValue> load_python_dict(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  const std::vector<char> bytes{std::istreambuf_iterator<char>(file),
+                                std::istreambuf_iterator<char>()};
+  std::map<std::string, c10::IValue> entries;
+  for (const auto& entry : torch::pickle_load(bytes).toGenericDict()) {
+    entries.emplace(entry.key().toStringRef(), entry.value());
+  }
+  return entries;
+}
+
+nn::CausalSelfAttentionOptions options_from(const std::map<std::string, c10::IValue>& entries,
+                                            const std::string& prefix) {
+  return nn::CausalSelfAttentionOptions(entries.at(prefix + "embed_dim").toInt(),
+                                        entries.at(prefix + "num_heads").toInt())
+      .num_kv_heads(entries.at(prefix + "num_kv_heads").toInt())
+      .head_dim(entries.at(prefix + "head_dim").toInt())
+      .value_head_dim(entries.at(prefix + "value_head_dim").toInt())
+      .bias(entries.at(prefix + "bias").toBool());
+}
+
+// Copies `state` into the module's parameters; like Python's load_state_dict(strict=True), the
+// names must be exactly the module's.
+void load_state_dict(torch::nn::Module& module, const std::map<std::string, at::Tensor>& state) {
+  std::vector<std::string> expected_names, given_names;
+  for (const auto& item : module.named_parameters()) {
+    expected_names.push_back(item.key());
+  }
+  for (const auto& [name, tensor] : state) {
+    given_names.push_back(name);
+  }
+  std::sort(expected_names.begin(), expected_names.end());
+  ASSERT_EQ(given_names, expected_names);
+  torch::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters()) {
+    item.value().copy_(state.at(item.key()));
+  }
+}
+
+TEST(PythonInterop, ScriptedModelRunsForwardAndBackwardInCpp) {
+  std::filesystem::path model_path, expected_path;
+  ASSERT_TRUE(interop_file("tiny_gpt.pt", &model_path));
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", &expected_path));
+  torch::jit::Module model = torch::jit::load(model_path.string());
+  const auto expected = load_python_dict(expected_path);
+
+  // The scripted graph calls the op itself, whose C++ autograd kernel runs the backward below.
+  const std::shared_ptr<torch::jit::Graph> graph = model.get_method("forward").graph()->copy();
+  torch::jit::Inline(*graph);
+  EXPECT_NE(graph->toString().find("causal_attention::attention"), std::string::npos);
+
+  const at::Tensor logits = model.forward({expected.at("tokens").toTensor()}).toTensor();
+  EXPECT_LE(max_abs_diff(logits, expected.at("logits").toTensor()), 1e-5);
+  at::cross_entropy_loss(logits.flatten(0, 1), expected.at("targets").toTensor().flatten())
+      .backward();
+  int64_t compared = 0;
+  for (const auto& parameter : model.named_parameters()) {
+    SCOPED_TRACE(parameter.name);
+    const at::Tensor expected_grad = expected.at("grad." + parameter.name).toTensor();
+    ASSERT_TRUE(parameter.value.grad().defined());
+    EXPECT_LE(max_abs_diff(parameter.value.grad(), expected_grad), 1e-6);
+    ++compared;
+  }
+  EXPECT_EQ(compared, std::count_if(expected.begin(), expected.end(), [](const auto& entry) {
+              return entry.first.rfind("grad.", 0) == 0;
+            }));
+}
+
+TEST(PythonInterop, PythonWeightsLoadIntoTheCppModule) {
+  std::filesystem::path model_path, expected_path;
+  ASSERT_TRUE(interop_file("tiny_gpt.pt", &model_path));
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", &expected_path));
+  const auto expected = load_python_dict(expected_path);
+  torch::jit::Module model = torch::jit::load(model_path.string());
+  std::map<std::string, at::Tensor> state;
+  const std::string prefix = "blocks.0.attn.";
+  for (const auto& parameter : model.named_parameters()) {
+    if (parameter.name.rfind(prefix, 0) == 0) {
+      state.emplace(parameter.name.substr(prefix.size()), parameter.value);
+    }
+  }
+  nn::CausalSelfAttention module(options_from(expected, "attention."));
+  load_state_dict(*module, state);
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(max_abs_diff(module(expected.at("attention.x").toTensor()),
+                         expected.at("attention.y").toTensor()),
+            1e-6);
+}
+
+TEST(PythonInterop, CppWeightsAreWrittenForPython) {
+  std::filesystem::path dir;
+  ASSERT_TRUE(interop_dir(&dir));
+  nn::CausalSelfAttention module(
+      nn::CausalSelfAttentionOptions(24, 4).num_kv_heads(2).head_dim(8).value_head_dim(5).bias(
+          false));
+  const at::Tensor x = torch::randn({2, 9, 24});
+  torch::NoGradGuard no_grad;
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& item : module->named_parameters()) {
+    state.insert(item.key(), item.value());
+  }
+  c10::impl::GenericDict written(c10::StringType::get(), c10::AnyType::get());
+  const auto& o = module->options;
+  written.insert("embed_dim", o.embed_dim());
+  written.insert("num_heads", o.num_heads());
+  written.insert("num_kv_heads", *o.num_kv_heads());
+  written.insert("head_dim", *o.head_dim());
+  written.insert("value_head_dim", *o.value_head_dim());
+  written.insert("bias", o.bias());
+  written.insert("state_dict", state);
+  written.insert("x", x);
+  written.insert("y", module(x));
+  const std::vector<char> bytes = torch::pickle_save(written);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "cpp_attention.pt", std::ios::binary).write(bytes.data(), bytes.size());
+
+  // Read back as tests/python/test_nn_cpp_interop.py does: options, weights, output.
+  const auto read = load_python_dict(dir / "cpp_attention.pt");
+  nn::CausalSelfAttention reloaded(options_from(read, ""));
+  std::map<std::string, at::Tensor> reloaded_state;
+  for (const auto& entry : read.at("state_dict").toGenericDict()) {
+    reloaded_state.emplace(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  load_state_dict(*reloaded, reloaded_state);
+  EXPECT_TRUE(reloaded(x).equal(read.at("y").toTensor()));
+}
+
+TEST(ReadmeExample, CompilesAndRuns) {
+  Block block(32, 4);
+  const at::Tensor x = torch::randn({2, 7, 32});
+  const at::Tensor full = block(x);
+  EXPECT_LE(max_abs_diff(decode_step_by_step(block, x), full), 1e-5);
+
+  std::filesystem::path model_path, expected_path;
+  ASSERT_TRUE(interop_file("tiny_gpt.pt", &model_path));
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", &expected_path));
+  const auto expected = load_python_dict(expected_path);
+  EXPECT_LE(max_abs_diff(run_scripted(model_path.string(), expected.at("tokens").toTensor()),
+                         expected.at("logits").toTensor()),
+            1e-5);
+}
+
+}  // namespace
+}  // namespace causal_attention::tests

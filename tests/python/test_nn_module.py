@@ -1,0 +1,171 @@
+"""causal_attention.CausalSelfAttention: equal to nn.MultiheadAttention with a causal mask and to a
+nanoGPT-style reference, in output and in every gradient; nanoGPT checkpoints load strictly; bad
+options and inputs raise typed errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from attention_testing import dtype_params
+from causal_attention import CausalSelfAttention
+from nn_testing import CONFIGS, NanoGPTAttention, assert_close_to_reference, forward_backward
+
+SMALL = dict(embed_dim=32, num_heads=4)
+
+
+@pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32, torch.bfloat16)))
+@pytest.mark.parametrize("config", CONFIGS)
+def test_matches_nanogpt_reference(config, dtype):
+    ours = CausalSelfAttention(**config, dtype=dtype)
+    ref = NanoGPTAttention(config).to(dtype)
+    ref64 = NanoGPTAttention(config).double()
+    # Loading our state_dict strictly into nanoGPT's layout is itself part of the claim.
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    ref64.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(2, 70, config["embed_dim"]).to(dtype)
+    grad_out = torch.randn(x.shape).to(dtype)
+
+    out, grads = forward_backward(ours, x, grad_out)
+    ref_out, ref_grads = forward_backward(ref, x, grad_out)
+    out64, grads64 = forward_backward(ref64, x.double(), grad_out.double())
+
+    assert out.dtype == dtype and out.shape == x.shape
+    assert set(grads) == set(ref_grads) == set(grads64)
+    if dtype == torch.float64:
+        torch.testing.assert_close(out, out64)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads64[name], msg=name)
+    else:
+        assert_close_to_reference(out, ref_out, out64, "output")
+        for name in grads:
+            assert_close_to_reference(grads[name], ref_grads[name], grads64[name], name)
+
+
+class MultiheadSelfAttention(nn.Module):
+    """nn.MultiheadAttention as self-attention with a causal mask, for forward_backward."""
+
+    def __init__(self, mha: nn.MultiheadAttention, length: int):
+        super().__init__()
+        self.mha = mha
+        self.register_buffer("mask", torch.ones(length, length, dtype=torch.bool).triu(1))
+
+    def forward(self, x):
+        return self.mha(x, x, x, attn_mask=self.mask, need_weights=False)[0]
+
+    def weights(self, x):
+        return self.mha(x, x, x, attn_mask=self.mask, average_attn_weights=False)[1]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32)))
+def test_matches_multihead_attention(dtype, bias):
+    embed_dim, num_heads, length = 32, 4, 19
+    ours = CausalSelfAttention(embed_dim, num_heads, bias=bias, dtype=dtype)
+    mha = nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True, dtype=dtype)
+    ours_to_mha = {"c_attn.weight": "in_proj_weight", "c_proj.weight": "out_proj.weight"}
+    if bias:
+        ours_to_mha.update({"c_attn.bias": "in_proj_bias", "c_proj.bias": "out_proj.bias"})
+    mha.load_state_dict(
+        {ours_to_mha[name]: value for name, value in ours.state_dict().items()}, strict=True
+    )
+    reference = MultiheadSelfAttention(mha, length)
+    x = torch.randn(3, length, embed_dim, dtype=dtype)
+    grad_out = torch.randn(x.shape, dtype=dtype)
+
+    out, grads = forward_backward(ours, x, grad_out)
+    ref_out, ref_grads = forward_backward(reference, x, grad_out)
+
+    tolerance = {} if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, ref_out, **tolerance)
+    torch.testing.assert_close(grads["x"], ref_grads["x"], **tolerance)
+    for name, mha_name in ours_to_mha.items():
+        torch.testing.assert_close(
+            grads[f"param.{name}"], ref_grads[f"param.mha.{mha_name}"], **tolerance, msg=name
+        )
+    with torch.no_grad():
+        _, weights = ours(x, need_weights=True)
+        torch.testing.assert_close(weights, reference.weights(x), **tolerance)
+
+
+def test_loads_nanogpt_checkpoint_strictly_and_ignores_its_mask_buffer():
+    nanogpt = nn.ModuleDict({"attn": NanoGPTAttention(SMALL, block_size=64)})
+    checkpoint = nanogpt.state_dict()
+    assert "attn.bias" in checkpoint
+    ours = nn.ModuleDict({"attn": CausalSelfAttention(32, 4)})
+    ours.load_state_dict(checkpoint, strict=True)
+    assert "attn.bias" in checkpoint, "the caller's state_dict must not be modified"
+    x = torch.randn(2, 10, 32)
+    torch.testing.assert_close(ours["attn"](x), nanogpt["attn"](x))
+
+    # Back again: our state_dict is exactly nanoGPT's flash-attention module's.
+    assert set(ours["attn"].state_dict()) == {
+        "c_attn.weight",
+        "c_attn.bias",
+        "c_proj.weight",
+        "c_proj.bias",
+    }
+    flash = NanoGPTAttention(SMALL)
+    flash.load_state_dict(ours["attn"].state_dict(), strict=True)
+    torch.testing.assert_close(flash(x), nanogpt["attn"](x))
+
+
+def test_strict_load_still_reports_missing_and_unexpected_keys():
+    state = CausalSelfAttention(32, 4).state_dict()
+    del state["c_proj.bias"]
+    state["c_attn.scale"] = torch.ones(())
+    expected = r"(?s)Missing key.*c_proj\.bias.*Unexpected key.*c_attn\.scale"
+    with pytest.raises(RuntimeError, match=expected):
+        CausalSelfAttention(32, 4).load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(embed_dim=0, num_heads=4), "embed_dim and num_heads must be positive.*embed_dim=0"),
+        (dict(embed_dim=32, num_heads=-1), "embed_dim and num_heads must be positive"),
+        (
+            dict(embed_dim=32, num_heads=4, num_kv_heads=3),
+            "num_kv_heads must be a positive divisor.*num_heads=4, num_kv_heads=3",
+        ),
+        (dict(embed_dim=30, num_heads=4), "multiple of num_heads.*embed_dim=30, num_heads=4"),
+        (dict(embed_dim=32, num_heads=4, head_dim=0), "head_dim=0"),
+        (dict(embed_dim=32, num_heads=4, value_head_dim=-2), "value_head_dim=-2"),
+        (dict(embed_dim=32, num_heads=4, dropout=1.5), r"dropout must be in \[0, 1\].*1\.5"),
+    ],
+)
+def test_bad_options_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CausalSelfAttention(**kwargs)
+
+
+def test_attention_probability_dropout_is_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match="attn_dropout.*attn_dropout=0.1"):
+        CausalSelfAttention(32, 4, attn_dropout=0.1)
+
+
+def test_bad_input_raises_typed_errors():
+    module = CausalSelfAttention(32, 4)
+    with pytest.raises(ValueError, match=r"\(B, L, E\) with E=embed_dim=32.*\[2, 5, 16\]"):
+        module(torch.randn(2, 5, 16))
+    with pytest.raises(ValueError, match=r"x\.shape=\[5, 32\]"):
+        module(torch.randn(5, 32))
+    with pytest.raises(TypeError, match="dtype torch.float32, got x.dtype=torch.float64"):
+        module(torch.randn(2, 5, 32, dtype=torch.float64))
+
+
+def test_dropout_acts_on_the_output_projection_in_training_only():
+    module = CausalSelfAttention(32, 4, dropout=1.0)
+    x = torch.randn(2, 5, 32)
+    assert torch.count_nonzero(module.train()(x)) == 0
+    without_dropout = CausalSelfAttention(32, 4)
+    without_dropout.load_state_dict(module.state_dict())
+    torch.testing.assert_close(module.eval()(x), without_dropout(x))
+    assert torch.count_nonzero(module(x)) > 0
+
+
+def test_options_are_resolved_and_shown():
+    module = CausalSelfAttention(48, 6, num_kv_heads=2, value_head_dim=4)
+    assert (module.num_kv_heads, module.head_dim, module.value_head_dim) == (2, 8, 4)
+    assert module.c_attn.weight.shape == ((6 + 2) * 8 + 2 * 4, 48)
+    assert module.c_proj.weight.shape == (48, 6 * 4)
+    assert "num_kv_heads=2, head_dim=8, value_head_dim=4" in repr(module)

@@ -1,0 +1,142 @@
+"""CausalSelfAttention and TinyGPT under TorchScript and torch.export: the scripted module (with
+and without a KV cache) and the exported programs run and match eager, and
+scripts/export_torchscript_model.py writes a model that reproduces its expected outputs and
+gradients when loaded back."""
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from causal_attention import CausalSelfAttention
+from nn_testing import (
+    CONFIGS,
+    IGNORE_TORCHSCRIPT_DEPRECATION,
+    ROOT,
+    forward_backward,
+    load_script_module,
+)
+
+pytestmark = IGNORE_TORCHSCRIPT_DEPRECATION
+
+TinyGPT = load_script_module("scripts/tiny_gpt.py").TinyGPT
+
+
+def reload(scripted):
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    buffer.seek(0)
+    return torch.jit.load(buffer)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_scripted_module_matches_eager_after_save_and_load(config):
+    module = CausalSelfAttention(**config)
+    scripted = reload(torch.jit.script(module))
+    assert "ops.causal_attention.attention(" in scripted.code
+    x = torch.randn(2, 9, config["embed_dim"])
+    grad_out = torch.randn(x.shape)
+    out, grads = forward_backward(module, x, grad_out)
+    scripted_out, scripted_grads = forward_backward(scripted, x, grad_out)
+    torch.testing.assert_close(scripted_out, out)
+    assert scripted_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(scripted_grads[name], grads[name], msg=name)
+    with torch.no_grad():
+        for scripted_value, value in zip(
+            scripted.forward_with_weights(x), module(x, need_weights=True)
+        ):
+            torch.testing.assert_close(scripted_value, value)
+
+
+def test_scripted_forward_points_to_forward_with_weights():
+    scripted = torch.jit.script(CausalSelfAttention(32, 4))
+    with pytest.raises(torch.jit.Error, match="call forward_with_weights"):
+        scripted(torch.randn(1, 3, 32), None, True)
+
+
+def test_scripted_module_decodes_with_a_cache():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2, value_head_dim=4).eval()
+    scripted = torch.jit.script(module)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        full = module(x)
+        # A cache made by the scripted module, then one made in eager Python: both must keep
+        # their length across calls from Python into TorchScript.
+        for cache in (scripted.make_cache(2, 6), module.make_cache(2, 6)):
+            steps = [scripted(x[:, i : i + 1], cache) for i in range(6)]
+            torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+            assert cache.length == 6
+            with pytest.raises(torch.jit.Error, match="ValueError: KVCache: cannot append 1"):
+                scripted(x[:, :1], cache)
+            cache.reset()
+            assert cache.length == 0
+
+
+def test_scripted_tiny_gpt_matches_eager_forward_and_backward():
+    model = TinyGPT()
+    scripted = reload(torch.jit.script(model))
+    tokens = torch.randint(0, 64, (2, 12))
+    logits = model(tokens)
+    scripted_logits = scripted(tokens)
+    torch.testing.assert_close(scripted_logits, logits)
+    logits.square().mean().backward()
+    scripted_logits.square().mean().backward()
+    for (name, p), (scripted_name, scripted_p) in zip(
+        model.named_parameters(), scripted.named_parameters()
+    ):
+        assert scripted_name == name
+        torch.testing.assert_close(scripted_p.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["output", "with-weights"])
+def test_exported_module_matches_eager_at_any_length(need_weights):
+    module = CausalSelfAttention(32, 4, num_kv_heads=2).eval()
+    length = torch.export.Dim("length", min=2, max=128)
+    exported = torch.export.export(
+        module,
+        (torch.randn(2, 9, 32),),
+        {"need_weights": need_weights},
+        dynamic_shapes={"x": {1: length}, "need_weights": None},
+    )
+    for size in (9, 70):
+        x = torch.randn(2, size, 32)
+        torch.testing.assert_close(
+            exported.module()(x, need_weights=need_weights), module(x, need_weights=need_weights)
+        )
+
+
+def test_exported_tiny_gpt_matches_eager():
+    model = TinyGPT().eval()
+    tokens = torch.randint(0, 64, (3, 20))
+    exported = torch.export.export(model, (tokens,))
+    assert any(
+        node.target is torch.ops.causal_attention.attention.default
+        for node in exported.graph.nodes
+    )
+    torch.testing.assert_close(exported.module()(tokens), model(tokens))
+
+
+def test_export_script_writes_a_model_that_reproduces_its_expectations(tmp_path):
+    python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=python_path)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/export_torchscript_model.py"), str(tmp_path)],
+        check=True,
+        env=env,
+    )
+    model = torch.jit.load(str(tmp_path / "tiny_gpt.pt"))
+    expected = torch.load(tmp_path / "tiny_gpt_expected.pt")
+    logits = model(expected["tokens"])
+    torch.testing.assert_close(logits, expected["logits"])
+    F.cross_entropy(logits.flatten(0, 1), expected["targets"].flatten()).backward()
+    parameters = dict(model.named_parameters())
+    assert {f"grad.{name}" for name in parameters} == {
+        key for key in expected if key.startswith("grad.")
+    }
+    for name, p in parameters.items():
+        torch.testing.assert_close(p.grad, expected[f"grad.{name}"], msg=name)
