@@ -49,7 +49,9 @@ class CMakeBuild(build_ext):
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         if target != built:
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(built, target)
+            # With the torch version it was built against, which the package checks on import.
+            for suffix in ("", ".torch_version"):
+                shutil.copyfile(f"{built}{suffix}", f"{target}{suffix}")
 
 
 setup(
@@ -57,13 +59,16 @@ setup(
     version="0.1.0",
     description="Exact causal scaled-dot-product attention for PyTorch: C++ custom ops with "
     "autograd, Meta kernels and a multi-head module",
-    packages=["causal_attention"],
+    packages=["causal_attention", "causal_attention.models", "causal_attention.integrations"],
     ext_modules=[CMakeExtension("causal_attention.libcausal_attention_ops")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     extras_require={
-        "test": ["pytest", "hypothesis", "numpy", "expecttest", "tqdm", "matplotlib"],
+        "test": ["pytest", "hypothesis", "numpy", "expecttest", "tqdm", "matplotlib"]
+        + ["transformers>=5.24"],
+        # causal_attention.integrations.transformers (AttentionInterface, AttentionMaskInterface)
+        "transformers": ["transformers>=5.24"],
     },
     zip_safe=False,
 )

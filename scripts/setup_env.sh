@@ -7,7 +7,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_SPEC="torch==2.13.0"  # pinned exactly: any other spec may pull a multi-GB CUDA build
-PY_TEST_DEPS=(pytest hypothesis numpy expecttest tqdm matplotlib)
+PY_TEST_DEPS=(pytest hypothesis numpy expecttest tqdm matplotlib transformers)
 
 ensure_system_packages() {
   local missing=()
@@ -41,7 +41,7 @@ ensure_python() {
     echo "==> installing $TORCH_SPEC"
     "$PY" -m pip install -q "$TORCH_SPEC"
   fi
-  if ! "$PY" -c "import pytest, hypothesis, numpy, expecttest, tqdm, matplotlib" 2>/dev/null; then
+  if ! "$PY" -c "import pytest, hypothesis, numpy, expecttest, tqdm, matplotlib, transformers" 2>/dev/null; then
     echo "==> installing test dependencies: ${PY_TEST_DEPS[*]}"
     "$PY" -m pip install -q "$TORCH_SPEC" "${PY_TEST_DEPS[@]}"
   fi

@@ -1,0 +1,144 @@
+"""A small GPT on :class:`causal_attention.CausalSelfAttention`: token and position embeddings,
+pre-norm transformer blocks (nanoGPT's layout), a final norm and a vocabulary
+head. ``attention="sdpa"`` builds the same model with torch's SDPA in the attention call only, so
+that training runs of the two differ in nothing else. The model scripts (TorchScript), compiles
+with ``fullgraph=True`` and exports; ``generate`` decodes with the modules' KV caches.
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..kv_cache import KVCache
+from ..nn import CausalSelfAttention
+from .sdpa_attention import SDPASelfAttention
+
+ATTENTION_MODULES = {"causal_attention": CausalSelfAttention, "sdpa": SDPASelfAttention}
+
+
+class Block(nn.Module):
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: Optional[int],
+        value_head_dim: Optional[int],
+        attention: str,
+    ):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(embed_dim)
+        self.attn = ATTENTION_MODULES[attention](
+            embed_dim, num_heads, num_kv_heads=num_kv_heads, value_head_dim=value_head_dim
+        )
+        self.ln_2 = nn.LayerNorm(embed_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(embed_dim, 4 * embed_dim), nn.GELU(), nn.Linear(4 * embed_dim, embed_dim)
+        )
+
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """``tokens (B, L) int64 -> logits (B, L, vocab_size)``, with ``L <= max_len``.
+
+    Args:
+        vocab_size, max_len: the token and position embeddings' sizes.
+        embed_dim, num_heads, num_kv_heads, value_head_dim: each block's attention module's
+            options (see :class:`causal_attention.CausalSelfAttention`).
+        num_layers: how many blocks.
+        attention: ``"causal_attention"`` (our op) or ``"sdpa"`` (torch's, same parameters).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_len: int,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        num_kv_heads: Optional[int] = None,
+        value_head_dim: Optional[int] = None,
+        attention: str = "causal_attention",
+    ):
+        super().__init__()
+        if attention not in ATTENTION_MODULES:
+            raise ValueError(
+                f"GPT: attention must be one of {sorted(ATTENTION_MODULES)}, got "
+                f"attention={attention!r}"
+            )
+        self.max_len = max_len
+        self.tok_emb = nn.Embedding(vocab_size, embed_dim)
+        self.pos_emb = nn.Embedding(max_len, embed_dim)
+        self.blocks = nn.ModuleList(
+            [
+                Block(embed_dim, num_heads, num_kv_heads, value_head_dim, attention)
+                for _ in range(num_layers)
+            ]
+        )
+        self.ln_f = nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, vocab_size)
+
+    def forward(self, tokens: Tensor, caches: Optional[List[KVCache]] = None) -> Tensor:
+        """Logits for ``tokens``. With ``caches`` (from :meth:`make_caches`), ``tokens`` are the
+        positions after the cached ones, and their keys and values are appended to the caches."""
+        start = 0 if caches is None else caches[0].length
+        positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])
+        return self.head(self.ln_f(x))
+
+    def make_caches(self, batch_size: int, max_len: int) -> List[KVCache]:
+        """One empty KV cache per block, for ``batch_size`` sequences of ``max_len`` positions."""
+        return [block.attn.make_cache(batch_size, max_len) for block in self.blocks]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> Tensor:
+        """``prompt (B, P)`` followed by ``max_new_tokens`` sampled tokens, ``(B, P + new)``.
+
+        The prompt runs once, then each new token alone: keys and values of earlier positions
+        come from the KV caches. ``temperature=0`` picks the most likely token; ``top_k`` keeps
+        the ``k`` most likely. ``P + max_new_tokens`` may not exceed ``max_len``.
+        """
+        total = prompt.size(1) + max_new_tokens
+        if prompt.size(1) == 0 or total > self.max_len:
+            raise ValueError(
+                f"GPT.generate: need 0 < prompt length and prompt length + max_new_tokens <= "
+                f"max_len={self.max_len}, got prompt.shape={list(prompt.shape)}, "
+                f"max_new_tokens={max_new_tokens}"
+            )
+        caches = self.make_caches(prompt.size(0), total)
+        tokens = [prompt]
+        logits = self(prompt, caches)[:, -1]
+        for step in range(max_new_tokens):
+            tokens.append(_pick(logits, temperature, top_k, generator))
+            if step + 1 < max_new_tokens:
+                logits = self(tokens[-1], caches)[:, -1]
+        return torch.cat(tokens, dim=1)
+
+
+def _pick(
+    logits: Tensor, temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]
+) -> Tensor:
+    """The next token ``(B, 1)`` from the last position's ``logits (B, vocab)``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)

@@ -1,0 +1,36 @@
+"""``SDPASelfAttention``: :class:`causal_attention.CausalSelfAttention` with torch's
+``scaled_dot_product_attention`` in place of our op — the baseline that training compares against.
+
+Parameters, projections and the KV cache are inherited, so a state_dict moves between the two
+unchanged and the only difference between them is the attention call itself.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kv_cache import KVCache
+from ..nn import CausalSelfAttention
+
+
+class SDPASelfAttention(CausalSelfAttention):
+    """Same constructor and parameters as :class:`CausalSelfAttention`; ``forward(x, cache)``
+    computes the same function with ``F.scaled_dot_product_attention``."""
+
+    # No need_weights: the weights are our op's (attention_weights), not SDPA's.
+    def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:  # type: ignore
+        q, k, v = self._project_heads(x, cache)
+        return self._project_output(sdpa_bottom_right_causal(q, k, v))
+
+
+def sdpa_bottom_right_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """SDPA with our op's causal alignment. SDPA's ``is_causal`` aligns top-left, which equals
+    bottom-right only when ``Lq == Lk``; with cached keys (``Lk > Lq``) the mask is spelled out."""
+    lq, lk = q.size(-2), k.size(-2)
+    enable_gqa = q.size(-3) != k.size(-3)
+    if lq == lk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=enable_gqa)

@@ -1,0 +1,240 @@
+"""Trains a small byte-level GPT (causal_attention.models.GPT) on the sources of Python's standard
+library, with our attention op or, for comparison, torch's SDPA in the attention call.
+
+    python scripts/train.py --out runs/ours                      # our attention
+    python scripts/train.py --attention sdpa --out runs/sdpa     # the same run on SDPA
+    python scripts/train.py --out runs/ours --resume --steps 400 --sample
+    torchrun --nproc-per-node 2 scripts/train.py --ddp --out runs/ddp
+
+Writes into --out: log.csv (step, loss, lr, tokens/s, elapsed), loss.png, checkpoint.pt (every
+--checkpoint-every steps and at the end) and, with --sample, sample.txt. --resume continues from
+checkpoint.pt: model, optimizer, RNG and data position are restored, so the resumed run's losses
+equal an uninterrupted run's bit for bit. --batch-size is the global batch: with --ddp each of the
+N processes takes 1/N of every batch, and the averaged gradients are the whole batch's.
+"""
+
+import argparse
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when imported by tests
+
+from byte_corpus import VOCAB_SIZE, RandomWindows, decode, encode, stdlib_source_bytes  # noqa: E402
+from training_log import CsvLog, plot_losses, read_log  # noqa: E402
+
+from causal_attention.models import GPT  # noqa: E402
+from causal_attention.models.gpt import ATTENTION_MODULES  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# The flags that define what a run computes: resuming with any of them changed would not continue
+# the same run, so --resume refuses. (--attention may change: the parameters are the same.)
+RUN_FLAGS = ("seq_len", "batch_size", "embed_dim", "num_heads", "num_kv_heads", "num_layers",
+             "lr", "warmup_steps", "dtype", "seed")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--attention", choices=sorted(ATTENTION_MODULES), default="causal_attention")
+    p.add_argument("--out", type=Path, default=Path("runs/train"), help="output directory")
+    p.add_argument("--steps", type=int, default=300, help="total optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=256, help="bytes per sequence (= max_len)")
+    p.add_argument("--embed-dim", type=int, default=128)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2, help="fewer than --num-heads: GQA")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warmup")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32",
+        help="bfloat16: autocast (mixed precision, float32 weights and optimizer)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="model init, data order and sampling")
+    p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="0: only at the end")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--sample", action="store_true", help="after training, generate text")
+    p.add_argument("--prompt", default="def ", help="what --sample continues")
+    p.add_argument("--ddp", action="store_true", help="DistributedDataParallel (gloo); torchrun")
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.batch_size <= 0 or args.seq_len <= 0:
+        p.error("--steps must be >= 0, --batch-size and --seq-len positive")
+    return args
+
+
+def build_model(args: argparse.Namespace) -> GPT:
+    """The GPT for these flags, initialized from --seed (identically on every DDP rank)."""
+    torch.manual_seed(args.seed)
+    return GPT(
+        VOCAB_SIZE,
+        args.seq_len,
+        args.embed_dim,
+        args.num_heads,
+        args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        attention=args.attention,
+    )
+
+
+def init_distributed(args: argparse.Namespace) -> Tuple[int, int]:
+    """``(rank, world_size)``; with --ddp, joins the gloo process group torchrun describes."""
+    if not args.ddp:
+        return 0, 1
+    if "RANK" not in os.environ:
+        raise SystemExit("--ddp needs torchrun's environment: torchrun --nproc-per-node N ...")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of {world} processes")
+    return rank, world
+
+
+def shard(batch: Tensor, rank: int, world: int) -> Tensor:
+    """This rank's contiguous share of the global batch."""
+    per_rank = batch.size(0) // world
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """A function of the step only, so there is no scheduler state to checkpoint."""
+    return args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
+
+
+def loss_on(model: nn.Module, inputs: Tensor, targets: Tensor, dtype: torch.dtype) -> Tensor:
+    """Mean next-byte cross-entropy; the forward runs under bfloat16 autocast if asked."""
+    with torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else nullcontext():
+        logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def save_checkpoint(path: Path, step: int, model, optimizer, batches, args) -> None:
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "data": batches.state_dict(),
+        "run": {flag: getattr(args, flag) for flag in RUN_FLAGS},
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # an interrupted save never leaves a torn checkpoint behind
+
+
+def load_checkpoint(path: Path, model, optimizer, batches, args) -> int:
+    """Restores everything a run's future depends on; returns the step to continue from."""
+    if not path.exists():
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    state: Dict[str, Any] = torch.load(path, weights_only=True)
+    changed = {f: (v, getattr(args, f)) for f, v in state["run"].items() if getattr(args, f) != v}
+    if changed:
+        raise SystemExit(
+            "--resume: these flags differ from the checkpoint's run (checkpoint, now): "
+            + ", ".join(f"--{f.replace('_', '-')} {a!r} vs {b!r}" for f, (a, b) in changed.items())
+        )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    batches.load_state_dict(state["data"])
+    return state["step"]
+
+
+def train(args: argparse.Namespace) -> List[float]:
+    """Runs training as the flags say; returns this invocation's per-step losses."""
+    rank, world = init_distributed(args)
+    dtype = DTYPES[args.dtype]
+    model = build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    batches = RandomWindows(stdlib_source_bytes(), args.batch_size, args.seq_len, args.seed)
+    checkpoint = args.out / "checkpoint.pt"
+    start = load_checkpoint(checkpoint, model, optimizer, batches, args) if args.resume else 0
+
+    step_model: nn.Module = model
+    if args.compile:
+        step_model = torch.compile(step_model, fullgraph=True)
+    if args.ddp:
+        # DDP's hooks sit on the parameters, so wrapping the compiled module keeps fullgraph.
+        step_model = nn.parallel.DistributedDataParallel(step_model)
+
+    log = None
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        log = CsvLog(args.out / "log.csv", start)
+    losses: List[float] = []
+    tokens_per_step = args.batch_size * args.seq_len
+    elapsed = log.elapsed_s if log is not None else 0.0
+    model.train()
+    progress = tqdm(
+        range(start, args.steps), initial=start, total=args.steps, disable=rank != 0,
+        desc=args.attention, unit="step", mininterval=1.0,
+    )
+    for step in progress:
+        began = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        inputs, targets = batches.next()
+        loss = loss_on(step_model, shard(inputs, rank, world), shard(targets, rank, world), dtype)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if world > 1:  # the logged loss is the whole batch's: the mean of equal shards' means
+            dist.all_reduce(loss)
+            loss /= world
+        seconds = time.perf_counter() - began
+        elapsed += seconds
+        losses.append(loss.item())
+        if log is not None:
+            log.write(
+                step=step + 1, loss=losses[-1], lr=lr_at(step, args),
+                tokens_per_s=tokens_per_step / seconds, elapsed_s=elapsed,
+            )
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / seconds:.0f}")
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                save_checkpoint(checkpoint, step + 1, model, optimizer, batches, args)
+    progress.close()
+
+    if log is not None:
+        log.close()
+        if args.steps > start:
+            save_checkpoint(checkpoint, args.steps, model, optimizer, batches, args)
+        title = f"byte-level GPT on the Python stdlib ({args.attention})"
+        plot_losses({args.attention: read_log(args.out / "log.csv")}, args.out / "loss.png", title)
+        if args.sample:
+            text = sample(model, args)
+            (args.out / "sample.txt").write_text(text)
+            print(f"--- sample ---\n{text}\n--------------")
+    if args.ddp:
+        dist.destroy_process_group()
+    return losses
+
+
+def sample(model: GPT, args: argparse.Namespace) -> str:
+    """Continues --prompt up to --seq-len bytes, decoding with the attention modules' KV cache."""
+    prompt = encode(args.prompt)[None, : args.seq_len - 1]
+    model.eval()
+    out = model.generate(
+        prompt, args.seq_len - prompt.size(1), temperature=0.8, top_k=40,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    return decode(out[0])
+
+
+def main(argv: Optional[List[str]] = None) -> List[float]:
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
