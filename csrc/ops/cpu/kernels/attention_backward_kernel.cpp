@@ -81,6 +81,8 @@ class BackwardKernel {
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile, k_rows, p_tile, ds_tile;
     std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums;
+    std::vector<int64_t> visible;  // keys of the current block each query row sees
+    NonFiniteRowGuard<scalar_t> guard;
     explicit Scratch(const AttentionDims& d)
         : q_tile(Ops::scratch_size(kQueryBlock, d.head_dim)),
           do_tile(Ops::scratch_size(kQueryBlock, d.value_dim)),
@@ -94,7 +96,8 @@ class BackwardKernel {
           grad_a(std::max(kQueryBlock, kKeyBlock) * d.head_dim),
           grad_b(kKeyBlock * d.value_dim),
           grad_c(kDeltaFromOutput ? 0 : kQueryBlock * d.head_dim),
-          row_sums(kQueryBlock) {}
+          row_sums(kQueryBlock),
+          visible(kQueryBlock) {}
   };
 
   // delta = rowsum(dO * O) in acc_t, one value per query row: O(Lq) memory.
@@ -132,6 +135,7 @@ class BackwardKernel {
       const bool empty_row = lse[r] == -std::numeric_limits<acc_t>::infinity();
       const int64_t visible =
           empty_row ? 0 : std::clamp<int64_t>(dims_.visible_keys(q0 + r) - k0, 0, cols);
+      s.visible[r] = visible;
       exp_and_sum(p, visible, cols, scale_, lse[r]);
       // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
       softmax_gradient(p, ds, visible, with_delta ? delta[r] : acc_t(0));
@@ -166,18 +170,28 @@ class BackwardKernel {
         score_tiles(b * dims_.heads_q + h, q_rows, ldq, do_rows, ld_do, k_t, ldk, v_t, ldv, q0,
                     rows, k0, cols, /*with_delta=*/true, s);
         // dV_j += P^T dO_i and dK_j += dS^T Q_i; the B operands reuse the row tiles' scratch.
+        const bool has_masked_entries = s.visible[0] < cols;
         const gemm_t* p_t =
             Ops::a_transposed(s.p.data(), rows, cols, cols, s.p_tile.data(), &ld_pt);
         const gemm_t* ds_t =
             Ops::a_transposed(s.ds.data(), rows, cols, cols, s.ds_tile.data(), &ld_dst);
-        const gemm_t* do_b = Ops::b(grad_out_.row(b, h, q0), rows, Dv, grad_out_.row_stride,
-                                    s.do_tile.data(), &ld_do_b);
+        const scalar_t* do_block = grad_out_.row(b, h, q0);
+        int64_t ld_source = 0;
+        const scalar_t* do_source = s.guard.prepare(has_masked_entries, do_block, rows, Dv,
+                                                    grad_out_.row_stride, &ld_source);
+        const gemm_t* do_b = Ops::b(do_source, rows, Dv, ld_source, s.do_tile.data(), &ld_do_b);
         block_gemm(cols, Dv, Ops::padded_k(rows), p_t, ld_pt, do_b, ld_do_b, dv, Dv,
                    /*accumulate=*/true);
-        const gemm_t* q_b =
-            Ops::b(q_.row(b, h, q0), rows, D, q_.row_stride, s.q_tile.data(), &ldq_b);
+        s.guard.add_back_transposed(s.p.data(), cols, do_block, grad_out_.row_stride, Dv,
+                                    s.visible.data(), dv, Dv);
+        const scalar_t* q_block = q_.row(b, h, q0);
+        const scalar_t* q_source =
+            s.guard.prepare(has_masked_entries, q_block, rows, D, q_.row_stride, &ld_source);
+        const gemm_t* q_b = Ops::b(q_source, rows, D, ld_source, s.q_tile.data(), &ldq_b);
         block_gemm(cols, D, Ops::padded_k(rows), ds_t, ld_dst, q_b, ldq_b, dk, D,
                    /*accumulate=*/true);
+        s.guard.add_back_transposed(s.ds.data(), cols, q_block, q_.row_stride, D, s.visible.data(),
+                                    dk, D);
       }
     }
     for (int64_t c = 0; c < cols; ++c) {
@@ -215,15 +229,21 @@ class BackwardKernel {
           Ops::b_transposed(v_.row(b, h_kv, k0), cols, Dv, v_.row_stride, s.v_tile.data(), &ldv);
       score_tiles(bh, q_rows, ldq, do_rows, ld_do, k_t, ldk, v_t, ldv, q0, rows, k0, cols,
                   /*with_delta=*/kDeltaFromOutput, s);
-      const gemm_t* k_b =
-          Ops::b(k_.row(b, h_kv, k0), cols, D, k_.row_stride, s.k_rows.data(), &ldk_b);
+      const scalar_t* k_block = k_.row(b, h_kv, k0);
+      int64_t ld_source = 0;
+      const scalar_t* k_source =
+          s.guard.prepare(s.visible[0] < cols, k_block, cols, D, k_.row_stride, &ld_source);
+      const gemm_t* k_b = Ops::b(k_source, cols, D, ld_source, s.k_rows.data(), &ldk_b);
       const gemm_t* ds = Ops::a(s.ds.data(), rows, cols, cols, s.ds_tile.data(), &ld_ds);
       block_gemm(rows, D, Ops::padded_k(cols), ds, ld_ds, k_b, ldk_b, dq, D, /*accumulate=*/true);
+      s.guard.add_back(s.ds.data(), cols, rows, k_block, k_.row_stride, D, s.visible.data(), dq, D);
       if constexpr (!kDeltaFromOutput) {
         int64_t ld_p = 0;
         const gemm_t* p = Ops::a(s.p.data(), rows, cols, cols, s.p_tile.data(), &ld_p);
         block_gemm(rows, D, Ops::padded_k(cols), p, ld_p, k_b, ldk_b, p_times_k, D,
                    /*accumulate=*/true);
+        s.guard.add_back(s.p.data(), cols, rows, k_block, k_.row_stride, D, s.visible.data(),
+                         p_times_k, D);
         for (int64_t r = 0; r < rows; ++r) {
           delta[r] += row_sum(s.ds.data() + r * cols, cols);
         }

@@ -89,6 +89,8 @@ class ForwardKernel {
   struct Scratch {
     std::vector<gemm_t> q_tile, k_tile, v_tile, p_tile;
     std::vector<acc_t> scores;
+    std::vector<int64_t> visible;  // keys of the current block each row sees
+    NonFiniteRowGuard<scalar_t> v_guard;
     RowState<acc_t> state;
     explicit Scratch(const AttentionDims& d)
         : q_tile(Ops::scratch_size(kQueryBlock, d.head_dim)),
@@ -96,6 +98,7 @@ class ForwardKernel {
           v_tile(Ops::scratch_size(kKeyBlock, d.value_dim)),
           p_tile(Ops::scratch_size(kQueryBlock, kKeyBlock)),
           scores(kQueryBlock * kKeyBlock),
+          visible(kQueryBlock),
           state(kQueryBlock, d.value_dim) {}
   };
 
@@ -120,14 +123,19 @@ class ForwardKernel {
       block_gemm(rows, cols, Ops::padded_k(D), q_rows, ldq, k_t, ldk, s.scores.data(), cols,
                  /*accumulate=*/false);
       for (int64_t r = 0; r < rows; ++r) {
-        update_row(s.scores.data() + r * cols, cols,
-                   std::clamp<int64_t>(dims_.visible_keys(q0 + r) - k0, 0, cols), state, r, Dv);
+        s.visible[r] = std::clamp<int64_t>(dims_.visible_keys(q0 + r) - k0, 0, cols);
+        update_row(s.scores.data() + r * cols, cols, s.visible[r], state, r, Dv);
       }
       const gemm_t* p = Ops::a(s.scores.data(), rows, cols, cols, s.p_tile.data(), &ldp);
-      const gemm_t* v_rows =
-          Ops::b(v_.row(b, h_kv, k0), cols, Dv, v_.row_stride, s.v_tile.data(), &ldv);
+      const scalar_t* v_block = v_.row(b, h_kv, k0);
+      int64_t ld_v_block = 0;
+      const scalar_t* v_source =
+          s.v_guard.prepare(s.visible[0] < cols, v_block, cols, Dv, v_.row_stride, &ld_v_block);
+      const gemm_t* v_rows = Ops::b(v_source, cols, Dv, ld_v_block, s.v_tile.data(), &ldv);
       block_gemm(rows, Dv, Ops::padded_k(cols), p, ldp, v_rows, ldv, state.out.data(), Dv,
                  /*accumulate=*/true);
+      s.v_guard.add_back(s.scores.data(), cols, rows, v_block, v_.row_stride, Dv, s.visible.data(),
+                         state.out.data(), Dv);
     }
 
     if (num_splits_ == 1) {

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -238,6 +239,84 @@ struct Operands {
 
 // exp that keeps NaN (exp_u20 clamps its input first, which would turn a NaN score into a
 // finite probability and hide a poisoned row).
+// Keeps a non-finite key, value, query or output gradient inside the rows the causal mask lets
+// it reach. In a block pair that straddles the diagonal, the A operand of a block product (P, dS
+// or their transposes) holds exact zeros where the mask hides an entry, and 0 * inf or 0 * NaN
+// from a B row would spread that row's inf or NaN to rows (or keys) that cannot see it. So when
+// such a B block has non-finite rows, the micro-kernel gets a copy with those rows zeroed, and
+// their contributions are added back only where the mask allows. Finite blocks, and block
+// pairs with no masked entry, take the plain path; the zeroed copy changes no finite sum, so the
+// rows the mask protects get bitwise the results they get without the non-finite values.
+template <typename scalar_t>
+class NonFiniteRowGuard {
+ public:
+  // The B source to pack: `src` itself, or a copy without its non-finite rows when the pair
+  // `has_masked_entries`. `*ld_out` receives its leading dimension.
+  const scalar_t* prepare(bool has_masked_entries, const scalar_t* src, int64_t n_rows,
+                          int64_t width, int64_t ld, int64_t* ld_out) {
+    bad_rows_.clear();
+    *ld_out = ld;
+    if (!has_masked_entries) {
+      return src;
+    }
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const scalar_t* row = src + i * ld;
+      if (!std::all_of(row, row + width, [](scalar_t x) { return std::isfinite(float(x)); })) {
+        bad_rows_.push_back(i);
+      }
+    }
+    if (bad_rows_.empty()) {
+      return src;
+    }
+    cleaned_.resize(n_rows * width);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      std::copy_n(src + i * ld, width, cleaned_.data() + i * width);
+    }
+    for (int64_t i : bad_rows_) {
+      std::fill_n(cleaned_.data() + i * width, width, scalar_t(0));
+    }
+    *ld_out = width;
+    return cleaned_.data();
+  }
+
+  // After C[m, :] += A[m, k] * B[k, :] on the cleaned B: adds A[r, i] * B[i, :] for each
+  // non-finite row i and each row r that sees it (i < visible[r]).
+  template <typename acc_t>
+  void add_back(const acc_t* a, int64_t lda, int64_t m, const scalar_t* src, int64_t ld,
+                int64_t width, const int64_t* visible, acc_t* c, int64_t ldc) const {
+    for (int64_t i : bad_rows_) {
+      for (int64_t r = 0; r < m; ++r) {
+        if (i < visible[r]) {
+          axpy(a[r * lda + i], src + i * ld, width, c + r * ldc);
+        }
+      }
+    }
+  }
+
+  // After C[k, :] += A^T[k, m] * B[m, :] on the cleaned B, with A (m x k) given untransposed:
+  // adds A[i, j] * B[i, :] to row j of C for each non-finite row i and each j < visible[i].
+  template <typename acc_t>
+  void add_back_transposed(const acc_t* a, int64_t lda, const scalar_t* src, int64_t ld,
+                           int64_t width, const int64_t* visible, acc_t* c, int64_t ldc) const {
+    for (int64_t i : bad_rows_) {
+      for (int64_t j = 0; j < visible[i]; ++j) {
+        axpy(a[i * lda + j], src + i * ld, width, c + j * ldc);
+      }
+    }
+  }
+
+ private:
+  template <typename acc_t>
+  static void axpy(acc_t alpha, const scalar_t* x, int64_t n, acc_t* y) {
+    for (int64_t d = 0; d < n; ++d) {
+      y[d] += alpha * static_cast<acc_t>(x[d]);
+    }
+  }
+
+  std::vector<int64_t> bad_rows_;
+  std::vector<scalar_t> cleaned_;
+};
+
 template <typename acc_t>
 inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
   if constexpr (std::is_same_v<acc_t, float>) {
