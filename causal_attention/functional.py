@@ -48,7 +48,10 @@ def scaled_dot_product_attention(
             "causal_attention.scaled_dot_product_attention: is_causal=False (full, non-causal "
             "attention) is not supported; pass is_causal=True"
         )
-    if query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
+    # Shapes are compared only between tensors: anything else (None, a list) is the op's to refuse
+    # with a TypeError naming the argument.
+    tensors = isinstance(query, Tensor) and isinstance(key, Tensor)
+    if tensors and query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
         raise NotImplementedError(
             "causal_attention.scaled_dot_product_attention: query and key lengths differ "
             f"(query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); SDPA's "
@@ -56,7 +59,8 @@ def scaled_dot_product_attention(
             "causal_attention.attention for KV-cache attention"
         )
     if (
-        not enable_gqa
+        tensors
+        and not enable_gqa
         and query.dim() >= 3
         and key.dim() >= 3
         and query.size(-3) != key.size(-3)

@@ -12,6 +12,13 @@ bool is_supported_dtype(at::ScalarType dtype) {
          dtype == at::kHalf;
 }
 
+// An undefined tensor (None from Python, at::Tensor() from C++) has no shape, dtype or device to
+// report: without this check it fails deep inside autograd with "tensor does not have a device".
+void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.defined(), op, ": ", name,
+                   " must be a tensor, got None (an undefined tensor)");
+}
+
 void check_rank(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.dim() >= 2, op, ": ", name,
                     " must have at least 2 dimensions (..., L, D), got ", name,
@@ -28,6 +35,9 @@ void check_dtype(const char* op, const char* name, const at::Tensor& t) {
 
 void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v) {
+  check_defined(op, "q", q);
+  check_defined(op, "k", k);
+  check_defined(op, "v", v);
   check_rank(op, "q", q);
   check_rank(op, "k", k);
   check_rank(op, "v", v);
@@ -89,6 +99,13 @@ double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> 
   return 1.0 / std::sqrt(static_cast<double>(head_dim));
 }
 
+void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        double scale) {
+  constexpr const char* op = "causal_attention.attention_forward";
+  check_attention_inputs(op, q, k, v);
+  check_scale(op, scale);
+}
+
 double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             std::optional<double> scale) {
   constexpr const char* op = "causal_attention.attention";
@@ -114,7 +131,10 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, cons
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                            double scale) {
   constexpr const char* op = "causal_attention.attention_backward";
+  check_defined(op, "grad_out", grad_out);
   check_attention_inputs(op, q, k, v);
+  check_defined(op, "out", out);
+  check_defined(op, "lse", lse);
   check_scale(op, scale);
   const std::vector<c10::SymInt> expected_out = output_sym_sizes(q, v);
   const std::vector<c10::SymInt> expected_lse = lse_sym_sizes(q);

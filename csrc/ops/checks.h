@@ -9,8 +9,9 @@
 
 namespace causal_attention::detail {
 
-// Checks q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv): ranks, dtypes, devices,
-// leading dims, head dims, Hq % Hkv. Throws c10::ValueError / c10::TypeError naming the argument.
+// Checks q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv): defined, ranks, dtypes,
+// devices, leading dims, head dims, Hq % Hkv. Throws c10::ValueError / c10::TypeError naming the
+// argument.
 void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v);
 
@@ -19,6 +20,10 @@ void check_scale(const char* op, double scale);
 
 // The scale `attention` uses: `scale` if given (checked finite), else 1/sqrt(D).
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale);
+
+// Everything `attention_forward` checks, reported under its own name.
+void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        double scale);
 
 // Everything `attention` checks, reported under its own name; returns the resolved scale.
 double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

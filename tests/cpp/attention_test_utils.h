@@ -10,7 +10,6 @@
 #include <torch/utils.h>
 
 #include <cmath>
-#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -128,7 +127,7 @@ inline at::Tensor naive_lse(const at::Tensor& q, const at::Tensor& k, double sca
 // Asserts that fn() throws exactly E (checked with EXPECT_THROW) and that the message contains
 // every needle.
 template <typename E, typename Fn>
-void expect_error(Fn&& fn, std::initializer_list<const char*> needles) {
+void expect_error(Fn&& fn, const std::vector<const char*>& needles) {
   EXPECT_THROW(fn(), E);
   try {
     fn();

@@ -1,10 +1,15 @@
 """Shared helpers for the causal_attention Python tests: input construction in several memory
-layouts, the SDPA reference, and the empty-row mask."""
+layouts, the SDPA reference, a materialized float64 reference with the magnitudes that scale its
+rounding errors, the causal masks, and a fresh-interpreter runner."""
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -20,6 +25,19 @@ DTYPE_IDS = {
     torch.bfloat16: "bf16",
     torch.float16: "f16",
 }
+
+# Unit roundoff of each dtype.
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+
+
+def accumulation_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff of the op's accumulators for inputs of ``dtype`` (float32, or float64)."""
+    return UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
 
 
 def dtype_params(dtypes: Sequence[torch.dtype] = DTYPES):
@@ -163,3 +181,107 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def default_scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+def with_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """A tensor equal to ``values`` in memory layout ``layout``, so that a test can choose the
+    values and the strides independently (``make_tensor`` draws the values itself).
+
+    Layouts: those of ``make_tensor`` ("contiguous", "transposed" (needs a head dim), "strided"),
+    and "column-major": the last two dims swapped in memory, so D is not the unit-stride dim.
+    """
+    if layout == "contiguous":
+        return values.clone()
+    if layout == "transposed":
+        return values.transpose(-3, -2).contiguous().transpose(-3, -2)
+    if layout == "column-major":
+        return values.transpose(-2, -1).contiguous().transpose(-2, -1)
+    if layout == "strided":
+        rows, cols = values.shape[-2:]
+        padded = values.new_zeros(values.shape[:-2] + (rows + 3, 2 * cols))
+        view = padded[..., 1 : rows + 1, ::2]
+        view.copy_(values)
+        return view
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def visible_keys(lq: int, lk: int) -> torch.Tensor:
+    """Bool (lq, lk): True where query row i may attend key j (j <= i + lk - lq)."""
+    return torch.arange(lk) <= torch.arange(lq).unsqueeze(-1) + (lk - lq)
+
+
+@dataclass
+class Reference:
+    """The float64 reference of one call: ``probs`` (..., Hq, Lq, Lk) are the attention weights
+    (zero where masked and in rows without keys), ``grads`` (dq, dk, dv) or None."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    probs: torch.Tensor
+    grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def expand_kv_heads(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """K or V with its heads repeated so that query head h reads kv head h // (Hq // Hkv)."""
+    if t.dim() < 3 or t.shape[-3] in (0, heads_q):
+        return t
+    return t.repeat_interleave(heads_q // t.shape[-3], dim=-3)
+
+
+def float64_reference(q, k, v, scale: float, grad_out=None) -> Reference:
+    """Attention with the op's semantics, materialized in float64 from the given (already
+    dtype-rounded) inputs: scores, bottom-right causal mask, softmax, weighted sum; autograd for
+    the gradients. Independent of SDPA and of the op's blocked online softmax."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    leaves = [to64(t).requires_grad_(grad_out is not None) for t in (q, k, v)]
+    q64, k64, v64 = leaves
+    heads_q = q.shape[-3] if q.dim() >= 3 else 1
+    scores = q64 @ expand_kv_heads(k64, heads_q).transpose(-2, -1) * scale
+    visible = visible_keys(lq, lk)
+    no_key = empty_rows(lq, lk).unsqueeze(-1)
+    # Rows without keys get finite dummy scores (their weights are zeroed below), so that neither
+    # the softmax nor its gradient sees a row of -inf.
+    scores = scores.masked_fill(~visible, -math.inf).masked_fill(no_key, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(no_key.squeeze(-1), -math.inf)
+    probs = torch.softmax(scores, -1).masked_fill(no_key, 0.0)
+    out = probs @ expand_kv_heads(v64, heads_q)
+    grads = None
+    if grad_out is not None:
+        grads = torch.autograd.grad(out, leaves, to64(grad_out))
+    return Reference(out.detach(), lse.detach(), probs.detach(), grads)
+
+
+def abs_magnitudes(q, k, v, scale: float, probs, grad_out=None) -> Dict[str, float]:
+    """{"out": m, and with grad_out "dq", "dk", "dv"}: the largest element of each result's
+    formula with every factor replaced by its absolute value (probs from float64_reference).
+
+    This is the natural scale of a result's rounding error: a sum of products is as accurate as
+    the sum of their magnitudes allows, however much the true result cancels."""
+    heads_q = q.shape[-3] if q.dim() >= 3 else 1
+    q, k, v = (to64(t).abs() for t in (q, k, v))
+    k_all, v_all = expand_kv_heads(k, heads_q), expand_kv_heads(v, heads_q)
+    scale = abs(scale)
+    out_abs = probs @ v_all
+    magnitudes = {"out": out_abs}
+    if grad_out is not None:
+        g = to64(grad_out).abs()
+        ds_abs = probs * (g @ v_all.transpose(-2, -1) + (g * out_abs).sum(-1, keepdim=True))
+        magnitudes["dq"] = ds_abs @ k_all * scale
+        magnitudes["dk"] = ds_abs.transpose(-2, -1) @ q * scale
+        magnitudes["dv"] = probs.transpose(-2, -1) @ g
+    return {name: (m.amax().item() if m.numel() else 0.0) for name, m in magnitudes.items()}
+
+
+def run_python(script: str, path: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a fresh interpreter, in directory ``path`` and with ``path`` first on
+    its import path (so ``import causal_attention`` finds the package there); text output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

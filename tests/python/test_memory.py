@@ -1,11 +1,10 @@
 """Peak memory: forward + backward at L = 16384 must not materialize anything of size L x L
 (that would be 1 GiB in float32)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from attention_testing import run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMIT_MB = 200
@@ -40,16 +39,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_peak_rss_growth_of_long_sequence_forward_backward():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python(SCRIPT, REPO_ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("PEAK_GROWTH_MB=")]
     assert len(lines) == 1, result.stdout

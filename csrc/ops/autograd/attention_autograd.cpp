@@ -67,6 +67,8 @@ at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at
 std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(const at::Tensor& q,
                                                               const at::Tensor& k,
                                                               const at::Tensor& v, double scale) {
+  // Checked before Function::apply, which cannot handle an undefined input gracefully.
+  detail::check_forward_call(q, k, v, scale);
   auto out_lse = AttentionForwardFunction::apply(q, k, v, scale);
   return {out_lse[0], out_lse[1]};
 }
@@ -74,6 +76,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale) {
+  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale);
   auto grads = AttentionBackwardFunction::apply(grad_out, q, k, v, out, lse, scale);
   return {grads[0], grads[1], grads[2]};
 }

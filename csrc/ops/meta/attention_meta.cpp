@@ -11,8 +11,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, double scale) {
-  detail::check_attention_inputs("causal_attention.attention_forward", q, k, v);
-  detail::check_scale("causal_attention.attention_forward", scale);
+  detail::check_forward_call(q, k, v, scale);
   at::Tensor out = at::empty_symint(detail::output_sym_sizes(q, v), q.options());
   at::Tensor lse = at::empty_symint(detail::lse_sym_sizes(q),
                                     q.options().dtype(detail::accumulation_dtype(q.scalar_type())));

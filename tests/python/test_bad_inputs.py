@@ -1,0 +1,260 @@
+"""The bad-input battery, from Python: a table of malformed calls of every public function
+(attention, attention_forward, attention_backward, attention_weights, the SDPA drop-in; with and
+without inputs that require grad). Each must raise exactly the documented ValueError or TypeError
+with a message naming the offending argument. test_errors.py checks the messages of the common
+mistakes in detail; this table is about breadth: None in every position, exotic dtypes, devices,
+non-finite scales. Calls that never reach the op's checks (a non-tensor argument, a sparse or
+MKL-DNN tensor) are refused by torch itself; the last tests pin that down, as it is part of what a
+caller sees. scripts/sanitize.sh runs this file under ASan and UBSan.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, List
+
+import pytest
+import torch
+
+import causal_attention
+
+OPS = torch.ops.causal_attention
+
+
+def randn(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(shape).to(dtype=dtype, device=device)
+
+
+# A valid call: q (2, 4, 5, 8), k (2, 2, 6, 8), v (2, 2, 6, 3); out (2, 4, 5, 3), lse (2, 4, 5).
+def valid():
+    return {
+        "grad_out": randn(2, 4, 5, 3),
+        "q": randn(2, 4, 5, 8),
+        "k": randn(2, 2, 6, 8),
+        "v": randn(2, 2, 6, 3),
+        "out": randn(2, 4, 5, 3),
+        "lse": randn(2, 4, 5),
+    }
+
+
+def attention(scale=None, requires_grad=False, **replace):
+    """causal_attention.attention on the valid call with some of q, k, v replaced."""
+
+    def call():
+        args = {**valid(), **replace}
+        if requires_grad:
+            args["q"] = args["q"].detach().requires_grad_(True)
+        return causal_attention.attention(args["q"], args["k"], args["v"], scale=scale)
+
+    return call
+
+
+def forward(scale=0.5, **replace):
+    def call():
+        args = {**valid(), **replace}
+        return causal_attention.attention_forward(args["q"], args["k"], args["v"], scale)
+
+    return call
+
+
+def backward(scale=0.5, **replace):
+    def call():
+        a = {**valid(), **replace}
+        return causal_attention.attention_backward(
+            a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], scale
+        )
+
+    return call
+
+
+def weights(**replace):
+    def call():
+        args = {**valid(), **replace}
+        return causal_attention.attention_weights(args["q"], args["k"], args["v"])
+
+    return call
+
+
+def sdpa(**replace):
+    def call():
+        args = {**valid(), "k": randn(2, 2, 5, 8), "v": randn(2, 2, 5, 3), **replace}
+        return causal_attention.scaled_dot_product_attention(
+            args["q"], args["k"], args["v"], is_causal=True, enable_gqa=True
+        )
+
+    return call
+
+
+@dataclass
+class Bad:
+    call: Callable[[], object]
+    error: type
+    needles: List[str] = field(default_factory=list)  # argument names among them
+
+
+V, T = ValueError, TypeError
+
+BATTERY = {
+    # None for a tensor: TypeError naming the argument.
+    "attention-q-None": Bad(attention(q=None), T, ["q must be a tensor, got None"]),
+    "attention-k-None": Bad(attention(k=None), T, ["k must be a tensor, got None"]),
+    "attention-v-None": Bad(attention(v=None), T, ["v must be a tensor, got None"]),
+    "attention-grad-v-None": Bad(attention(requires_grad=True, v=None), T, ["v must be a tensor"]),
+    "forward-q-None": Bad(forward(q=None), T, ["attention_forward: q must be a tensor"]),
+    "forward-k-None": Bad(forward(k=None), T, ["attention_forward: k must be a tensor"]),
+    "backward-grad_out-None": Bad(backward(grad_out=None), T, ["grad_out must be a tensor"]),
+    "backward-q-None": Bad(backward(q=None), T, ["attention_backward: q must be a tensor"]),
+    "backward-k-None": Bad(backward(k=None), T, ["attention_backward: k must be a tensor"]),
+    "backward-v-None": Bad(backward(v=None), T, ["attention_backward: v must be a tensor"]),
+    "backward-out-None": Bad(backward(out=None), T, ["out must be a tensor"]),
+    "backward-lse-None": Bad(backward(lse=None), T, ["lse must be a tensor"]),
+    "weights-q-None": Bad(weights(q=None), T, ["q must be a tensor"]),
+    # Dtypes: TypeError naming the argument and the dtype.
+    "q-int8": Bad(attention(q=randn(2, 4, 5, 8, dtype=torch.int8)), T, ["q.dtype=Char"]),
+    "k-bool": Bad(attention(k=randn(2, 2, 6, 8, dtype=torch.bool)), T, ["k.dtype=Bool"]),
+    "v-uint8": Bad(forward(v=randn(2, 2, 6, 3, dtype=torch.uint8)), T, ["v.dtype=Byte"]),
+    "q-complex128": Bad(
+        attention(q=randn(2, 4, 5, 8, dtype=torch.complex128)), T, ["q.dtype=ComplexDouble"]
+    ),
+    "k-float8_e4m3fnuz": Bad(
+        attention(k=randn(2, 2, 6, 8, dtype=torch.float8_e4m3fnuz)),
+        T,
+        ["k.dtype=Float8_e4m3fnuz"],
+    ),
+    "grad-q-float64-k-float32": Bad(
+        attention(requires_grad=True, q=randn(2, 4, 5, 8, dtype=torch.float64)),
+        T,
+        ["same dtype", "q.dtype=Double", "k.dtype=Float"],
+    ),
+    "bf16-q-k-fp16-v": Bad(
+        attention(
+            q=randn(2, 4, 5, 8, dtype=torch.bfloat16),
+            k=randn(2, 2, 6, 8, dtype=torch.bfloat16),
+            v=randn(2, 2, 6, 3, dtype=torch.float16),
+        ),
+        T,
+        ["same dtype", "v.dtype=Half"],
+    ),
+    "backward-grad_out-float16": Bad(
+        backward(grad_out=randn(2, 4, 5, 3, dtype=torch.float16)), T, ["grad_out.dtype=Half"]
+    ),
+    "backward-out-float64": Bad(
+        backward(out=randn(2, 4, 5, 3, dtype=torch.float64)), T, ["out.dtype=Double"]
+    ),
+    "backward-lse-bool": Bad(
+        backward(lse=randn(2, 4, 5, dtype=torch.bool)), T, ["lse must have dtype", "lse.dtype=Bool"]
+    ),
+    "weights-v-int64": Bad(weights(v=randn(2, 2, 6, 3, dtype=torch.int64)), T, ["v.dtype=Long"]),
+    # Shapes: ValueError naming the argument and showing the shapes.
+    "q-rank1": Bad(attention(q=randn(8)), V, ["q must have at least 2", "q.shape=[8]"]),
+    "k-rank0": Bad(forward(k=randn()), V, ["k must have at least 2", "k.shape=[]"]),
+    "v-rank3-vs-4": Bad(attention(v=randn(2, 6, 3)), V, ["number of dimensions", "v.shape"]),
+    "6d-inner-batch": Bad(
+        attention(
+            q=randn(2, 1, 3, 4, 5, 8), k=randn(2, 1, 2, 2, 6, 8), v=randn(2, 1, 3, 2, 6, 3)
+        ),
+        V,
+        ["leading (batch)", "k.shape=[2, 1, 2, 2, 6, 8]"],
+    ),
+    "D-differs": Bad(forward(k=randn(2, 2, 6, 7)), V, ["head dimension D", "k.shape"]),
+    "D-zero": Bad(
+        attention(q=randn(2, 4, 5, 0), k=randn(2, 2, 6, 0), scale=0.5),
+        V,
+        ["must be positive", "q.shape=[2, 4, 5, 0]"],
+    ),
+    "Lk-differs": Bad(attention(requires_grad=True, v=randn(2, 2, 9, 3)), V, ["Lk", "v.shape"]),
+    "Hq-5-Hkv-2": Bad(attention(q=randn(2, 5, 5, 8)), V, ["multiple", "q.shape=[2, 5, 5, 8]"]),
+    "Hkv-0": Bad(
+        forward(k=randn(2, 0, 6, 8), v=randn(2, 0, 6, 3)), V, ["multiple", "k.shape=[2, 0, 6, 8]"]
+    ),
+    "kv-heads-differ": Bad(attention(k=randn(2, 1, 6, 8)), V, ["same number of heads", "k.shape"]),
+    "backward-grad_out-shape": Bad(
+        backward(grad_out=randn(2, 4, 5, 8)), V, ["grad_out.shape=[2, 4, 5, 8]"]
+    ),
+    "backward-out-transposed": Bad(
+        backward(out=randn(2, 5, 4, 3)), V, ["out must have shape", "out.shape=[2, 5, 4, 3]"]
+    ),
+    "backward-lse-Lq": Bad(backward(lse=randn(2, 4, 6)), V, ["lse.shape=[2, 4, 6]"]),
+    "backward-lse-flat": Bad(backward(lse=randn(40)), V, ["lse.shape=[40]"]),
+    "weights-Lk-differs": Bad(weights(v=randn(2, 2, 7, 3)), V, ["Lk", "v.shape"]),
+    "sdpa-D-differs": Bad(sdpa(k=randn(2, 2, 5, 9)), V, ["head dimension D", "k.shape"]),
+    "sdpa-q-None": Bad(sdpa(q=None), T, ["q must be a tensor"]),
+    # Scales: ValueError.
+    "attention-scale-nan": Bad(attention(scale=math.nan), V, ["scale must be finite"]),
+    "attention-scale-1e309": Bad(attention(scale=1e309), V, ["scale must be finite", "inf"]),
+    "attention-grad-scale--inf": Bad(
+        attention(requires_grad=True, scale=-math.inf), V, ["scale must be finite", "-inf"]
+    ),
+    "forward-scale-inf": Bad(forward(scale=math.inf), V, ["scale must be finite"]),
+    "backward-scale-nan": Bad(backward(scale=math.nan), V, ["scale must be finite"]),
+    # Devices: ValueError naming the devices.
+    "v-meta": Bad(
+        attention(v=randn(2, 2, 6, 3, device="meta")), V, ["same device", "v.device=meta"]
+    ),
+    "q-meta": Bad(
+        forward(q=randn(2, 4, 5, 8, device="meta")), V, ["q.device=meta", "k.device=cpu"]
+    ),
+    "backward-grad_out-meta": Bad(
+        backward(grad_out=randn(2, 4, 5, 3, device="meta")), V, ["must be on q's device cpu"]
+    ),
+    "backward-lse-meta": Bad(
+        backward(lse=randn(2, 4, 5, device="meta")), V, ["must be on q's device cpu"]
+    ),
+}
+
+
+def test_battery_has_at_least_40_cases():
+    assert len(BATTERY) >= 40
+
+
+@pytest.mark.parametrize("case", BATTERY.values(), ids=BATTERY.keys())
+def test_bad_call_raises_its_documented_type_naming_the_argument(case):
+    with pytest.raises(Exception) as info:
+        case.call()
+    assert type(info.value) is case.error, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert message.startswith("causal_attention."), message
+    missing = [needle for needle in case.needles if needle not in message]
+    assert not missing, f"{missing} not in {message!r}"
+
+
+@pytest.mark.parametrize("function", [attention, forward, backward, weights, sdpa])
+def test_the_valid_call_the_battery_spoils_succeeds(function):
+    function()()
+
+
+# --- refused by torch before the op's checks -----------------------------------------------
+
+# torch's argument parser refuses a non-tensor for a Tensor argument, or a non-number for the
+# scale, with RuntimeError naming the argument; the op never runs.
+NOT_TENSORS = {
+    "q-list": (lambda t: OPS.attention([[1.0]], t, t), "argument 'q'"),
+    "k-numpy": (lambda t: OPS.attention(t, t.numpy(), t), "argument 'k'"),
+    "v-str": (lambda t: OPS.attention_forward(t, t, "v", 0.5), "argument 'v'"),
+    "scale-str": (lambda t: OPS.attention(t, t, t, scale="0.5"), "argument 'scale'"),
+    "scale-None-forward": (lambda t: OPS.attention_forward(t, t, t, None), "argument 'scale'"),
+    "scale-positional": (lambda t: OPS.attention(t, t, t, 0.5), "positional argument"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_TENSORS.values(), ids=NOT_TENSORS.keys())
+def test_non_tensor_arguments_are_refused_by_torch_naming_the_argument(case):
+    call, needle = case
+    with pytest.raises(RuntimeError, match=needle):
+        call(randn(5, 8))
+
+
+# Tensors of another layout have no kernel: the dispatcher refuses them with
+# NotImplementedError (a RuntimeError) naming the op and the backend.
+FOREIGN = {
+    "sparse-coo": lambda t: t.to_sparse(),
+    "sparse-csr": lambda t: t.to_sparse_csr(),
+    "mkldnn": lambda t: t.to_mkldnn(),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("convert", FOREIGN.values(), ids=FOREIGN.keys())
+def test_tensors_of_another_layout_are_refused_by_the_dispatcher(convert):
+    q = randn(5, 8)
+    with pytest.raises(NotImplementedError, match="causal_attention::attention"):
+        OPS.attention(convert(q), q, q)

@@ -1,0 +1,180 @@
+"""Numerical robustness at the edges: logits of +-1e4, and non-finite values kept where they
+belong. A NaN in a query row poisons that row only; an inf or NaN in a key or value reaches only
+the rows that can see it; rows without keys stay exact zeros with zero gradient whatever K, V and
+their own grad_out hold.
+
+"Exact" here means bitwise equal to the same call on clean inputs: the values that must not be
+affected are computed from exactly the same numbers either way.
+"""
+
+import math
+
+import pytest
+import torch
+
+import causal_attention
+from attention_testing import (
+    UNIT_ROUNDOFF,
+    abs_magnitudes,
+    accumulation_roundoff,
+    dtype_params,
+    empty_rows,
+    float64_reference,
+    max_abs_diff,
+    visible_keys,
+)
+
+# Two 64-row blocks and a straddled diagonal; Hq = 4 reads Hkv = 2 (GQA).
+BATCH, HQ, HKV = 2, 4, 2
+
+
+def _inputs(lq, lk, d, dtype, generator_seed=0):
+    generator = torch.Generator().manual_seed(generator_seed)
+    shapes = ((BATCH, HQ, lq, d), (BATCH, HKV, lk, d), (BATCH, HKV, lk, d), (BATCH, HQ, lq, d))
+    return [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+
+
+def _forward_backward(q, k, v, grad_out, scale=None):
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = causal_attention.attention(*leaves, scale=scale)
+    return (out.detach(),) + torch.autograd.grad(out, leaves, grad_out)
+
+
+# --- logits of +-1e4 -----------------------------------------------------------------------
+
+
+def _peaked_logits(lq, lk, d, dtype, logit):
+    """q, k whose logits (scale 1) are exactly +-logit: q and k rows are +-sqrt(logit) * e_0 with
+    random signs, so that rows have several tied winners, one winner, or only -logit."""
+    generator = torch.Generator().manual_seed(1)
+    c = math.sqrt(logit)
+    q = torch.zeros(BATCH, HQ, lq, d)
+    k = torch.zeros(BATCH, HKV, lk, d)
+    q[..., 0] = c * torch.randint(0, 2, (BATCH, HQ, lq), generator=generator).mul(2).sub(1)
+    k[..., 0] = c * torch.randint(0, 2, (BATCH, HKV, lk), generator=generator).mul(2).sub(1)
+    return q.to(dtype), k.to(dtype)
+
+
+def _tolerance(dtype, logit):
+    """Relative to attention_testing.abs_magnitudes: rounding to the dtype, plus the error of
+    exp(s - lse) with lse ~ logit held in the accumulation dtype (the reference uses the same
+    rounded inputs, so only the op's own rounding counts)."""
+    return 8 * (UNIT_ROUNDOFF[dtype] + accumulation_roundoff(dtype) * logit)
+
+
+@pytest.mark.parametrize("logit", [1e3, 1e4])
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_logits_of_1e4_give_finite_accurate_results(dtype, logit):
+    lq, lk, d = 130, 150, 16
+    q, k = _peaked_logits(lq, lk, d, dtype, logit)
+    _, _, v, grad_out = _inputs(lq, lk, d, dtype)
+    out, dq, dk, dv = _forward_backward(q, k, v, grad_out, scale=1.0)
+    ref = float64_reference(q, k, v, 1.0, grad_out)
+    # The weights are as extreme as they get: visible keys' exp(-2 logit) underflows to 0, and
+    # tied winners share.
+    assert (ref.probs[..., visible_keys(lq, lk)] == 0).any() and ref.probs.amax(-1).min() < 1.0
+    peaks = abs_magnitudes(q, k, v, 1.0, ref.probs, grad_out)
+    results = zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref.out,) + ref.grads)
+    for name, ours, expected in results:
+        assert torch.isfinite(ours).all(), name
+        assert max_abs_diff(ours, expected) <= _tolerance(dtype, logit) * peaks[name], name
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_masked_key_with_huge_logit_does_not_set_the_row_maximum(dtype):
+    # Every visible logit is -1e4; key j's is +1e4 but rows i < j cannot see it. Were j counted
+    # in those rows' running maximum, exp(-2e4) would underflow their sum to 0 (NaN or inf).
+    lq = lk = 100
+    j = 37
+    q = torch.full((1, 1, lq, 1), 100.0)
+    k = torch.full((1, 1, lk, 1), -100.0)
+    v = torch.randn(1, 1, lk, 8)
+    huge = k.clone()
+    huge[..., j, :] = 100.0
+    clean = causal_attention.attention(*(t.to(dtype) for t in (q, k, v)), scale=1.0)
+    out = causal_attention.attention(*(t.to(dtype) for t in (q, huge, v)), scale=1.0)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[..., :j, :], clean[..., :j, :])
+    # Uniform weights over the visible keys: a causal running mean of v.
+    mean = v.to(dtype).double().cumsum(-2) / torch.arange(1, lk + 1).unsqueeze(-1)
+    bound = _tolerance(dtype, 1e4) * v.abs().max().item()
+    assert max_abs_diff(out[..., :j, :], mean[..., :j, :]) <= bound
+
+
+# --- NaN in one query row ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("lq,lk", [(130, 130), (90, 150)], ids=["square", "kv-cache"])
+def test_nan_in_one_query_row_poisons_only_that_row(dtype, lq, lk):
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+    batch, head, row = 1, 3, 70
+    clean = _forward_backward(q, k, v, grad_out)
+    q_nan = q.clone()
+    q_nan[batch, head, row, 5] = math.nan
+    out, dq, dk, dv = _forward_backward(q_nan, k, v, grad_out)
+
+    poisoned = torch.zeros(out.shape[:-1], dtype=torch.bool)
+    poisoned[batch, head, row] = True
+    assert out[poisoned].isnan().all()
+    assert torch.equal(out[~poisoned], clean[0][~poisoned])
+    # dq of every other row involves only that row's weights.
+    assert torch.equal(dq[~poisoned], clean[1][~poisoned])
+    # dk, dv of a key are sums over the rows that see it: keys the NaN row cannot see, and the
+    # K/V heads and batch entries it does not read, are untouched.
+    unseen = torch.ones(BATCH, HKV, lk, dtype=torch.bool)
+    unseen[batch, head // (HQ // HKV)] = ~visible_keys(lq, lk)[row]
+    assert unseen.any() and not unseen.all()
+    for name, ours, expected in (("dk", dk, clean[2]), ("dv", dv, clean[3])):
+        assert torch.equal(ours[unseen], expected[unseen]), name
+
+
+# --- inf / NaN in a key or value that a row cannot see --------------------------------------
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize(
+    "lq,lk,key",
+    [(100, 100, 37), (40, 100, 80), (130, 130, 64)],
+    ids=["square", "kv-cache", "block-edge"],
+)
+def test_non_finite_key_does_not_leak_into_rows_that_cannot_see_it(
+    dtype, tensor, value, lq, lk, key
+):
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+    clean = _forward_backward(q, k, v, grad_out)
+    inputs = {"k": k.clone(), "v": v.clone()}
+    inputs[tensor][:, :, key, 3] = value
+    out, dq, _, _ = _forward_backward(q, inputs["k"], inputs["v"], grad_out)
+    blind = ~visible_keys(lq, lk)[:, key]  # rows that cannot see the key
+    assert blind.any() and not blind.all()
+    for name, ours, expected in (("out", out, clean[0]), ("dq", dq, clean[1])):
+        assert torch.isfinite(ours[..., blind, :]).all(), name
+        assert torch.equal(ours[..., blind, :], expected[..., blind, :]), name
+
+
+# --- rows without keys ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_rows_without_keys_stay_zero_whatever_k_v_and_their_grad_out_hold(dtype):
+    lq, lk = 100, 30  # rows 0..69 see no key
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+    rows = empty_rows(lq, lk)
+    k = k * 1e3  # logits of ~1e4 in the rows that do see keys
+    nan_grad_out = grad_out.clone()
+    nan_grad_out[..., rows, :] = math.nan
+    clean = _forward_backward(q, k, v, grad_out)
+    _, _, dk, dv = _forward_backward(q, k, v, nan_grad_out)
+    # Rows without keys contribute nothing to dk, dv: their NaN grad_out changes nothing.
+    assert torch.equal(dk, clean[2]) and torch.equal(dv, clean[3])
+
+    k[:, :, 5, 0] = math.inf
+    v[:, :, 7, 1] = math.nan
+    out, dq, _, _ = _forward_backward(q, k, v, nan_grad_out)
+    assert torch.equal(out[..., rows, :], torch.zeros_like(out[..., rows, :]))
+    assert torch.equal(dq[..., rows, :], torch.zeros_like(dq[..., rows, :]))
+    _, lse = causal_attention.attention_forward(q, k, v, 0.25)
+    assert torch.equal(lse[..., rows], torch.full_like(lse[..., rows], -math.inf))
