@@ -52,28 +52,17 @@ class BackwardKernel {
     } else {
       delta_.resize(dims_.batch * dims_.heads_q * dims_.len_q);
     }
-    const int64_t num_qblocks = ceil_div(dims_.len_q, kQueryBlock);
-    at::parallel_for(
-        0, dims_.batch * dims_.heads_q * num_qblocks, 1, [&](int64_t begin, int64_t end) {
-          Scratch s(dims_);
-          for (int64_t item = begin; item < end; ++item) {
-            const int64_t bh = item / num_qblocks;
-            const int64_t q0 = balanced_block(item % num_qblocks, num_qblocks) * kQueryBlock;
-            query_block_gradient(bh / dims_.heads_q, bh % dims_.heads_q, q0, s);
-          }
-          block_gemm_release();
-        });
-    const int64_t num_kblocks = ceil_div(dims_.len_k, kKeyBlock);
-    at::parallel_for(
-        0, dims_.batch * dims_.heads_kv * num_kblocks, 1, [&](int64_t begin, int64_t end) {
-          Scratch s(dims_);
-          for (int64_t item = begin; item < end; ++item) {
-            const int64_t bh_kv = item / num_kblocks;
-            const int64_t k0 = balanced_block(item % num_kblocks, num_kblocks) * kKeyBlock;
-            key_block_gradients(bh_kv / dims_.heads_kv, bh_kv % dims_.heads_kv, k0, s);
-          }
-          block_gemm_release();
-        });
+    const auto make_scratch = [this] { return Scratch(dims_); };
+    for_each_head_block(dims_.batch * dims_.heads_q, ceil_div(dims_.len_q, kQueryBlock),
+                        make_scratch, [&](int64_t bh, int64_t block, Scratch& s) {
+                          query_block_gradient(bh / dims_.heads_q, bh % dims_.heads_q,
+                                               block * kQueryBlock, s);
+                        });
+    for_each_head_block(dims_.batch * dims_.heads_kv, ceil_div(dims_.len_k, kKeyBlock),
+                        make_scratch, [&](int64_t bh_kv, int64_t block, Scratch& s) {
+                          key_block_gradients(bh_kv / dims_.heads_kv, bh_kv % dims_.heads_kv,
+                                              block * kKeyBlock, s);
+                        });
   }
 
  private:
@@ -269,19 +258,7 @@ class BackwardKernel {
 }  // namespace
 
 void backward_kernel(const BackwardTensors& tensors) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tensors.q.scalar_type(),
-                                  "causal_attention_backward", [&] {
-                                    using acc_t = at::opmath_type<scalar_t>;
-#if defined(CPU_CAPABILITY_AVX512)
-                                    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-                                      if (bf16_block_gemm_available()) {
-                                        BackwardKernel<scalar_t, at::BFloat16>(tensors).run();
-                                        return;
-                                      }
-                                    }
-#endif
-                                    BackwardKernel<scalar_t, acc_t>(tensors).run();
-                                  });
+  run_for_dtype<BackwardKernel>(tensors);
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

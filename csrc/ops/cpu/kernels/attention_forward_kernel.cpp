@@ -69,17 +69,11 @@ class ForwardKernel {
       split_sum_ = at::empty_like(split_max_);
       split_out_ = at::empty({num_heads, num_splits_, dims_.len_q, Dv}, split_max_.options());
     }
-    at::parallel_for(0, num_heads * num_qblocks_ * num_splits_, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(dims_);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t split = item % num_splits_;
-        const int64_t block = item / num_splits_;
-        const int64_t bh = block / num_qblocks_;
-        const int64_t q0 = balanced_block(block % num_qblocks_, num_qblocks_) * kQueryBlock;
-        run_item(bh, q0, split, scratch);
-      }
-      block_gemm_release();
-    });
+    for_each_head_block(
+        num_heads, num_qblocks_ * num_splits_, [this] { return Scratch(dims_); },
+        [&](int64_t bh, int64_t block, Scratch& s) {
+          run_item(bh, block / num_splits_ * kQueryBlock, block % num_splits_, s);
+        });
     if (num_splits_ > 1) {
       merge_splits();
     }
@@ -242,19 +236,7 @@ class ForwardKernel {
 }  // namespace
 
 void forward_kernel(const ForwardTensors& tensors) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tensors.q.scalar_type(),
-                                  "causal_attention_forward", [&] {
-                                    using acc_t = at::opmath_type<scalar_t>;
-#if defined(CPU_CAPABILITY_AVX512)
-                                    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-                                      if (bf16_block_gemm_available()) {
-                                        ForwardKernel<scalar_t, at::BFloat16>(tensors).run();
-                                        return;
-                                      }
-                                    }
-#endif
-                                    ForwardKernel<scalar_t, acc_t>(tensors).run();
-                                  });
+  run_for_dtype<ForwardKernel>(tensors);
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -8,6 +8,9 @@
 
 #include "../block_gemm.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -79,6 +82,26 @@ struct HeadRows {
   }
 };
 
+// Runs Kernel<scalar_t, gemm_t>(tensors).run() for the inputs' dtype, with the operand type the
+// micro-kernel multiplies best on this CPU: bfloat16 itself where the bfloat16 micro-kernel
+// runs (AVX-512 builds only), else the accumulation type.
+template <template <typename, typename> class Kernel, typename Tensors>
+void run_for_dtype(const Tensors& tensors) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tensors.q.scalar_type(),
+                                  "causal_attention_cpu", [&] {
+                                    using acc_t = at::opmath_type<scalar_t>;
+#if defined(CPU_CAPABILITY_AVX512)
+                                    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+                                      if (bf16_block_gemm_available()) {
+                                        Kernel<scalar_t, at::BFloat16>(tensors).run();
+                                        return;
+                                      }
+                                    }
+#endif
+                                    Kernel<scalar_t, acc_t>(tensors).run();
+                                  });
+}
+
 // Causal blocks differ in cost (the last query block sees every key, the first only a few).
 // Tasks take contiguous ranges of work items, so items are ordered 0, n-1, 1, n-2, ... within
 // each head: any contiguous range then mixes cheap and expensive blocks. Only the order of the
@@ -86,6 +109,20 @@ struct HeadRows {
 // split between threads.
 inline int64_t balanced_block(int64_t position, int64_t num_blocks) {
   return position % 2 == 0 ? position / 2 : num_blocks - 1 - position / 2;
+}
+
+// Calls fn(head, block, scratch) for every block of every head, in parallel tasks that take
+// contiguous ranges of the balanced order; each task owns one Scratch made by make_scratch().
+template <typename MakeScratch, typename Fn>
+void for_each_head_block(int64_t num_heads, int64_t num_blocks, const MakeScratch& make_scratch,
+                         const Fn& fn) {
+  at::parallel_for(0, num_heads * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = make_scratch();
+    for (int64_t item = begin; item < end; ++item) {
+      fn(item / num_blocks, balanced_block(item % num_blocks, num_blocks), scratch);
+    }
+    block_gemm_release();
+  });
 }
 
 template <typename dst_t, typename src_t>
