@@ -70,9 +70,7 @@ void run_backward(const BackwardTensors& tensors) {
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
                                                          const at::Tensor& v, double scale) {
-  constexpr const char* op = "causal_attention.attention_forward";
-  detail::check_attention_inputs(op, q, k, v);
-  detail::check_scale(op, scale);
+  detail::check_forward_call(q, k, v, scale);
   ForwardTensors t{
       as_batch_heads_rows(q), as_batch_heads_rows(k), as_batch_heads_rows(v), {}, {}, scale};
   t.out = at::empty({t.q.size(0), t.q.size(1), t.q.size(2), t.v.size(3)}, q.options());
