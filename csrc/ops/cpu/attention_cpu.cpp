@@ -46,25 +46,17 @@ InstructionSet instruction_set() {
   return chosen;
 }
 
-void run_forward(const ForwardTensors& tensors) {
+// Calls the build of a kernel for this CPU's instruction set.
+template <typename Tensors>
+void run_kernel(const Tensors& tensors, void (*avx512)(const Tensors&),
+                void (*avx2)(const Tensors&), void (*baseline)(const Tensors&)) {
   switch (instruction_set()) {
     case InstructionSet::kAvx512:
-      return AVX512::forward_kernel(tensors);
+      return avx512(tensors);
     case InstructionSet::kAvx2:
-      return AVX2::forward_kernel(tensors);
+      return avx2(tensors);
     case InstructionSet::kDefault:
-      return DEFAULT::forward_kernel(tensors);
-  }
-}
-
-void run_backward(const BackwardTensors& tensors) {
-  switch (instruction_set()) {
-    case InstructionSet::kAvx512:
-      return AVX512::backward_kernel(tensors);
-    case InstructionSet::kAvx2:
-      return AVX2::backward_kernel(tensors);
-    case InstructionSet::kDefault:
-      return DEFAULT::backward_kernel(tensors);
+      return baseline(tensors);
   }
 }
 
@@ -77,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
   t.lse = at::empty({t.q.size(0), t.q.size(1), t.q.size(2)},
                     q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
   if (t.lse.numel() > 0) {
-    run_forward(t);
+    run_kernel(t, AVX512::forward_kernel, AVX2::forward_kernel, DEFAULT::forward_kernel);
   }
   return {t.out.view_symint(detail::output_sym_sizes(q, v)),
           t.lse.view_symint(detail::lse_sym_sizes(q))};
@@ -108,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   t.dk = at::empty(t.k.sizes(), k.options());
   t.dv = at::empty(t.v.sizes(), v.options());
   if (t.dq.numel() > 0 || t.dk.numel() > 0 || t.dv.numel() > 0) {
-    run_backward(t);
+    run_kernel(t, AVX512::backward_kernel, AVX2::backward_kernel, DEFAULT::backward_kernel);
   }
   return {t.dq.view_symint(q.sym_sizes()), t.dk.view_symint(k.sym_sizes()),
           t.dv.view_symint(v.sym_sizes())};
