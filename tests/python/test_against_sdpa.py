@@ -44,6 +44,16 @@ CASES = [
     pytest.param(Case(129, 64, 8, hq=2, hkv=1), id="Lq129-Lk64-D8-gqa2"),
     pytest.param(Case(1000, 17, 128, dv=8), id="Lq1000-Lk17-D128-Dv8"),
     pytest.param(Case(2, 1, 1), id="Lq2-Lk1-D1"),
+    # Decoding (Lq <= 32: register products, one task per KV head and key split). Fewer rows
+    # than a vector holds take the dot-product scores, more the transposed ones; odd D and Dv
+    # exercise the tails, Lk > 1024 with few KV heads the key splits and their merge.
+    pytest.param(Case(16, 2100, 64, hq=4, hkv=2), id="decode-Lq16-Lk2100-D64-gqa2-split"),
+    pytest.param(
+        Case(3, 1500, 17, dv=24, hq=2, hkv=1, layout="strided"),
+        id="decode-Lq3-Lk1500-D17-Dv24-gqa2-strided",
+    ),
+    pytest.param(Case(9, 300, 64, dv=72), id="decode-Lq9-Lk300-D64-Dv72"),
+    pytest.param(Case(32, 32, 8, hq=3, hkv=1, batch=(2,)), id="decode-L32-D8-gqa3"),
     pytest.param(
         Case(64, 2, 64, hq=2, hkv=2, batch=(), layout="transposed"),
         id="3d-Lq64-Lk2-D64-transposed",

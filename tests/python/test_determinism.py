@@ -9,10 +9,13 @@ import torch
 import causal_attention
 from attention_testing import Case, dtype_params, make_tensor
 
-# Many query/key blocks (64 rows each) per head, so the work is split into many tasks.
+# Many query/key blocks (64 rows each) per head, or many key splits, so the work is split into
+# many tasks.
 CASES = [
     pytest.param(Case(700, 700, 64, hq=2, hkv=2), id="H2-L700-D64"),
     pytest.param(Case(500, 700, 64, dv=32, hq=4, hkv=1), id="gqa4-Lq500-Lk700-Dv32"),
+    # Decoding: one task per KV head and 1024-key split, merged in split order.
+    pytest.param(Case(16, 3000, 64, hq=4, hkv=2), id="decode-gqa2-Lq16-Lk3000"),
 ]
 
 

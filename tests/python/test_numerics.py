@@ -137,8 +137,8 @@ def test_nan_in_one_query_row_poisons_only_that_row(dtype, lq, lk):
 @pytest.mark.parametrize("dtype", dtype_params())
 @pytest.mark.parametrize(
     "lq,lk,key",
-    [(100, 100, 37), (40, 100, 80), (130, 130, 64)],
-    ids=["square", "kv-cache", "block-edge"],
+    [(100, 100, 37), (40, 100, 80), (130, 130, 64), (8, 300, 295), (3, 300, 298)],
+    ids=["square", "kv-cache", "block-edge", "decode", "decode-few-rows"],
 )
 def test_non_finite_key_does_not_leak_into_rows_that_cannot_see_it(
     dtype, tensor, value, lq, lk, key

@@ -2,12 +2,17 @@
 // split) and walks its visible key blocks in order with an online softmax (running max, sum and
 // output per row). Nothing of size Lq x Lk is ever allocated.
 //
-// Key splits serve decoding (few query rows against a long KV cache, few heads): with too few
-// (batch, head, query block) items to keep every thread busy, the keys of each item are cut
-// into chunks computed by separate tasks and merged afterwards in chunk order. Whether and how
-// to split depends only on the shapes, never on the thread count, so results stay bitwise
-// identical at any thread count.
+// Decoding (a few query rows against a long KV cache) takes another kind of task: one owns a
+// (batch, KV head, key split) and carries every query row of every query head that shares the
+// KV head (the GQA group) through the keys at once, with the register products of
+// row_products.h instead of packed block products, so that K and V stream from memory once.
+//
+// Key splits serve few tasks (decoding, few heads): with too few items to keep every thread
+// busy, the keys of each item are cut into chunks computed by separate tasks and merged
+// afterwards in chunk order. Whether and how to split depends only on the shapes, never on the
+// thread count, so results stay bitwise identical at any thread count.
 #include "kernel_api.h"
+#include "row_products.h"
 #include "tile_ops.h"
 
 #include <ATen/Dispatch.h>
@@ -16,12 +21,20 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <utility>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
-// Fewer (batch, head, query block) items than this and the keys are split.
+// Up to this many query rows a call decodes (see above). Decoding measured faster than the block
+// path up to 64 rows against a 4096-key cache; 32 keeps the rows one task carries (the GQA group
+// times this) small enough for its scores and outputs to stay in L1/L2.
+constexpr int64_t kMaxDecodeQueryRows = 32;
+// Keys per decoding block: every query row of the task passes over these K and V rows (64 KiB in
+// float32 at D = 64, in L2) before the next block streams in; measured a few % faster than 64.
+constexpr int64_t kDecodeKeyBlock = 128;
+// Fewer items than this and the keys are split.
 constexpr int64_t kMinItemsWithoutSplit = 32;
 // Keys per split: long enough that the merge is negligible next to the split's own work.
 constexpr int64_t kKeysPerSplit = 16 * kKeyBlock;
@@ -53,8 +66,10 @@ class ForwardKernel {
         out_(t.out),
         lse_(t.lse.data_ptr<acc_t>()),
         scale_(static_cast<acc_t>(t.scale)),
-        num_qblocks_(ceil_div(dims_.len_q, kQueryBlock)) {
-    const int64_t items = dims_.batch * dims_.heads_q * num_qblocks_;
+        num_qblocks_(ceil_div(dims_.len_q, kQueryBlock)),
+        decode_(dims_.len_q <= kMaxDecodeQueryRows) {
+    const int64_t items =
+        decode_ ? dims_.batch * dims_.heads_kv : dims_.batch * dims_.heads_q * num_qblocks_;
     num_splits_ = items >= kMinItemsWithoutSplit
                       ? 1
                       : std::max<int64_t>(1, ceil_div(dims_.len_k, kKeysPerSplit));
@@ -69,11 +84,19 @@ class ForwardKernel {
       split_sum_ = at::empty_like(split_max_);
       split_out_ = at::empty({num_heads, num_splits_, dims_.len_q, Dv}, split_max_.options());
     }
-    for_each_head_block(
-        num_heads, num_qblocks_ * num_splits_, [this] { return Scratch(dims_); },
-        [&](int64_t bh, int64_t block, Scratch& s) {
-          run_item(bh, block / num_splits_ * kQueryBlock, block % num_splits_, s);
-        });
+    if (decode_) {
+      for_each_head_block(
+          dims_.batch * dims_.heads_kv, num_splits_, [this] { return DecodeScratch(dims_); },
+          [&](int64_t b_hkv, int64_t split, DecodeScratch& s) {
+            run_decode_item(b_hkv, split, s);
+          });
+    } else {
+      for_each_head_block(
+          num_heads, num_qblocks_ * num_splits_, [this] { return Scratch(dims_); },
+          [&](int64_t bh, int64_t block, Scratch& s) {
+            run_item(bh, block / num_splits_ * kQueryBlock, block % num_splits_, s);
+          });
+    }
     if (num_splits_ > 1) {
       merge_splits();
     }
@@ -96,14 +119,91 @@ class ForwardKernel {
           state(kQueryBlock, d.value_dim) {}
   };
 
+  // Query rows of a decoding task, and the vector-padded count of them that key_query_scores
+  // computes with (query_key_scores serves fewer rows than a vector holds).
+  static int64_t decode_rows(const AttentionDims& d) { return d.group() * d.len_q; }
+  static int64_t padded_decode_rows(const AttentionDims& d) {
+    constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+    return decode_rows(d) < N ? 0 : ceil_div(decode_rows(d), N) * N;
+  }
+
+  struct DecodeScratch {
+    // queries_t holds the query rows transposed, its padding rows zero from construction on.
+    std::vector<acc_t> queries, queries_t, keys, values, scores, scores_t;
+    std::vector<int64_t> visible;
+    RowState<acc_t> state;
+    explicit DecodeScratch(const AttentionDims& d)
+        : queries(decode_rows(d) * d.head_dim),
+          queries_t(padded_decode_rows(d) * d.head_dim),
+          keys(kDecodeKeyBlock * d.head_dim),
+          values(kDecodeKeyBlock * d.value_dim),
+          scores(decode_rows(d) * kDecodeKeyBlock),
+          scores_t(padded_decode_rows(d) * kDecodeKeyBlock),
+          visible(decode_rows(d)),
+          state(decode_rows(d), d.value_dim) {}
+  };
+
+  // The first key of a split, and the end of the keys it covers that a row seeing
+  // `visible_keys` keys needs.
+  std::pair<int64_t, int64_t> key_range(int64_t split, int64_t visible_keys) const {
+    const int64_t chunk = ceil_div(ceil_div(dims_.len_k, num_splits_), kKeyBlock) * kKeyBlock;
+    return {split * chunk, std::min(visible_keys, (split + 1) * chunk)};
+  }
+
+  // One (batch, KV head, key split) of a decoding call: row r of the item is query row r % len_q
+  // of query head h_kv * group + r / len_q.
+  void run_decode_item(int64_t b_hkv, int64_t split, DecodeScratch& s) {
+    const int64_t b = b_hkv / dims_.heads_kv, h_kv = b_hkv % dims_.heads_kv;
+    const int64_t D = dims_.head_dim, Dv = dims_.value_dim, len_q = dims_.len_q;
+    const int64_t first_head = h_kv * dims_.group();
+    const int64_t rows = decode_rows(dims_), padded_rows = padded_decode_rows(dims_);
+    for (int64_t r = 0; r < rows; ++r) {
+      convert_row(q_.row(b, first_head + r / len_q, r % len_q), s.queries.data() + r * D, D);
+    }
+    if (padded_rows > 0) {
+      transpose_block(s.queries.data(), rows, D, D, s.queries_t.data(), padded_rows);
+    }
+    const auto [key_begin, key_end] = key_range(split, dims_.visible_keys(len_q - 1));
+    RowState<acc_t>& state = s.state;
+    state.reset(rows, Dv);
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += kDecodeKeyBlock) {
+      const int64_t cols = std::min(kDecodeKeyBlock, key_end - k0);
+      int64_t ldk = 0, ldv = 0;
+      const acc_t* keys =
+          Operands<acc_t>::a(k_.row(b, h_kv, k0), cols, D, k_.row_stride, s.keys.data(), &ldk);
+      StreamAhead stream;
+      stream.values = StreamAhead::Rows::of(v_.row(b, h_kv, k0), cols, Dv, v_.row_stride);
+      stream.next_keys =
+          StreamAhead::Rows::of(k_.row(b, h_kv, k0 + cols),
+                                std::min(kDecodeKeyBlock, key_end - k0 - cols), D, k_.row_stride);
+      if (padded_rows > 0) {
+        key_query_scores(s.queries_t.data(), padded_rows, padded_rows, keys, ldk, cols, D,
+                         s.scores_t.data(), padded_rows, stream);
+        transpose_block(s.scores_t.data(), cols, rows, padded_rows, s.scores.data(), cols);
+      } else {
+        query_key_scores(s.queries.data(), D, rows, keys, ldk, cols, D, s.scores.data(), cols,
+                         stream);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        s.visible[r] = std::clamp<int64_t>(dims_.visible_keys(r % len_q) - k0, 0, cols);
+        update_row(s.scores.data() + r * cols, cols, s.visible[r], state, r, Dv);
+      }
+      const acc_t* values =
+          Operands<acc_t>::a(v_.row(b, h_kv, k0), cols, Dv, v_.row_stride, s.values.data(), &ldv);
+      accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), values, ldv, Dv,
+                                 state.out.data(), Dv, stream);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      emit_row(state, r, b * dims_.heads_q + first_head + r / len_q, r % len_q, split);
+    }
+  }
+
   void run_item(int64_t bh, int64_t q0, int64_t split, Scratch& s) {
     const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
     const int64_t h_kv = h / dims_.group();
     const int64_t D = dims_.head_dim, Dv = dims_.value_dim;
     const int64_t rows = std::min(kQueryBlock, dims_.len_q - q0);
-    const int64_t chunk = ceil_div(ceil_div(dims_.len_k, num_splits_), kKeyBlock) * kKeyBlock;
-    const int64_t key_begin = split * chunk;
-    const int64_t key_end = std::min(dims_.visible_keys(q0 + rows - 1), key_begin + chunk);
+    const auto [key_begin, key_end] = key_range(split, dims_.visible_keys(q0 + rows - 1));
     RowState<acc_t>& state = s.state;
     state.reset(rows, Dv);
 
@@ -132,13 +232,8 @@ class ForwardKernel {
                          state.out.data(), Dv);
     }
 
-    if (num_splits_ == 1) {
-      finish_rows(state, rows, bh, q0);
-    } else {
-      const int64_t offset = (bh * num_splits_ + split) * dims_.len_q + q0;
-      std::copy_n(state.max.begin(), rows, split_max_.data_ptr<acc_t>() + offset);
-      std::copy_n(state.sum.begin(), rows, split_sum_.data_ptr<acc_t>() + offset);
-      std::copy_n(state.out.begin(), rows * Dv, split_out_.data_ptr<acc_t>() + offset * Dv);
+    for (int64_t r = 0; r < rows; ++r) {
+      emit_row(state, r, bh, q0 + r, split);
     }
   }
 
@@ -151,7 +246,7 @@ class ForwardKernel {
     const acc_t new_max = std::isnan(block_max) ? block_max : std::max(old_max, block_max);
     if (new_max == -std::numeric_limits<acc_t>::infinity() || std::isnan(new_max)) {
       // Nothing visible yet, or a NaN score: the row contributes nothing further, and a NaN
-      // max marks it so that finish_rows returns NaN for it (and only for it).
+      // max marks it so that finish_row returns NaN for it (and only for it).
       state.max[r] = new_max;
       std::fill(scores, scores + cols, acc_t(0));
       return;
@@ -165,11 +260,20 @@ class ForwardKernel {
     }
   }
 
-  void finish_rows(const RowState<acc_t>& state, int64_t rows, int64_t bh, int64_t q0) {
-    const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
-    for (int64_t r = 0; r < rows; ++r) {
-      finish_row(state.max[r], state.sum[r], state.out.data() + r * dims_.value_dim,
-                 out_.row(b, h, q0 + r), lse_ + bh * dims_.len_q + q0 + r);
+  // Row r of `state` is query row q_row of head bh (batch * heads_q + head): finished into the
+  // output when keys are not split, else kept for merge_splits.
+  void emit_row(const RowState<acc_t>& state, int64_t r, int64_t bh, int64_t q_row, int64_t split) {
+    const int64_t Dv = dims_.value_dim;
+    const acc_t* acc = state.out.data() + r * Dv;
+    if (num_splits_ == 1) {
+      const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
+      finish_row(state.max[r], state.sum[r], acc, out_.row(b, h, q_row),
+                 lse_ + bh * dims_.len_q + q_row);
+    } else {
+      const int64_t at_row = (bh * num_splits_ + split) * dims_.len_q + q_row;
+      split_max_.data_ptr<acc_t>()[at_row] = state.max[r];
+      split_sum_.data_ptr<acc_t>()[at_row] = state.sum[r];
+      std::copy_n(acc, Dv, split_out_.data_ptr<acc_t>() + at_row * Dv);
     }
   }
 
@@ -229,6 +333,7 @@ class ForwardKernel {
   acc_t* const lse_;
   const acc_t scale_;
   const int64_t num_qblocks_;
+  const bool decode_;
   int64_t num_splits_;
   at::Tensor split_max_, split_sum_, split_out_;
 };

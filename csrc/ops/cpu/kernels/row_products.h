@@ -1,0 +1,338 @@
+// Block products for a handful of query rows, as in decoding against a KV cache: the query rows
+// against a block of key and value rows read in place, in registers, with no packed copy of K or
+// V.
+//
+// The micro-kernel behind block_gemm wants its right-hand operand laid out for it (K_j^T, or
+// VNNI pairs), and that repacking costs as much as the product itself when only a few query rows
+// share a key block; with so few rows its register tiles also run mostly empty (measured: no
+// faster than the code below at 8 or 16 rows). Here:
+// - scores of fewer rows than a vector holds come from dot products, Vec::size() keys at a
+//   time, their horizontal sums done together (lane_sums);
+// - scores of more rows are computed transposed, vectors of query rows against broadcast key
+//   elements (Q given transposed, packed once per task), with no horizontal sums;
+// - values are accumulated four query rows at a time, so each value vector loaded serves four;
+// - the cache lines of the next steps are requested while the current one computes
+//   (StreamAhead), so that K and V stream in from memory behind the arithmetic.
+//
+// Included only by the per-instruction-set kernel sources (see tile_ops.h).
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// Prefetches for one key block: this block's value rows, requested a few at a time while its
+// scores are computed, and the next block's key rows, requested a share at a time while the
+// values are accumulated. Without it each block's first touch of K and V stalls the arithmetic
+// on memory (measured: decoding 16 rows against a 4096-key cache took 35 % longer).
+struct StreamAhead {
+  struct Rows {
+    const char* data = nullptr;
+    int64_t count = 0, row_bytes = 0, stride_bytes = 0;
+
+    template <typename T>
+    static Rows of(const T* data, int64_t count, int64_t width, int64_t ld) {
+      return {reinterpret_cast<const char*>(data), count, width * int64_t(sizeof(T)),
+              ld * int64_t(sizeof(T))};
+    }
+  };
+  Rows values, next_keys;
+
+  // Value rows [j, j + n).
+  void value_rows(int64_t j, int64_t n) const { fetch(values, j, n); }
+  // The share [from, to) / total of the next block's key rows.
+  void next_key_share(int64_t from, int64_t to, int64_t total) const {
+    const int64_t begin = next_keys.count * from / total, end = next_keys.count * to / total;
+    fetch(next_keys, begin, end - begin);
+  }
+
+ private:
+  static void fetch(const Rows& rows, int64_t first, int64_t n) {
+    constexpr int64_t kLineBytes = 64;
+    for (int64_t i = first; i < std::min(first + n, rows.count); ++i) {
+      for (int64_t c = 0; c < rows.row_bytes; c += kLineBytes) {
+        __builtin_prefetch(rows.data + i * rows.stride_bytes + c, /*rw=*/0, /*locality=*/3);
+      }
+    }
+  }
+};
+
+// Lane i of the result is the sum of the lanes of acc[i], for i < Vec::size(). Fixed order, so
+// the sums do not depend on anything but the inputs.
+template <typename acc_t>
+inline at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized<acc_t>* acc) {
+  using Vec = at::vec::Vectorized<acc_t>;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // Two rounds of pairwise adds leave the sums of the low halves in the low 128-bit lane and
+    // of the high halves in the high lane; adding the lanes crosswise finishes all eight.
+    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 low = _mm256_hadd_ps(h01, h23), high = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                         _mm256_permute2f128_ps(low, high, 0x31));
+  }
+#endif
+  constexpr int64_t N = Vec::size();
+  __at_align__ acc_t lanes[N * N];
+  __at_align__ acc_t sums[N];
+  for (int64_t i = 0; i < N; ++i) {
+    acc[i].store(lanes + i * N);
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    acc_t sum = 0;
+    for (int64_t l = 0; l < N; ++l) {
+      sum += lanes[i * N + l];
+    }
+    sums[i] = sum;
+  }
+  return Vec::loadu(sums);
+}
+
+// q · k over `dim` elements.
+template <typename acc_t>
+inline acc_t dot(const acc_t* q, const acc_t* k, int64_t dim) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec sum(acc_t(0));
+  int64_t d = 0;
+  for (; d + Vec::size() <= dim; d += Vec::size()) {
+    sum = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), sum);
+  }
+  if (d < dim) {
+    sum = at::vec::fmadd(Vec::loadu(q + d, dim - d), Vec::loadu(k + d, dim - d), sum);
+  }
+  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
+
+// scores[r * ld_scores + j] = q_r · k_j for r < rows, j < cols, where q_r = q + r * ld_q and
+// k_j = k + j * ld_k each hold `dim` elements. For rows < Vec::size().
+template <typename acc_t>
+void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const acc_t* k, int64_t ld_k,
+                      int64_t cols, int64_t dim, acc_t* scores, int64_t ld_scores,
+                      const StreamAhead& stream) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t N = Vec::size();
+  const int64_t full_dim = dim / N * N;
+  int64_t j = 0;
+  // Vec::size() keys at a time: one accumulator a key, reduced together by lane_sums.
+  for (; j + N <= cols; j += N) {
+    stream.value_rows(j, N);
+    const acc_t* keys = k + j * ld_k;
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t* query = q + r * ld_q;
+      Vec acc[N];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < N; ++i) {
+        acc[i] = Vec(acc_t(0));
+      }
+      for (int64_t d = 0; d < full_dim; d += N) {
+        const Vec qv = Vec::loadu(query + d);
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < N; ++i) {
+          acc[i] = at::vec::fmadd(Vec::loadu(keys + i * ld_k + d), qv, acc[i]);
+        }
+      }
+      if (full_dim < dim) {
+        const int64_t tail = dim - full_dim;
+        const Vec qv = Vec::loadu(query + full_dim, tail);
+        for (int64_t i = 0; i < N; ++i) {
+          acc[i] = at::vec::fmadd(Vec::loadu(keys + i * ld_k + full_dim, tail), qv, acc[i]);
+        }
+      }
+      lane_sums(acc).store(scores + r * ld_scores + j);
+    }
+  }
+  stream.value_rows(j, cols - j);
+  for (; j < cols; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      scores[r * ld_scores + j] = dot(q + r * ld_q, k + j * ld_k, dim);
+    }
+  }
+}
+
+// scores_t[j * ld_st + r] = sum over d of q_t[d * ld_qt + r] * k[j * ld_k + d], for kKeys keys
+// and kVecs vectors of query rows starting at the given pointers.
+template <int64_t kKeys, int64_t kVecs, typename acc_t>
+inline void key_query_tile(const acc_t* q_t, int64_t ld_qt, const acc_t* k, int64_t ld_k,
+                           int64_t dim, acc_t* scores_t, int64_t ld_st) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec acc[kKeys][kVecs];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kKeys; ++i) {
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kVecs; ++v) {
+      acc[i][v] = Vec(acc_t(0));
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    Vec queries[kVecs];
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kVecs; ++v) {
+      queries[v] = Vec::loadu(q_t + d * ld_qt + v * Vec::size());
+    }
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < kKeys; ++i) {
+      const Vec key(k[i * ld_k + d]);
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < kVecs; ++v) {
+        acc[i][v] = at::vec::fmadd(queries[v], key, acc[i][v]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kKeys; ++i) {
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kVecs; ++v) {
+      acc[i][v].store(scores_t + i * ld_st + v * Vec::size());
+    }
+  }
+}
+
+// scores_t[j * ld_st + r] = q_r · k_j for r < padded_rows and j < cols, with the query rows
+// given transposed: q_t[d * ld_qt + r], padded_rows a multiple of Vec::size() (zero rows past
+// the real ones), k_j = k + j * ld_k.
+template <typename acc_t>
+void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, const acc_t* k,
+                      int64_t ld_k, int64_t cols, int64_t dim, acc_t* scores_t, int64_t ld_st,
+                      const StreamAhead& stream) {
+  constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+  int64_t r = 0;
+  // Two vectors of rows against four keys: eight accumulators, and six loads per eight FMAs.
+  for (; r + 2 * N <= padded_rows; r += 2 * N) {
+    int64_t j = 0;
+    for (; j + 4 <= cols; j += 4) {
+      if (r == 0) {
+        stream.value_rows(j, 4);
+      }
+      key_query_tile<4, 2>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
+                           ld_st);
+    }
+    for (; j < cols; ++j) {
+      key_query_tile<1, 2>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
+                           ld_st);
+    }
+  }
+  for (; r < padded_rows; r += N) {
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) {
+      if (r == 0) {
+        stream.value_rows(j, 8);
+      }
+      key_query_tile<8, 1>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
+                           ld_st);
+    }
+    for (; j < cols; ++j) {
+      key_query_tile<1, 1>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
+                           ld_st);
+    }
+  }
+}
+
+// For each of kRows query rows i: out[i * ld_out + c] += sum over j in [begin, end) of
+// p[i * ld_p + j] * v[j * ld_v + c], for kVecs vectors of columns c.
+template <int64_t kRows, int64_t kVecs, typename acc_t>
+inline void value_tile(const acc_t* p, int64_t ld_p, int64_t begin, int64_t end, const acc_t* v,
+                       int64_t ld_v, acc_t* out, int64_t ld_out) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec acc[kRows][kVecs];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kVecs; ++c) {
+      acc[i][c] = Vec::loadu(out + i * ld_out + c * Vec::size());
+    }
+  }
+  for (int64_t j = begin; j < end; ++j) {
+    Vec values[kVecs];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kVecs; ++c) {
+      values[c] = Vec::loadu(v + j * ld_v + c * Vec::size());
+    }
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < kRows; ++i) {
+      const Vec weight(p[i * ld_p + j]);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kVecs; ++c) {
+        acc[i][c] = at::vec::fmadd(values[c], weight, acc[i][c]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kVecs; ++c) {
+      acc[i][c].store(out + i * ld_out + c * Vec::size());
+    }
+  }
+}
+
+// out[c] += sum over j in [begin, end) of p[j] * v[j * ld_v + c] for c < dim_v: one row, for
+// the keys only one of a pair of rows sees, and for odd rows out.
+template <typename acc_t>
+inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const acc_t* v,
+                               int64_t ld_v, int64_t dim_v, acc_t* out) {
+  constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+  int64_t c = 0;
+  for (; c + 8 * N <= dim_v; c += 8 * N) {
+    value_tile<1, 8>(p, 0, begin, end, v + c, ld_v, out + c, 0);
+  }
+  for (; c + N <= dim_v; c += N) {
+    value_tile<1, 1>(p, 0, begin, end, v + c, ld_v, out + c, 0);
+  }
+  for (; c < dim_v; ++c) {
+    acc_t sum = out[c];
+    for (int64_t j = begin; j < end; ++j) {
+      sum += p[j] * v[j * ld_v + c];
+    }
+    out[c] = sum;
+  }
+}
+
+// out[r * ld_out + c] += sum over j < visible[r] of p[r * ld_p + j] * v[j * ld_v + c], for
+// r < rows and c < dim_v. A row reads only the value rows it sees, so a non-finite value row
+// never reaches a query row the mask hides it from.
+template <typename acc_t>
+void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, const int64_t* visible,
+                                const acc_t* v, int64_t ld_v, int64_t dim_v, acc_t* out,
+                                int64_t ld_out, const StreamAhead& stream) {
+  // Four rows by two vectors: eight accumulators, six loads per eight FMAs (measured faster
+  // than one by eight, two by four and three by four).
+  constexpr int64_t kRows = 4, kVecs = 2;
+  constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    stream.next_key_share(r, r + kRows, rows);
+    // The keys every row of the tile sees go through the tile; the rest row by row.
+    const int64_t shared = *std::min_element(visible + r, visible + r + kRows);
+    const acc_t* weights = p + r * ld_p;
+    acc_t* out_rows = out + r * ld_out;
+    int64_t c = 0;
+    for (; c + kVecs * N <= dim_v; c += kVecs * N) {
+      value_tile<kRows, kVecs>(weights, ld_p, 0, shared, v + c, ld_v, out_rows + c, ld_out);
+    }
+    for (; c + N <= dim_v; c += N) {
+      value_tile<kRows, 1>(weights, ld_p, 0, shared, v + c, ld_v, out_rows + c, ld_out);
+    }
+    for (int64_t i = r; i < r + kRows; ++i) {
+      for (int64_t cc = c; cc < dim_v; ++cc) {
+        acc_t sum = out[i * ld_out + cc];
+        for (int64_t j = 0; j < shared; ++j) {
+          sum += p[i * ld_p + j] * v[j * ld_v + cc];
+        }
+        out[i * ld_out + cc] = sum;
+      }
+      accumulate_one_row(p + i * ld_p, shared, visible[i], v, ld_v, dim_v, out + i * ld_out);
+    }
+  }
+  stream.next_key_share(r, rows, rows);
+  for (; r < rows; ++r) {
+    accumulate_one_row(p + r * ld_p, 0, visible[r], v, ld_v, dim_v, out + r * ld_out);
+  }
+}
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
