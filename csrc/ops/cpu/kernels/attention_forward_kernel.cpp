@@ -129,14 +129,13 @@ class ForwardKernel {
 
   struct DecodeScratch {
     // queries_t holds the query rows transposed, its padding rows zero from construction on.
-    std::vector<acc_t> queries, queries_t, keys, values, scores, scores_t;
+    std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> visible;
     RowState<acc_t> state;
     explicit DecodeScratch(const AttentionDims& d)
         : queries(decode_rows(d) * d.head_dim),
           queries_t(padded_decode_rows(d) * d.head_dim),
           keys(kDecodeKeyBlock * d.head_dim),
-          values(kDecodeKeyBlock * d.value_dim),
           scores(decode_rows(d) * kDecodeKeyBlock),
           scores_t(padded_decode_rows(d) * kDecodeKeyBlock),
           visible(decode_rows(d)),
@@ -166,32 +165,35 @@ class ForwardKernel {
     const auto [key_begin, key_end] = key_range(split, dims_.visible_keys(len_q - 1));
     RowState<acc_t>& state = s.state;
     state.reset(rows, Dv);
+    // Value rows are read in place (widened in registers if of a reduced dtype). So are key rows
+    // for fewer rows than a vector holds; with more, each key element is broadcast to many rows
+    // and a key block of a reduced dtype is converted once instead (measured faster).
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kDecodeKeyBlock) {
       const int64_t cols = std::min(kDecodeKeyBlock, key_end - k0);
-      int64_t ldk = 0, ldv = 0;
-      const acc_t* keys =
-          Operands<acc_t>::a(k_.row(b, h_kv, k0), cols, D, k_.row_stride, s.keys.data(), &ldk);
+      const scalar_t* k_block = k_.row(b, h_kv, k0);
+      const scalar_t* v_block = v_.row(b, h_kv, k0);
       StreamAhead stream;
-      stream.values = StreamAhead::Rows::of(v_.row(b, h_kv, k0), cols, Dv, v_.row_stride);
+      stream.values = StreamAhead::Rows::of(v_block, cols, Dv, v_.row_stride);
       stream.next_keys =
           StreamAhead::Rows::of(k_.row(b, h_kv, k0 + cols),
                                 std::min(kDecodeKeyBlock, key_end - k0 - cols), D, k_.row_stride);
       if (padded_rows > 0) {
+        int64_t ldk = 0;
+        const acc_t* keys =
+            Operands<acc_t>::a(k_block, cols, D, k_.row_stride, s.keys.data(), &ldk);
         key_query_scores(s.queries_t.data(), padded_rows, padded_rows, keys, ldk, cols, D,
                          s.scores_t.data(), padded_rows, stream);
         transpose_block(s.scores_t.data(), cols, rows, padded_rows, s.scores.data(), cols);
       } else {
-        query_key_scores(s.queries.data(), D, rows, keys, ldk, cols, D, s.scores.data(), cols,
-                         stream);
+        query_key_scores(s.queries.data(), D, rows, k_block, k_.row_stride, cols, D,
+                         s.scores.data(), cols, stream);
       }
       for (int64_t r = 0; r < rows; ++r) {
         s.visible[r] = std::clamp<int64_t>(dims_.visible_keys(r % len_q) - k0, 0, cols);
         update_row(s.scores.data() + r * cols, cols, s.visible[r], state, r, Dv);
       }
-      const acc_t* values =
-          Operands<acc_t>::a(v_.row(b, h_kv, k0), cols, Dv, v_.row_stride, s.values.data(), &ldv);
-      accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), values, ldv, Dv,
-                                 state.out.data(), Dv, stream);
+      accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), v_block,
+                                 v_.row_stride, Dv, state.out.data(), Dv, stream);
     }
     for (int64_t r = 0; r < rows; ++r) {
       emit_row(state, r, b * dims_.heads_q + first_head + r / len_q, r % len_q, split);

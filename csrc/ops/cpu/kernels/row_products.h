@@ -1,6 +1,6 @@
 // Block products for a handful of query rows, as in decoding against a KV cache: the query rows
 // against a block of key and value rows read in place, in registers, with no packed copy of K or
-// V.
+// V (bfloat16 and float16 rows are widened to float32 as they are loaded).
 //
 // The micro-kernel behind block_gemm wants its right-hand operand laid out for it (K_j^T, or
 // VNNI pairs), and that repacking costs as much as the product itself when only a few query rows
@@ -62,6 +62,32 @@ struct StreamAhead {
   }
 };
 
+// Vec::size() elements of src as acc_t: a bfloat16 or float16 source is widened in registers.
+template <typename acc_t, typename src_t>
+inline at::vec::Vectorized<acc_t> load_as(const src_t* src) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, src_t>) {
+    return Vec::loadu(src);
+  } else {
+    Vec out;
+    at::vec::load_to_float(src, out);
+    return out;
+  }
+}
+
+// The first `count` (< Vec::size()) elements of src as acc_t, the other lanes zero.
+template <typename acc_t, typename src_t>
+inline at::vec::Vectorized<acc_t> load_as(const src_t* src, int64_t count) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, src_t>) {
+    return Vec::loadu(src, count);
+  } else {
+    __at_align__ acc_t widened[Vec::size()] = {};
+    std::copy_n(src, count, widened);
+    return Vec::loadu(widened);
+  }
+}
+
 // Lane i of the result is the sum of the lanes of acc[i], for i < Vec::size(). Fixed order, so
 // the sums do not depend on anything but the inputs.
 template <typename acc_t>
@@ -95,24 +121,25 @@ inline at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized<acc_t>* ac
 }
 
 // q · k over `dim` elements.
-template <typename acc_t>
-inline acc_t dot(const acc_t* q, const acc_t* k, int64_t dim) {
+template <typename acc_t, typename src_t>
+inline acc_t dot(const acc_t* q, const src_t* k, int64_t dim) {
   using Vec = at::vec::Vectorized<acc_t>;
   Vec sum(acc_t(0));
   int64_t d = 0;
   for (; d + Vec::size() <= dim; d += Vec::size()) {
-    sum = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), sum);
+    sum = at::vec::fmadd(Vec::loadu(q + d), load_as<acc_t>(k + d), sum);
   }
   if (d < dim) {
-    sum = at::vec::fmadd(Vec::loadu(q + d, dim - d), Vec::loadu(k + d, dim - d), sum);
+    sum = at::vec::fmadd(Vec::loadu(q + d, dim - d), load_as<acc_t>(k + d, dim - d), sum);
   }
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum);
 }
 
 // scores[r * ld_scores + j] = q_r · k_j for r < rows, j < cols, where q_r = q + r * ld_q and
-// k_j = k + j * ld_k each hold `dim` elements. For rows < Vec::size().
-template <typename acc_t>
-void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const acc_t* k, int64_t ld_k,
+// k_j = k + j * ld_k each hold `dim` elements. For rows < Vec::size(): each key element then
+// serves so few rows that K is read in its own dtype, with no converted copy.
+template <typename acc_t, typename src_t>
+void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k, int64_t ld_k,
                       int64_t cols, int64_t dim, acc_t* scores, int64_t ld_scores,
                       const StreamAhead& stream) {
   using Vec = at::vec::Vectorized<acc_t>;
@@ -122,7 +149,7 @@ void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const acc_t* k
   // Vec::size() keys at a time: one accumulator a key, reduced together by lane_sums.
   for (; j + N <= cols; j += N) {
     stream.value_rows(j, N);
-    const acc_t* keys = k + j * ld_k;
+    const src_t* keys = k + j * ld_k;
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t* query = q + r * ld_q;
       Vec acc[N];
@@ -134,14 +161,14 @@ void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const acc_t* k
         const Vec qv = Vec::loadu(query + d);
 #pragma GCC unroll 16
         for (int64_t i = 0; i < N; ++i) {
-          acc[i] = at::vec::fmadd(Vec::loadu(keys + i * ld_k + d), qv, acc[i]);
+          acc[i] = at::vec::fmadd(load_as<acc_t>(keys + i * ld_k + d), qv, acc[i]);
         }
       }
       if (full_dim < dim) {
         const int64_t tail = dim - full_dim;
         const Vec qv = Vec::loadu(query + full_dim, tail);
         for (int64_t i = 0; i < N; ++i) {
-          acc[i] = at::vec::fmadd(Vec::loadu(keys + i * ld_k + full_dim, tail), qv, acc[i]);
+          acc[i] = at::vec::fmadd(load_as<acc_t>(keys + i * ld_k + full_dim, tail), qv, acc[i]);
         }
       }
       lane_sums(acc).store(scores + r * ld_scores + j);
@@ -235,8 +262,8 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
 
 // For each of kRows query rows i: out[i * ld_out + c] += sum over j in [begin, end) of
 // p[i * ld_p + j] * v[j * ld_v + c], for kVecs vectors of columns c.
-template <int64_t kRows, int64_t kVecs, typename acc_t>
-inline void value_tile(const acc_t* p, int64_t ld_p, int64_t begin, int64_t end, const acc_t* v,
+template <int64_t kRows, int64_t kVecs, typename acc_t, typename src_t>
+inline void value_tile(const acc_t* p, int64_t ld_p, int64_t begin, int64_t end, const src_t* v,
                        int64_t ld_v, acc_t* out, int64_t ld_out) {
   using Vec = at::vec::Vectorized<acc_t>;
   Vec acc[kRows][kVecs];
@@ -251,7 +278,7 @@ inline void value_tile(const acc_t* p, int64_t ld_p, int64_t begin, int64_t end,
     Vec values[kVecs];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < kVecs; ++c) {
-      values[c] = Vec::loadu(v + j * ld_v + c * Vec::size());
+      values[c] = load_as<acc_t>(v + j * ld_v + c * Vec::size());
     }
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kRows; ++i) {
@@ -273,8 +300,8 @@ inline void value_tile(const acc_t* p, int64_t ld_p, int64_t begin, int64_t end,
 
 // out[c] += sum over j in [begin, end) of p[j] * v[j * ld_v + c] for c < dim_v: one row, for
 // the keys only one of a pair of rows sees, and for odd rows out.
-template <typename acc_t>
-inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const acc_t* v,
+template <typename acc_t, typename src_t>
+inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const src_t* v,
                                int64_t ld_v, int64_t dim_v, acc_t* out) {
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t c = 0;
@@ -287,7 +314,7 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
   for (; c < dim_v; ++c) {
     acc_t sum = out[c];
     for (int64_t j = begin; j < end; ++j) {
-      sum += p[j] * v[j * ld_v + c];
+      sum += p[j] * static_cast<acc_t>(v[j * ld_v + c]);
     }
     out[c] = sum;
   }
@@ -296,9 +323,9 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
 // out[r * ld_out + c] += sum over j < visible[r] of p[r * ld_p + j] * v[j * ld_v + c], for
 // r < rows and c < dim_v. A row reads only the value rows it sees, so a non-finite value row
 // never reaches a query row the mask hides it from.
-template <typename acc_t>
+template <typename acc_t, typename src_t>
 void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, const int64_t* visible,
-                                const acc_t* v, int64_t ld_v, int64_t dim_v, acc_t* out,
+                                const src_t* v, int64_t ld_v, int64_t dim_v, acc_t* out,
                                 int64_t ld_out, const StreamAhead& stream) {
   // Four rows by two vectors: eight accumulators, six loads per eight FMAs (measured faster
   // than one by eight, two by four and three by four).
@@ -322,7 +349,7 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
       for (int64_t cc = c; cc < dim_v; ++cc) {
         acc_t sum = out[i * ld_out + cc];
         for (int64_t j = 0; j < shared; ++j) {
-          sum += p[i * ld_p + j] * v[j * ld_v + cc];
+          sum += p[i * ld_p + j] * static_cast<acc_t>(v[j * ld_v + cc]);
         }
         out[i * ld_out + cc] = sum;
       }
