@@ -10,7 +10,8 @@
 //   time, their horizontal sums done together (lane_sums);
 // - scores of more rows are computed transposed, vectors of query rows against broadcast key
 //   elements (Q given transposed, packed once per task), with no horizontal sums;
-// - values are accumulated four query rows at a time, so each value vector loaded serves four;
+// - values are accumulated four query rows at a time, so each value vector loaded serves four
+//   (this and the transposed scores share one register tile of rank-one updates);
 // - the cache lines of the next steps are requested while the current one computes
 //   (StreamAhead), so that K and V stream in from memory behind the arithmetic.
 //
@@ -182,40 +183,44 @@ void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k
   }
 }
 
-// scores_t[j * ld_st + r] = sum over d of q_t[d * ld_qt + r] * k[j * ld_k + d], for kKeys keys
-// and kVecs vectors of query rows starting at the given pointers.
-template <int64_t kKeys, int64_t kVecs, typename acc_t>
-inline void key_query_tile(const acc_t* q_t, int64_t ld_qt, const acc_t* k, int64_t ld_k,
-                           int64_t dim, acc_t* scores_t, int64_t ld_st) {
+// A register tile of rank-one updates, the one inner loop of both products:
+//   c[i * ldc + x] (= or +=) sum over t in [begin, end) of a[i * lda + t] * b[t * ldb + x]
+// for kRows rows i and kVecs vectors of columns x. Each b vector loaded serves kRows rows, each
+// broadcast a element kVecs vectors. (Scores: a = key rows, b = transposed query rows; values:
+// a = probabilities, b = value rows, read in their own dtype.)
+template <int64_t kRows, int64_t kVecs, bool kAccumulate, typename acc_t, typename a_t,
+          typename b_t>
+inline void rank_one_tile(const a_t* a, int64_t lda, const b_t* b, int64_t ldb, int64_t begin,
+                          int64_t end, acc_t* c, int64_t ldc) {
   using Vec = at::vec::Vectorized<acc_t>;
-  Vec acc[kKeys][kVecs];
+  Vec acc[kRows][kVecs];
 #pragma GCC unroll 16
-  for (int64_t i = 0; i < kKeys; ++i) {
+  for (int64_t i = 0; i < kRows; ++i) {
 #pragma GCC unroll 16
-    for (int64_t v = 0; v < kVecs; ++v) {
-      acc[i][v] = Vec(acc_t(0));
+    for (int64_t x = 0; x < kVecs; ++x) {
+      acc[i][x] = kAccumulate ? Vec::loadu(c + i * ldc + x * Vec::size()) : Vec(acc_t(0));
     }
   }
-  for (int64_t d = 0; d < dim; ++d) {
-    Vec queries[kVecs];
+  for (int64_t t = begin; t < end; ++t) {
+    Vec columns[kVecs];
 #pragma GCC unroll 16
-    for (int64_t v = 0; v < kVecs; ++v) {
-      queries[v] = Vec::loadu(q_t + d * ld_qt + v * Vec::size());
+    for (int64_t x = 0; x < kVecs; ++x) {
+      columns[x] = load_as<acc_t>(b + t * ldb + x * Vec::size());
     }
 #pragma GCC unroll 16
-    for (int64_t i = 0; i < kKeys; ++i) {
-      const Vec key(k[i * ld_k + d]);
+    for (int64_t i = 0; i < kRows; ++i) {
+      const Vec scalar(static_cast<acc_t>(a[i * lda + t]));
 #pragma GCC unroll 16
-      for (int64_t v = 0; v < kVecs; ++v) {
-        acc[i][v] = at::vec::fmadd(queries[v], key, acc[i][v]);
+      for (int64_t x = 0; x < kVecs; ++x) {
+        acc[i][x] = at::vec::fmadd(columns[x], scalar, acc[i][x]);
       }
     }
   }
 #pragma GCC unroll 16
-  for (int64_t i = 0; i < kKeys; ++i) {
+  for (int64_t i = 0; i < kRows; ++i) {
 #pragma GCC unroll 16
-    for (int64_t v = 0; v < kVecs; ++v) {
-      acc[i][v].store(scores_t + i * ld_st + v * Vec::size());
+    for (int64_t x = 0; x < kVecs; ++x) {
+      acc[i][x].store(c + i * ldc + x * Vec::size());
     }
   }
 }
@@ -236,12 +241,12 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
       if (r == 0) {
         stream.value_rows(j, 4);
       }
-      key_query_tile<4, 2>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
-                           ld_st);
+      rank_one_tile<4, 2, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
+                                 scores_t + j * ld_st + r, ld_st);
     }
     for (; j < cols; ++j) {
-      key_query_tile<1, 2>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
-                           ld_st);
+      rank_one_tile<1, 2, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
+                                 scores_t + j * ld_st + r, ld_st);
     }
   }
   for (; r < padded_rows; r += N) {
@@ -250,50 +255,12 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
       if (r == 0) {
         stream.value_rows(j, 8);
       }
-      key_query_tile<8, 1>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
-                           ld_st);
+      rank_one_tile<8, 1, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
+                                 scores_t + j * ld_st + r, ld_st);
     }
     for (; j < cols; ++j) {
-      key_query_tile<1, 1>(q_t + r, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st + r,
-                           ld_st);
-    }
-  }
-}
-
-// For each of kRows query rows i: out[i * ld_out + c] += sum over j in [begin, end) of
-// p[i * ld_p + j] * v[j * ld_v + c], for kVecs vectors of columns c.
-template <int64_t kRows, int64_t kVecs, typename acc_t, typename src_t>
-inline void value_tile(const acc_t* p, int64_t ld_p, int64_t begin, int64_t end, const src_t* v,
-                       int64_t ld_v, acc_t* out, int64_t ld_out) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  Vec acc[kRows][kVecs];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kRows; ++i) {
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < kVecs; ++c) {
-      acc[i][c] = Vec::loadu(out + i * ld_out + c * Vec::size());
-    }
-  }
-  for (int64_t j = begin; j < end; ++j) {
-    Vec values[kVecs];
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < kVecs; ++c) {
-      values[c] = load_as<acc_t>(v + j * ld_v + c * Vec::size());
-    }
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < kRows; ++i) {
-      const Vec weight(p[i * ld_p + j]);
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < kVecs; ++c) {
-        acc[i][c] = at::vec::fmadd(values[c], weight, acc[i][c]);
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kRows; ++i) {
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < kVecs; ++c) {
-      acc[i][c].store(out + i * ld_out + c * Vec::size());
+      rank_one_tile<1, 1, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
+                                 scores_t + j * ld_st + r, ld_st);
     }
   }
 }
@@ -306,10 +273,10 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t c = 0;
   for (; c + 8 * N <= dim_v; c += 8 * N) {
-    value_tile<1, 8>(p, 0, begin, end, v + c, ld_v, out + c, 0);
+    rank_one_tile<1, 8, true>(p, 0, v + c, ld_v, begin, end, out + c, 0);
   }
   for (; c + N <= dim_v; c += N) {
-    value_tile<1, 1>(p, 0, begin, end, v + c, ld_v, out + c, 0);
+    rank_one_tile<1, 1, true>(p, 0, v + c, ld_v, begin, end, out + c, 0);
   }
   for (; c < dim_v; ++c) {
     acc_t sum = out[c];
@@ -340,10 +307,11 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
     acc_t* out_rows = out + r * ld_out;
     int64_t c = 0;
     for (; c + kVecs * N <= dim_v; c += kVecs * N) {
-      value_tile<kRows, kVecs>(weights, ld_p, 0, shared, v + c, ld_v, out_rows + c, ld_out);
+      rank_one_tile<kRows, kVecs, true>(weights, ld_p, v + c, ld_v, 0, shared, out_rows + c,
+                                        ld_out);
     }
     for (; c + N <= dim_v; c += N) {
-      value_tile<kRows, 1>(weights, ld_p, 0, shared, v + c, ld_v, out_rows + c, ld_out);
+      rank_one_tile<kRows, 1, true>(weights, ld_p, v + c, ld_v, 0, shared, out_rows + c, ld_out);
     }
     for (int64_t i = r; i < r + kRows; ++i) {
       for (int64_t cc = c; cc < dim_v; ++cc) {
