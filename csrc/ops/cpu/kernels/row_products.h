@@ -225,6 +225,26 @@ inline void rank_one_tile(const a_t* a, int64_t lda, const b_t* b, int64_t ldb, 
   }
 }
 
+// One band of kVecs vectors of query rows of key_query_scores, kKeys keys a tile; with `stream`,
+// the value rows of each tile's keys are requested alongside.
+template <int64_t kKeys, int64_t kVecs, typename acc_t>
+inline void key_query_band(const acc_t* q_t, int64_t ld_qt, const acc_t* k, int64_t ld_k,
+                           int64_t cols, int64_t dim, acc_t* scores_t, int64_t ld_st,
+                           const StreamAhead* stream) {
+  int64_t j = 0;
+  for (; j + kKeys <= cols; j += kKeys) {
+    if (stream != nullptr) {
+      stream->value_rows(j, kKeys);
+    }
+    rank_one_tile<kKeys, kVecs, false>(k + j * ld_k, ld_k, q_t, ld_qt, 0, dim, scores_t + j * ld_st,
+                                       ld_st);
+  }
+  for (; j < cols; ++j) {
+    rank_one_tile<1, kVecs, false>(k + j * ld_k, ld_k, q_t, ld_qt, 0, dim, scores_t + j * ld_st,
+                                   ld_st);
+  }
+}
+
 // scores_t[j * ld_st + r] = q_r · k_j for r < padded_rows and j < cols, with the query rows
 // given transposed: q_t[d * ld_qt + r], padded_rows a multiple of Vec::size() (zero rows past
 // the real ones), k_j = k + j * ld_k.
@@ -234,34 +254,15 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
                       const StreamAhead& stream) {
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t r = 0;
-  // Two vectors of rows against four keys: eight accumulators, and six loads per eight FMAs.
+  // Two vectors of rows against four keys: eight accumulators, and six loads per eight FMAs;
+  // a last single vector of rows against eight keys. The first band streams the values in.
   for (; r + 2 * N <= padded_rows; r += 2 * N) {
-    int64_t j = 0;
-    for (; j + 4 <= cols; j += 4) {
-      if (r == 0) {
-        stream.value_rows(j, 4);
-      }
-      rank_one_tile<4, 2, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
-                                 scores_t + j * ld_st + r, ld_st);
-    }
-    for (; j < cols; ++j) {
-      rank_one_tile<1, 2, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
-                                 scores_t + j * ld_st + r, ld_st);
-    }
+    key_query_band<4, 2>(q_t + r, ld_qt, k, ld_k, cols, dim, scores_t + r, ld_st,
+                         r == 0 ? &stream : nullptr);
   }
   for (; r < padded_rows; r += N) {
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) {
-      if (r == 0) {
-        stream.value_rows(j, 8);
-      }
-      rank_one_tile<8, 1, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
-                                 scores_t + j * ld_st + r, ld_st);
-    }
-    for (; j < cols; ++j) {
-      rank_one_tile<1, 1, false>(k + j * ld_k, ld_k, q_t + r, ld_qt, 0, dim,
-                                 scores_t + j * ld_st + r, ld_st);
-    }
+    key_query_band<8, 1>(q_t + r, ld_qt, k, ld_k, cols, dim, scores_t + r, ld_st,
+                         r == 0 ? &stream : nullptr);
   }
 }
 
