@@ -188,10 +188,9 @@ class ForwardKernel {
         query_key_scores(s.queries.data(), D, rows, k_block, k_.row_stride, cols, D,
                          s.scores.data(), cols, stream);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        s.visible[r] = std::clamp<int64_t>(dims_.visible_keys(r % len_q) - k0, 0, cols);
-        update_row(s.scores.data() + r * cols, cols, s.visible[r], state, r, Dv);
-      }
+      fold_block(
+          s.scores.data(), rows, k0, cols, [&](int64_t r) { return r % len_q; }, s.visible.data(),
+          state);
       accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), v_block,
                                  v_.row_stride, Dv, state.out.data(), Dv, stream);
     }
@@ -218,10 +217,9 @@ class ForwardKernel {
           Ops::b_transposed(k_.row(b, h_kv, k0), cols, D, k_.row_stride, s.k_tile.data(), &ldk);
       block_gemm(rows, cols, Ops::padded_k(D), q_rows, ldq, k_t, ldk, s.scores.data(), cols,
                  /*accumulate=*/false);
-      for (int64_t r = 0; r < rows; ++r) {
-        s.visible[r] = std::clamp<int64_t>(dims_.visible_keys(q0 + r) - k0, 0, cols);
-        update_row(s.scores.data() + r * cols, cols, s.visible[r], state, r, Dv);
-      }
+      fold_block(
+          s.scores.data(), rows, k0, cols, [&](int64_t r) { return q0 + r; }, s.visible.data(),
+          state);
       const gemm_t* p = Ops::a(s.scores.data(), rows, cols, cols, s.p_tile.data(), &ldp);
       const scalar_t* v_block = v_.row(b, h_kv, k0);
       int64_t ld_v_block = 0;
@@ -236,6 +234,17 @@ class ForwardKernel {
 
     for (int64_t r = 0; r < rows; ++r) {
       emit_row(state, r, bh, q0 + r, split);
+    }
+  }
+
+  // Folds a block of scores (rows x cols, keys k0 ..) into the rows' online-softmax state, row r
+  // being query row query_row(r); leaves in visible[r] how many of the block's keys row r sees.
+  template <typename QueryRow>
+  void fold_block(acc_t* scores, int64_t rows, int64_t k0, int64_t cols, const QueryRow& query_row,
+                  int64_t* visible, RowState<acc_t>& state) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      visible[r] = std::clamp<int64_t>(dims_.visible_keys(query_row(r)) - k0, 0, cols);
+      update_row(scores + r * cols, cols, visible[r], state, r, dims_.value_dim);
     }
   }
 

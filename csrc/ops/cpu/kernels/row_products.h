@@ -266,8 +266,22 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
   }
 }
 
+// out[c] += sum over j in [begin, end) of p[j] * v[j * ld_v + c] for first_col <= c < dim_v:
+// the columns past the last whole vector, one at a time.
+template <typename acc_t, typename src_t>
+inline void accumulate_tail_columns(const acc_t* p, int64_t begin, int64_t end, const src_t* v,
+                                    int64_t ld_v, int64_t first_col, int64_t dim_v, acc_t* out) {
+  for (int64_t c = first_col; c < dim_v; ++c) {
+    acc_t sum = out[c];
+    for (int64_t j = begin; j < end; ++j) {
+      sum += p[j] * static_cast<acc_t>(v[j * ld_v + c]);
+    }
+    out[c] = sum;
+  }
+}
+
 // out[c] += sum over j in [begin, end) of p[j] * v[j * ld_v + c] for c < dim_v: one row, for
-// the keys only one of a pair of rows sees, and for odd rows out.
+// the keys only some rows of a tile see, and for the rows past the last whole tile.
 template <typename acc_t, typename src_t>
 inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const src_t* v,
                                int64_t ld_v, int64_t dim_v, acc_t* out) {
@@ -279,13 +293,7 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
   for (; c + N <= dim_v; c += N) {
     rank_one_tile<1, 1, true>(p, 0, v + c, ld_v, begin, end, out + c, 0);
   }
-  for (; c < dim_v; ++c) {
-    acc_t sum = out[c];
-    for (int64_t j = begin; j < end; ++j) {
-      sum += p[j] * static_cast<acc_t>(v[j * ld_v + c]);
-    }
-    out[c] = sum;
-  }
+  accumulate_tail_columns(p, begin, end, v, ld_v, c, dim_v, out);
 }
 
 // out[r * ld_out + c] += sum over j < visible[r] of p[r * ld_p + j] * v[j * ld_v + c], for
@@ -315,13 +323,7 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
       rank_one_tile<kRows, 1, true>(weights, ld_p, v + c, ld_v, 0, shared, out_rows + c, ld_out);
     }
     for (int64_t i = r; i < r + kRows; ++i) {
-      for (int64_t cc = c; cc < dim_v; ++cc) {
-        acc_t sum = out[i * ld_out + cc];
-        for (int64_t j = 0; j < shared; ++j) {
-          sum += p[i * ld_p + j] * static_cast<acc_t>(v[j * ld_v + cc]);
-        }
-        out[i * ld_out + cc] = sum;
-      }
+      accumulate_tail_columns(p + i * ld_p, 0, shared, v, ld_v, c, dim_v, out + i * ld_out);
       accumulate_one_row(p + i * ld_p, shared, visible[i], v, ld_v, dim_v, out + i * ld_out);
     }
   }
