@@ -362,6 +362,27 @@ def table_line(row, copy_gbps=None):
             f"{num(row['pct_limit'], '.1f'):>7}  {note}").rstrip()
 
 
+def grid_table(rows):
+    """The grid as the README shows it: one line per case, ours against SDPA side by side."""
+    by_case = {}
+    for r in rows:
+        if r["section"] == "grid" and r["status"] == "ok":
+            key = (r["dtype"], r["mode"], r["B"], r["H"], r["D"], r["Lq"])
+            by_case.setdefault(key, {})[r["impl"]] = r
+    lines = ["dtype    pass  B  H     L    D |   ours ms   sdpa ms x sdpa | ours GF/s % limit "
+             "| sdpa %"]
+    order = sorted(by_case, key=lambda k: (k[0] != "float32",) + k[1:])
+    for (dtype, mode, batch, heads, dim, length) in order:
+        impls = by_case[(dtype, mode, batch, heads, dim, length)]
+        if "ours" not in impls or "sdpa" not in impls:
+            continue
+        o, s = impls["ours"], impls["sdpa"]
+        lines.append(f"{dtype:<8} {mode:<4} {batch:>2} {heads:>2} {length:>5} {dim:>4} | "
+                     f"{o['time_ms']:>9.2f} {s['time_ms']:>9.2f} {o['ratio_vs_sdpa']:>6.2f} | "
+                     f"{o['gflops']:>9.1f} {o['pct_limit']:>7.1f} | {s['pct_limit']:>6.1f}")
+    return lines
+
+
 # ---------------------------------------------------------------- scaling, memory, accuracy
 
 
@@ -652,6 +673,8 @@ def parse_args(argv=None):
                         help=f"comma list of {','.join(IMPLS)} (sdpa always runs: the ratios)")
     parser.add_argument("--mem-budget-gib", type=float, default=4.0,
                         help="skip sdpa_math/naive when their L x L scores exceed this")
+    parser.add_argument("--table-from", type=Path, default=None,
+                        help="print the grid table of a saved results.json and exit")
     parser.add_argument("--memory-child", choices=list(IMPL_FN), help=argparse.SUPPRESS)
     parser.add_argument("--memory-length", type=int, default=FULL.memory_length,
                         help=argparse.SUPPRESS)
@@ -669,6 +692,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.table_from:
+        with open(args.table_from) as f:
+            print("\n".join(grid_table(json.load(f)["results"])))
+        return
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.memory_child, args.memory_length, args.threads)
@@ -775,6 +802,11 @@ def main(argv=None):
         for impl, errors in accuracy["max_abs_error"].items():
             tqdm.write(f"  {impl:<5} " + "  ".join(f"{n} {e:.3e}" for n, e in errors.items()))
     bar.close()
+
+    if any(r["section"] == "grid" for r in rows):
+        table = grid_table(rows)
+        print("\n" + "\n".join(table))
+        (args.out / "grid_table.txt").write_text("\n".join(table) + "\n")
 
     summary = summarize(rows, copy_gbps, scaling, memory, accuracy)
     print("\nsummary (ratio = SDPA time / ours; targets from the performance issue):")

@@ -49,3 +49,23 @@ def test_bench_quick_writes_results(tmp_path):
     assert set(report["accuracy"]["max_abs_error"]) == {"ours", "sdpa"}
     assert report["summary"]
     assert "summary" in result.stdout
+
+
+def test_readme_grid_table_is_the_saved_full_grid():
+    """The README's grid table is what `bench.py --table-from docs/benchmarks/full_grid.json`
+    prints: the figures there come from the saved run, not from hand."""
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--table-from",
+         str(REPO_ROOT / "docs" / "benchmarks" / "full_grid.json")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    # 2 dtypes x 2 passes x 2 (B, H) x 4 lengths x 2 head dims, plus the header.
+    assert len(lines) == 1 + 64
+    readme = (REPO_ROOT / "README.md").read_text()
+    for line in lines:
+        assert line in readme, line
