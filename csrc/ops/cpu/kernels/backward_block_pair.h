@@ -1,0 +1,165 @@
+// The steps of the backward on one block pair (query rows [q0, q0 + rows) of head h, keys
+// [k0, k0 + cols) of its KV head), shared by its one-pass and two-pass schedules:
+//   S = Q_i K_j^T;  P = exp(scale * S - lse);  dP = dO_i V_j^T;  dS = P o (dP - delta)
+//   dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dQ_i += dS K_j
+// (the factor `scale` of dK and dQ is applied once, when they are stored). P is recomputed from
+// the saved lse, never stored.
+#pragma once
+
+#include "geometry.h"
+#include "kernel_api.h"
+#include "non_finite_guard.h"
+#include "online_softmax.h"
+#include "operands.h"
+#include "schedule.h"
+
+#include <ATen/OpMathType.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+template <typename scalar_t, typename gemm_t>
+class BlockPairGradients {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Pack = Packing<gemm_t>;
+
+ public:
+  // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
+  struct Scratch {
+    std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile, k_rows, p_tile, ds_tile;
+    std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums;
+    std::vector<int64_t> visible;  // keys of the current block each query row sees
+    NonFiniteRowGuard<scalar_t> guard;
+    Scratch(const AttentionDims& d, const BlockSizes& blocks)
+        : q_tile(Pack::scratch_size(blocks.query_rows, d.head_dim)),
+          do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
+          k_tile(Pack::scratch_size(blocks.keys, d.head_dim)),
+          v_tile(Pack::scratch_size(blocks.keys, d.value_dim)),
+          k_rows(Pack::scratch_size(blocks.keys, d.head_dim)),
+          p_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
+          ds_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
+          p(blocks.query_rows * blocks.keys),
+          ds(blocks.query_rows * blocks.keys),
+          grad_a(std::max(blocks.query_rows, blocks.keys) * d.head_dim),
+          grad_b(blocks.keys * d.value_dim),
+          grad_c(blocks.query_rows * d.head_dim),
+          row_sums(blocks.query_rows),
+          visible(blocks.query_rows) {}
+  };
+
+  // The operands of one query block (Q_i, dO_i as A) or one key block (K_j^T, V_j^T as B).
+  struct QueryOperands {
+    Operand<gemm_t> q, grad_out;
+  };
+  struct KeyOperands {
+    Operand<gemm_t> k_t, v_t;
+  };
+
+  BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta)
+      : dims(t.q, t.k, t.v),
+        blocks(blocks),
+        q(t.q),
+        k(t.k),
+        v(t.v),
+        out(t.out),
+        grad_out(t.grad_out),
+        dq(t.dq),
+        dk(t.dk),
+        dv(t.dv),
+        lse(t.lse.data_ptr<acc_t>()),
+        delta(delta),
+        scale(static_cast<acc_t>(t.scale)) {}
+
+  QueryOperands query_operands(int64_t b, int64_t h, int64_t q0, int64_t rows, Scratch& s) const {
+    return {Pack::a(q.row(b, h, q0), rows, dims.head_dim, q.row_stride, s.q_tile.data()),
+            Pack::a(grad_out.row(b, h, q0), rows, dims.value_dim, grad_out.row_stride,
+                    s.do_tile.data())};
+  }
+
+  KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
+    return {
+        Pack::b_transposed(k.row(b, h_kv, k0), cols, dims.head_dim, k.row_stride, s.k_tile.data()),
+        Pack::b_transposed(v.row(b, h_kv, k0), cols, dims.value_dim, v.row_stride,
+                           s.v_tile.data())};
+  }
+
+  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.visible the keys each row sees;
+  // without `with_delta`, dS = P o dP (the exact-delta form of the two-pass dQ).
+  void probabilities_and_gradients(int64_t bh, const QueryOperands& qo, const KeyOperands& ko,
+                                   int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                                   bool with_delta, Scratch& s) const {
+    // S = Q_i K_j^T;  dP = dO_i V_j^T
+    multiply(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, /*accumulate=*/false);
+    multiply(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols,
+             /*accumulate=*/false);
+    const acc_t* row_lse = lse + bh * dims.len_q + q0;
+    const acc_t* row_delta = delta + bh * dims.len_q + q0;
+    for (int64_t r = 0; r < rows; ++r) {
+      // P = exp(scale * S - lse);  dS = P o (dP - delta)
+      s.visible[r] = softmax_gradient_row(s.p.data() + r * cols, s.ds.data() + r * cols,
+                                          dims.visible_in_block(q0 + r, k0, cols), cols, scale,
+                                          row_lse[r], with_delta ? row_delta[r] : acc_t(0));
+    }
+  }
+
+  // dV_j += P^T dO_i (into dv_acc, cols x Dv).
+  void add_value_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                          acc_t* dv_acc, Scratch& s) const {
+    const Operand<gemm_t> p_t = Pack::a_transposed(s.p.data(), rows, cols, cols, s.p_tile.data());
+    // dO_i is packed as B into the scratch of its A operand, which dP no longer needs.
+    add_transposed_product(p_t, s.p.data(), {grad_out.row(b, h, q0), grad_out.row_stride},
+                           dims.value_dim, q0, rows, k0, cols, dv_acc, s.do_tile.data(), s);
+  }
+
+  // dK_j += dS^T Q_i (into dk_acc, cols x D).
+  void add_key_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                        acc_t* dk_acc, Scratch& s) const {
+    const Operand<gemm_t> ds_t =
+        Pack::a_transposed(s.ds.data(), rows, cols, cols, s.ds_tile.data());
+    // Q_i likewise, into the scratch S no longer needs.
+    add_transposed_product(ds_t, s.ds.data(), {q.row(b, h, q0), q.row_stride}, dims.head_dim, q0,
+                           rows, k0, cols, dk_acc, s.q_tile.data(), s);
+  }
+
+  // acc (rows x D) += A K_j, for A = dS (s.ds) or P (s.p): the dQ products.
+  void add_query_product(const acc_t* a_values, int64_t b, int64_t h_kv, int64_t q0, int64_t rows,
+                         int64_t k0, int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
+    const Operand<gemm_t> a = Pack::a(a_values, rows, cols, cols, s.ds_tile.data());
+    s.guard.multiply_add(
+        dims.has_masked_entries(q0, rows, k0, cols), rows, dims.head_dim, cols, a,
+        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/false},
+        Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
+        [&](Operand<scalar_t> source) {
+          return Pack::b(source.data, cols, dims.head_dim, source.ld, s.k_rows.data());
+        },
+        acc, ld_acc);
+  }
+
+  const AttentionDims dims;
+  const BlockSizes blocks;
+  const HeadRows<const scalar_t> q, k, v, out, grad_out;
+  const HeadRows<scalar_t> dq, dk, dv;
+  const acc_t* const lse;
+  const acc_t* const delta;
+  const acc_t scale;
+
+ private:
+  // acc (cols x width) += A^T B_i, B_i the query rows `rows_of_b` (rows x width).
+  void add_transposed_product(Operand<gemm_t> a_t, const acc_t* a_values,
+                              Operand<scalar_t> rows_of_b, int64_t width, int64_t q0, int64_t rows,
+                              int64_t k0, int64_t cols, acc_t* acc, gemm_t* b_scratch,
+                              Scratch& s) const {
+    s.guard.multiply_add(
+        dims.has_masked_entries(q0, rows, k0, cols), cols, width, rows, a_t,
+        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/true}, rows_of_b,
+        [&](Operand<scalar_t> source) {
+          return Pack::b(source.data, rows, width, source.ld, b_scratch);
+        },
+        acc, width);
+  }
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY

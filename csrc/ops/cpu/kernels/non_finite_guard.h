@@ -1,0 +1,100 @@
+// Keeps a non-finite key, value, query or output gradient inside the rows the mask lets it
+// reach. In a block pair that straddles the visibility boundary, the A operand of a block product
+// (P, dS or their transposes) holds exact zeros where the mask hides an entry, and 0 * inf or
+// 0 * NaN from a B row would spread that row's inf or NaN to rows (or keys) that cannot see it.
+// So when such a B block has non-finite rows, the micro-kernel gets a copy with those rows
+// zeroed, and their contributions are added back only where the mask allows. Finite blocks, and
+// block pairs with no masked entry, take the plain path; the zeroed copy changes no finite sum,
+// so the rows the mask protects get bitwise the results they get without the non-finite values.
+#pragma once
+
+#include "operands.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// The A operand of a guarded product as the kernel holds it, untransposed: values[r * ld + c],
+// where row r sees the first visible[r] columns. With `transposed`, the product multiplies by
+// its transpose, so B's rows are indexed by r (dV += P^T dO, dK += dS^T Q); else by c
+// (O += P V, dQ += dS K).
+template <typename acc_t>
+struct MaskedFactor {
+  const acc_t* values;
+  int64_t ld;
+  const int64_t* visible;
+  bool transposed;
+};
+
+template <typename scalar_t>
+class NonFiniteRowGuard {
+ public:
+  // c[M, N] += a[M, K] * B, B made by pack_b(source rows) from the K x N rows b_rows: the rows
+  // themselves, or (in a pair with masked entries and non-finite rows) a copy without those
+  // rows, whose contributions are then added back where `factor` says they are visible.
+  template <typename gemm_t, typename acc_t, typename PackB>
+  void multiply_add(bool has_masked_entries, int64_t M, int64_t N, int64_t K, Operand<gemm_t> a,
+                    const MaskedFactor<acc_t>& factor, Operand<scalar_t> b_rows,
+                    const PackB& pack_b, acc_t* c, int64_t ldc) {
+    const Operand<scalar_t> source = prepare(has_masked_entries, b_rows, K, N);
+    multiply(M, N, K, a, pack_b(source), c, ldc, /*accumulate=*/true);
+    for (int64_t i : bad_rows_) {
+      const scalar_t* bad = b_rows.data + i * b_rows.ld;
+      if (factor.transposed) {
+        // Row i of B meets column i of A^T: row i of `values`, on the keys it sees.
+        for (int64_t j = 0; j < factor.visible[i]; ++j) {
+          axpy(factor.values[i * factor.ld + j], bad, N, c + j * ldc);
+        }
+      } else {
+        for (int64_t r = 0; r < M; ++r) {
+          if (i < factor.visible[r]) {
+            axpy(factor.values[r * factor.ld + i], bad, N, c + r * ldc);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  // The B rows to pack: `rows` itself, or a copy without its non-finite rows when the pair
+  // has masked entries.
+  Operand<scalar_t> prepare(bool has_masked_entries, Operand<scalar_t> rows, int64_t n_rows,
+                            int64_t width) {
+    bad_rows_.clear();
+    if (!has_masked_entries) {
+      return rows;
+    }
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const scalar_t* row = rows.data + i * rows.ld;
+      if (!std::all_of(row, row + width, [](scalar_t x) { return std::isfinite(float(x)); })) {
+        bad_rows_.push_back(i);
+      }
+    }
+    if (bad_rows_.empty()) {
+      return rows;
+    }
+    cleaned_.resize(n_rows * width);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      std::copy_n(rows.data + i * rows.ld, width, cleaned_.data() + i * width);
+    }
+    for (int64_t i : bad_rows_) {
+      std::fill_n(cleaned_.data() + i * width, width, scalar_t(0));
+    }
+    return {cleaned_.data(), width};
+  }
+
+  template <typename acc_t>
+  static void axpy(acc_t alpha, const scalar_t* x, int64_t n, acc_t* y) {
+    for (int64_t d = 0; d < n; ++d) {
+      y[d] += alpha * static_cast<acc_t>(x[d]);
+    }
+  }
+
+  std::vector<int64_t> bad_rows_;
+  std::vector<scalar_t> cleaned_;
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY

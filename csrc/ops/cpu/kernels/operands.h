@@ -1,0 +1,175 @@
+// Operands of the block products: how a block of rows reaches block_gemm for operand type gemm_t
+// (the type the micro-kernel multiplies). float32 and float64 row-major, used in place when the
+// source already has that type; bfloat16 with B in VNNI layout (pairs of consecutive k
+// interleaved) and the reduction dim K padded to even with zeros. Every packing function returns
+// the operand it made: a pointer and a leading dimension.
+#pragma once
+
+#include "../block_gemm.h"
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// A row-major block: element (r, c) at data[r * ld + c] (VNNI blocks: see block_gemm.h).
+template <typename T>
+struct Operand {
+  const T* data;
+  int64_t ld;
+};
+
+template <typename dst_t, typename src_t>
+inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<dst_t, src_t>) {
+    std::memcpy(dst, src, n * sizeof(dst_t));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// dst[j * ld_dst + i] = src[i * ld_src + j] for a rows x cols block of src, converting to dst_t.
+// Same-type float blocks go through at::vec's register transposes (8x8 with AVX2, 16x16 with
+// AVX-512): the kernels transpose a block for nearly every block product, so this matters.
+template <typename dst_t, typename src_t>
+inline void transpose_block(const src_t* src, int64_t rows, int64_t cols, int64_t ld_src,
+                            dst_t* dst, int64_t ld_dst) {
+  int64_t full_rows = 0, full_cols = 0;
+  if constexpr (std::is_same_v<dst_t, src_t> && std::is_same_v<src_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    constexpr int64_t kTile = 16;
+#else
+    constexpr int64_t kTile = 8;
+#endif
+    full_rows = rows / kTile * kTile;
+    full_cols = cols / kTile * kTile;
+    for (int64_t i = 0; i < full_rows; i += kTile) {
+      for (int64_t j = 0; j < full_cols; j += kTile) {
+        at::vec::transpose_mxn<float, kTile, kTile>(src + i * ld_src + j, ld_src,
+                                                    dst + j * ld_dst + i, ld_dst);
+      }
+    }
+  }
+  // The edges the register transposes did not cover: columns past full_cols of the tiled rows,
+  // and every row past full_rows.
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = i < full_rows ? full_cols : 0; j < cols; ++j) {
+      dst[j * ld_dst + i] = static_cast<dst_t>(src[i * ld_src + j]);
+    }
+  }
+}
+
+template <typename gemm_t>
+struct Packing {
+  static constexpr bool kVnni = std::is_same_v<gemm_t, c10::BFloat16>;
+
+  static int64_t padded_k(int64_t k) { return kVnni ? k + (k & 1) : k; }
+  // Scratch elements that any operand of at most `rows` x `cols` (either orientation) needs.
+  static int64_t scratch_size(int64_t rows, int64_t cols) {
+    return padded_k(rows + 1) * padded_k(cols + 1);
+  }
+  // Whether b() of a block of src_t rows needs scratch (else it reads the rows in place).
+  template <typename src_t>
+  static constexpr bool b_is_packed() {
+    return kVnni || !std::is_same_v<src_t, gemm_t>;
+  }
+
+  // A = src (rows x k, leading dim ld).
+  template <typename src_t>
+  static Operand<gemm_t> a(const src_t* src, int64_t rows, int64_t k, int64_t ld, gemm_t* scratch) {
+    const int64_t kp = padded_k(k);
+    if constexpr (std::is_same_v<src_t, gemm_t>) {
+      if (kp == k) {
+        return {src, ld};
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      convert_row(src + r * ld, scratch + r * kp, k);
+      std::fill(scratch + r * kp + k, scratch + (r + 1) * kp, gemm_t(0));
+    }
+    return {scratch, kp};
+  }
+
+  // A = src^T, where src is (k x rows) with leading dim ld.
+  template <typename src_t>
+  static Operand<gemm_t> a_transposed(const src_t* src, int64_t k, int64_t rows, int64_t ld,
+                                      gemm_t* scratch) {
+    const int64_t kp = padded_k(k);
+    transpose_block(src, k, rows, ld, scratch, kp);
+    if (kp != k) {
+      for (int64_t r = 0; r < rows; ++r) {
+        scratch[r * kp + k] = gemm_t(0);
+      }
+    }
+    return {scratch, kp};
+  }
+
+  // B = src (k x n, leading dim ld).
+  template <typename src_t>
+  static Operand<gemm_t> b(const src_t* src, int64_t k, int64_t n, int64_t ld, gemm_t* scratch) {
+    if constexpr (!b_is_packed<src_t>()) {
+      return {src, ld};
+    } else if constexpr (kVnni) {
+      for (int64_t p = 0; p < k / 2; ++p) {
+        interleave_pair(src + 2 * p * ld, src + (2 * p + 1) * ld, n, scratch + 2 * p * n);
+      }
+      if (k & 1) {
+        interleave_pair<src_t>(src + (k - 1) * ld, nullptr, n, scratch + (k - 1) * n);
+      }
+      return {scratch, n};
+    } else {
+      for (int64_t i = 0; i < k; ++i) {
+        convert_row(src + i * ld, scratch + i * n, n);
+      }
+      return {scratch, n};
+    }
+  }
+
+  // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K.
+  template <typename src_t>
+  static Operand<gemm_t> b_transposed(const src_t* src, int64_t n, int64_t k, int64_t ld,
+                                      gemm_t* scratch) {
+    if constexpr (kVnni) {
+      // VNNI pairs are consecutive along k, i.e. along a row of src: one 32-bit word each.
+      static_assert(std::is_same_v<src_t, gemm_t>, "VNNI operands come from bfloat16 rows");
+      const int64_t pairs = k / 2;
+      for (int64_t j = 0; j < n; ++j) {
+        const src_t* row = src + j * ld;
+        for (int64_t p = 0; p < pairs; ++p) {
+          std::memcpy(scratch + (p * n + j) * 2, row + 2 * p, 2 * sizeof(gemm_t));
+        }
+        if (k & 1) {
+          scratch[(pairs * n + j) * 2] = row[k - 1];
+          scratch[(pairs * n + j) * 2 + 1] = gemm_t(0);
+        }
+      }
+    } else {
+      transpose_block(src, n, k, ld, scratch, n);
+    }
+    return {scratch, n};
+  }
+
+ private:
+  // out[2 * j + i] = row i (even, then odd; a missing odd row is zeros) at column j.
+  template <typename src_t>
+  static void interleave_pair(const src_t* even, const src_t* odd, int64_t n, gemm_t* out) {
+    for (int64_t j = 0; j < n; ++j) {
+      out[2 * j] = static_cast<gemm_t>(even[j]);
+      out[2 * j + 1] = odd != nullptr ? static_cast<gemm_t>(odd[j]) : gemm_t(0);
+    }
+  }
+};
+
+// C[M, N] (= or +=) A[M, K] * B[K, N], K padded as the operands were.
+template <typename gemm_t, typename acc_t>
+inline void multiply(int64_t M, int64_t N, int64_t K, Operand<gemm_t> a, Operand<gemm_t> b,
+                     acc_t* c, int64_t ldc, bool accumulate) {
+  block_gemm(M, N, Packing<gemm_t>::padded_k(K), a.data, a.ld, b.data, b.ld, c, ldc, accumulate);
+}
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -1,0 +1,61 @@
+// Vectorized operations on one row of accumulators, shared by the forward, the backward and the
+// split-key combine.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// row[c] *= factor.
+template <typename acc_t>
+inline void scale_row(acc_t* row, int64_t n, acc_t factor) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec factor_vec(factor);
+  at::vec::map<acc_t>([&](Vec x) { return x * factor_vec; }, row, row, n);
+}
+
+// row[c] += factor * other[c].
+template <typename acc_t>
+inline void add_scaled_row(acc_t* row, const acc_t* other, int64_t n, acc_t factor) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec factor_vec(factor);
+  at::vec::map2<acc_t>([&](Vec x, Vec y) { return at::vec::fmadd(y, factor_vec, x); }, row, row,
+                       other, n);
+}
+
+// dst[c] = src[c] * factor, converted to the output dtype (the one rounding of a result).
+template <typename scalar_t, typename acc_t>
+inline void store_scaled_row(const acc_t* src, int64_t n, acc_t factor, scalar_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    using Vec = at::vec::Vectorized<acc_t>;
+    const Vec factor_vec(factor);
+    at::vec::map<acc_t>([&](Vec x) { return x * factor_vec; }, dst, src, n);
+  } else {
+    for (int64_t c = 0; c < n; ++c) {
+      dst[c] = static_cast<scalar_t>(src[c] * factor);
+    }
+  }
+}
+
+// Sum of row[0, n).
+template <typename acc_t>
+inline acc_t row_sum(const acc_t* row, int64_t n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  return at::vec::reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, row, n);
+}
+
+// sum_c a[c] * b[c], accumulated in acc_t.
+template <typename acc_t, typename scalar_t>
+inline acc_t dot_row(const scalar_t* a, const scalar_t* b, int64_t n) {
+  acc_t sum = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    sum += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
+  }
+  return sum;
+}
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY

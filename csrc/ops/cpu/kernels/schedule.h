@@ -1,0 +1,88 @@
+// The schedule: block sizes, how work is cut into tasks, key splits, and the causal load
+// balance. Every choice here depends on the shapes and the CPU only, never on the thread count,
+// and each output element is summed by one task in a fixed order: results are bitwise identical
+// at any thread count, with no atomics and no scratch indexed by thread number.
+#pragma once
+
+#include "../block_gemm.h"
+#include "geometry.h"
+
+#include <ATen/Parallel.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// Rows of queries and keys per block. A 64 x 64 float32 score tile is 16 KiB; with the K and V
+// blocks of D <= 128 it stays in L1/L2 beside the running output block. Longer key blocks
+// amortize the softmax's per-block work (the row max, the correction of the running output) over
+// more keys, but only while the packed K and V blocks stay in L2: they are chosen from its size.
+struct BlockSizes {
+  int64_t query_rows;
+  int64_t keys;
+};
+
+inline BlockSizes block_sizes(int64_t head_dim, int64_t value_dim) {
+  static const int64_t l2_bytes = [] {
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return reported > 0 ? int64_t(reported) : int64_t(512) * 1024;
+  }();
+  // K_j^T and V_j of 128 float32 keys, with the score tiles, take under a quarter of L2.
+  const int64_t bytes_of_128_keys = 128 * (head_dim + value_dim + 2 * 64) * 4;
+  return {64, 4 * bytes_of_128_keys <= l2_bytes ? 128 : 64};
+}
+
+// Causal blocks differ in cost (the last query block sees every key, the first only a few).
+// Tasks take contiguous ranges of work items, so items are ordered 0, n-1, 1, n-2, ... within
+// each head: any contiguous range then mixes cheap and expensive blocks. Only the order of the
+// work items changes, never the order of the sums inside one, so results do not depend on the
+// split between threads.
+inline int64_t balanced_block(int64_t position, int64_t num_blocks) {
+  return position % 2 == 0 ? position / 2 : num_blocks - 1 - position / 2;
+}
+
+// Calls fn(head, block, scratch) for every block of every head, in parallel tasks that take
+// contiguous ranges of the balanced order; each task owns one Scratch made by make_scratch().
+template <typename MakeScratch, typename Fn>
+void for_each_head_block(int64_t num_heads, int64_t num_blocks, const MakeScratch& make_scratch,
+                         const Fn& fn) {
+  at::parallel_for(0, num_heads * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = make_scratch();
+    for (int64_t item = begin; item < end; ++item) {
+      fn(item / num_blocks, balanced_block(item % num_blocks, num_blocks), scratch);
+    }
+    block_gemm_release();
+  });
+}
+
+// Fewer work items than this and the forward splits the keys of each item into chunks computed
+// by separate tasks, merged afterwards in chunk order (split_combine.h).
+constexpr int64_t kMinItemsWithoutSplit = 32;
+// Keys per split: long enough that the merge is negligible next to the split's own work.
+constexpr int64_t kKeysPerSplit = 1024;
+// The partial results of the splits (a float32 output row, max and sum per query row and split)
+// may add at most this share of the call's inputs and output to its memory.
+constexpr double kSplitMemoryShare = 0.05;
+
+// How many chunks the keys of each of `items` work items are cut into.
+inline int64_t key_splits(const AttentionDims& d, int64_t items, int64_t element_bytes) {
+  if (items >= kMinItemsWithoutSplit) {
+    return 1;
+  }
+  const int64_t rows = d.batch * d.heads_q * d.len_q;
+  const double call_bytes =
+      double(element_bytes) * (d.batch * d.heads_kv * d.len_k * (d.head_dim + d.value_dim) +
+                               rows * (d.head_dim + d.value_dim));
+  const double bytes_per_split = 4.0 * rows * (d.value_dim + 2);
+  const auto affordable = int64_t(kSplitMemoryShare * call_bytes / bytes_per_split);
+  return std::clamp<int64_t>(affordable, 1, std::max<int64_t>(1, ceil_div(d.len_k, kKeysPerSplit)));
+}
+
+// The backward runs in one pass over the blocks of each (batch, KV head) when there are at least
+// this many of them to share between threads (see attention_backward_kernel.cpp).
+constexpr int64_t kMinOnePassItems = 8;
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
