@@ -44,6 +44,13 @@ CASES = [
     pytest.param(Case(129, 64, 8, hq=2, hkv=1), id="Lq129-Lk64-D8-gqa2"),
     pytest.param(Case(1000, 17, 128, dv=8), id="Lq1000-Lk17-D128-Dv8"),
     pytest.param(Case(2, 1, 1), id="Lq2-Lk1-D1"),
+    # At least 8 (batch, KV head) pairs: the one-pass backward (float32/float64).
+    pytest.param(Case(130, 130, 64, hq=8, hkv=8), id="L130-D64-H8-one-pass"),
+    pytest.param(
+        Case(100, 160, 32, dv=48, hq=16, hkv=8, layout="transposed"),
+        id="Lq100-Lk160-D32-Dv48-gqa2-H16-one-pass-transposed",
+    ),
+    pytest.param(Case(150, 100, 16, hq=8, hkv=4, batch=(2,)), id="Lq150-Lk100-B2-gqa2-one-pass"),
     # Decoding (Lq <= 32: register products, one task per KV head and key split). Fewer rows
     # than a vector holds take the dot-product scores, more the transposed ones; odd D and Dv
     # exercise the tails, Lk > 1024 with few KV heads the key splits and their merge.
@@ -54,6 +61,8 @@ CASES = [
     ),
     pytest.param(Case(9, 300, 64, dv=72), id="decode-Lq9-Lk300-D64-Dv72"),
     pytest.param(Case(32, 32, 8, hq=3, hkv=1, batch=(2,)), id="decode-L32-D8-gqa3"),
+    # A group of 40 query heads x 16 rows is cut into tasks of 256, 256 and 128 rows.
+    pytest.param(Case(16, 700, 32, hq=40, hkv=1), id="decode-Lq16-Lk700-D32-mqa40-row-chunks"),
     pytest.param(
         Case(64, 2, 64, hq=2, hkv=2, batch=(), layout="transposed"),
         id="3d-Lq64-Lk2-D64-transposed",

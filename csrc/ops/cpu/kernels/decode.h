@@ -1,7 +1,9 @@
 // The decode path of the forward: a few query rows (new tokens) against a long KV cache. One
 // task owns a (batch, KV head, key split) and carries every query row of every query head that
 // shares the KV head (the GQA group) through the keys at once, with the register products of
-// row_products.h on K and V rows read in place, so that K and V stream from memory once.
+// row_products.h on K and V rows read in place, so that K and V stream from memory once. Only a
+// group of hundreds of heads (its rows then make the products compute-bound) is cut into
+// several tasks of at most kMaxTaskRows rows, so that a task's scratch stays small.
 #pragma once
 
 #include "geometry.h"
@@ -36,11 +38,11 @@ class DecodeForward {
       : dims_(d), q_(q), k_(k), v_(v), output_(output), scale_(scale) {}
 
   void run() const {
-    const int64_t items = dims_.batch * dims_.heads_kv;
+    const int64_t items = dims_.batch * dims_.heads_kv * row_chunks(dims_);
     KeySplits<scalar_t, acc_t> splits(dims_, key_splits(dims_, items, sizeof(scalar_t)), output_);
     for_each_head_block(
         items, splits.count(), [this] { return Scratch(dims_); },
-        [&](int64_t b_hkv, int64_t split, Scratch& s) { run_item(b_hkv, split, splits, s); });
+        [&](int64_t item, int64_t split, Scratch& s) { run_item(item, split, splits, s); });
     splits.merge();
   }
 
@@ -49,49 +51,66 @@ class DecodeForward {
   // float32 at D = 64, in L2) before the next block streams in; measured a few % faster than 64.
   static constexpr int64_t kKeyBlock = 128;
 
-  // Query rows of a task, and the vector-padded count of them that key_query_scores computes
-  // with (query_key_scores serves fewer rows than a vector holds).
-  static int64_t task_rows(const AttentionDims& d) { return d.group() * d.len_q; }
-  static int64_t padded_rows(const AttentionDims& d) {
+  // At most this many query rows a task: with D = Dv = 64 its scratch then takes ~0.5 MiB.
+  static constexpr int64_t kMaxTaskRows = 256;
+
+  // The query rows of a (batch, KV head): row g is query row g % len_q of query head
+  // h_kv * group + g / len_q. Tasks take chunks of them.
+  static int64_t group_rows(const AttentionDims& d) { return d.group() * d.len_q; }
+  static int64_t row_chunks(const AttentionDims& d) {
+    return ceil_div(group_rows(d), kMaxTaskRows);
+  }
+  static int64_t task_rows(const AttentionDims& d) { return std::min(group_rows(d), kMaxTaskRows); }
+  // The vector-padded count of `rows` that key_query_scores computes with (query_key_scores
+  // serves fewer rows than a vector holds). The scores of the padding rows are discarded.
+  static int64_t padded(int64_t rows) {
     constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
-    return task_rows(d) < N ? 0 : ceil_div(task_rows(d), N) * N;
+    return rows < N ? 0 : ceil_div(rows, N) * N;
   }
 
   struct Scratch {
-    // queries_t holds the query rows transposed, its padding rows zero from construction on.
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> visible;
     RowState<acc_t> state;
     explicit Scratch(const AttentionDims& d)
         : queries(task_rows(d) * d.head_dim),
-          queries_t(padded_rows(d) * d.head_dim),
+          queries_t(padded(task_rows(d)) * d.head_dim),
           keys(kKeyBlock * d.head_dim),
           scores(task_rows(d) * kKeyBlock),
-          scores_t(padded_rows(d) * kKeyBlock),
+          scores_t(padded(task_rows(d)) * kKeyBlock),
           visible(task_rows(d)),
           state(task_rows(d), d.value_dim) {}
   };
 
-  // One (batch, KV head, key split): row r of the task is query row r % len_q of query head
-  // h_kv * group + r / len_q.
-  void run_item(int64_t b_hkv, int64_t split, KeySplits<scalar_t, acc_t>& splits,
-                Scratch& s) const {
-    const int64_t b = b_hkv / dims_.heads_kv, h_kv = b_hkv % dims_.heads_kv;
-    const int64_t D = dims_.head_dim, len_q = dims_.len_q, rows = task_rows(dims_);
-    const int64_t first_head = h_kv * dims_.group();
-    for (int64_t r = 0; r < rows; ++r) {
-      convert_row(q_.row(b, first_head + r / len_q, r % len_q), s.queries.data() + r * D, D);
+  // Rows [first_row, first_row + rows) of a (batch, KV head) against the keys of one split.
+  struct TaskRows {
+    int64_t b, h_kv, first_row, rows;
+    int64_t head(int64_t r, const AttentionDims& d) const {
+      return h_kv * d.group() + (first_row + r) / d.len_q;
     }
-    if (padded_rows(dims_) > 0) {
-      transpose_block(s.queries.data(), rows, D, D, s.queries_t.data(), padded_rows(dims_));
+    int64_t query_row(int64_t r, const AttentionDims& d) const { return (first_row + r) % d.len_q; }
+  };
+
+  void run_item(int64_t item, int64_t split, KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
+    const int64_t b_hkv = item / row_chunks(dims_), chunk = item % row_chunks(dims_);
+    const int64_t first_row = chunk * kMaxTaskRows;
+    const TaskRows t{b_hkv / dims_.heads_kv, b_hkv % dims_.heads_kv, first_row,
+                     std::min(kMaxTaskRows, group_rows(dims_) - first_row)};
+    const int64_t D = dims_.head_dim;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r, dims_)), s.queries.data() + r * D,
+                  D);
     }
-    const auto [key_begin, key_end] = splits.key_range(split, dims_.key_end(len_q - 1));
-    s.state.reset(rows);
+    if (padded(t.rows) > 0) {
+      transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
+    }
+    const auto [key_begin, key_end] = splits.key_range(split, dims_.key_end(dims_.len_q - 1));
+    s.state.reset(t.rows);
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyBlock) {
-      key_block(b, h_kv, k0, std::min(kKeyBlock, key_end - k0), key_end, s);
+      key_block(t, k0, std::min(kKeyBlock, key_end - k0), key_end, s);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      splits.emit(s.state, r, b * dims_.heads_q + first_head + r / len_q, r % len_q, split);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      splits.emit(s.state, r, t.b * dims_.heads_q + t.head(r, dims_), t.query_row(r, dims_), split);
     }
   }
 
@@ -99,9 +118,8 @@ class DecodeForward {
   // registers if of a reduced dtype). So are key rows for fewer rows than a vector holds; with
   // more, each key element is broadcast to many rows and a key block of a reduced dtype is
   // converted once instead (measured faster).
-  void key_block(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, int64_t key_end,
-                 Scratch& s) const {
-    const int64_t D = dims_.head_dim, Dv = dims_.value_dim, rows = task_rows(dims_);
+  void key_block(const TaskRows& t, int64_t k0, int64_t cols, int64_t key_end, Scratch& s) const {
+    const int64_t D = dims_.head_dim, Dv = dims_.value_dim, rows = t.rows, b = t.b, h_kv = t.h_kv;
     const scalar_t* k_block = k_.row(b, h_kv, k0);
     const scalar_t* v_block = v_.row(b, h_kv, k0);
     StreamAhead stream;
@@ -109,18 +127,18 @@ class DecodeForward {
     stream.next_keys = StreamAhead::Rows::of(
         k_.row(b, h_kv, k0 + cols), std::min(kKeyBlock, key_end - k0 - cols), D, k_.row_stride);
     // S = Q K_j^T
-    if (padded_rows(dims_) > 0) {
+    if (padded(rows) > 0) {
       const Operand<acc_t> keys = Packing<acc_t>::a(k_block, cols, D, k_.row_stride, s.keys.data());
-      key_query_scores(s.queries_t.data(), padded_rows(dims_), padded_rows(dims_), keys.data,
-                       keys.ld, cols, D, s.scores_t.data(), padded_rows(dims_), stream);
-      transpose_block(s.scores_t.data(), cols, rows, padded_rows(dims_), s.scores.data(), cols);
+      key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld, cols, D,
+                       s.scores_t.data(), padded(rows), stream);
+      transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
     } else {
       query_key_scores(s.queries.data(), D, rows, k_block, k_.row_stride, cols, D, s.scores.data(),
                        cols, stream);
     }
     // m' = max(m, rowmax(S)); P = exp(S - m'); l = e^(m-m') l + rowsum(P); O = e^(m-m') O
     for (int64_t r = 0; r < rows; ++r) {
-      s.visible[r] = dims_.visible_in_block(r % dims_.len_q, k0, cols);
+      s.visible[r] = dims_.visible_in_block(t.query_row(r, dims_), k0, cols);
       s.state.fold_row(s.scores.data() + r * cols, r, s.visible[r], cols, scale_);
     }
     // O += P V_j, each row reading only the value rows it sees
