@@ -1,6 +1,7 @@
 #include "block_gemm.h"
 
 #include <ATen/Context.h>
+#include <ATen/Version.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -71,12 +72,15 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, c
 }
 
 bool bf16_block_gemm_available() {
-  // The same condition under which libtorch's brgemm takes the oneDNN path for bfloat16
-  // (ISA at least avx512_core); elsewhere a VNNI-layout call would raise.
-  static const bool cpu_has_avx512_core =
+  // The CPU must be one on which libtorch's brgemm takes the oneDNN path for bfloat16 (ISA at
+  // least avx512_core; elsewhere a VNNI-layout call would raise), and the ATen capability that
+  // selects the kernels (attention_cpu.cpp; ATEN_CPU_CAPABILITY can lower it) must be AVX512,
+  // the only build that uses the bfloat16 micro-kernel. Both are fixed for the process.
+  static const bool avx512_selected =
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return cpu_has_avx512_core && at::globalContext().userEnabledMkldnn();
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      at::get_cpu_capability() == "AVX512";
+  return avx512_selected && at::globalContext().userEnabledMkldnn();
 }
 
 void block_gemm_release() {

@@ -22,8 +22,10 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, c
 void block_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
                 const c10::BFloat16* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
-// Whether the bfloat16 micro-kernel runs natively on this CPU (AVX-512 with oneDNN enabled);
-// elsewhere the kernels convert bfloat16 tiles to float32 instead.
+// Whether the bfloat16 micro-kernel is in use: an AVX-512 CPU, the AVX512 ATen CPU capability
+// selected (at::get_cpu_capability(), which ATEN_CPU_CAPABILITY can lower: the kernels follow
+// it) and oneDNN enabled (checked at each call). Elsewhere the kernels convert bfloat16 tiles
+// to float32 instead.
 bool bf16_block_gemm_available();
 
 // Releases per-thread micro-kernel state; call once at the end of each task that used

@@ -344,5 +344,21 @@ TEST_F(BlockGemm, BFloat16VnniEmptyDimensions) {
   }
 }
 
+// One instruction-set truth: the bfloat16 micro-kernel counts as available only under the
+// ATen capability that selects the AVX-512 kernels, and only while oneDNN is enabled. CMake also
+// runs this test under ATEN_CPU_CAPABILITY=default, where it must be unavailable on any CPU.
+TEST(BlockGemmAvailability, FollowsTheAtenCapabilityAndOneDnn) {
+  const bool available = bf16_block_gemm_available();
+  if (at::get_cpu_capability() != "AVX512") {
+    EXPECT_FALSE(available) << "ATen capability " << at::get_cpu_capability()
+                            << " runs no AVX-512 kernel";
+  }
+  const bool mkldnn = at::globalContext().userEnabledMkldnn();
+  at::globalContext().setUserEnabledMkldnn(false);
+  EXPECT_FALSE(bf16_block_gemm_available()) << "oneDNN disabled";
+  at::globalContext().setUserEnabledMkldnn(mkldnn);
+  EXPECT_EQ(bf16_block_gemm_available(), available);
+}
+
 }  // namespace
 }  // namespace causal_attention::tests
