@@ -1,0 +1,122 @@
+"""Each kernel build (baseline, AVX2, AVX-512) on a correctness subset, in every run.
+
+The op picks its kernel build from ATen's CPU capability, as ATen's own kernels do, so a machine
+runs its highest build unless ``ATEN_CPU_CAPABILITY`` lowers it, and the lower builds would go
+untested. Each test here runs a fresh interpreter under ``ATEN_CPU_CAPABILITY=<cap>`` (the
+capability is fixed when torch loads) on forward and backward of a few shapes that reach the
+kernels' main paths (several 64-row blocks, GQA, a KV cache, decode, the one-pass backward),
+float64, float32 and bfloat16, against SDPA in float64. A build this machine cannot run is
+skipped, saying so; it never passes. (ATen also honours a value above what the CPU has: torch's
+own kernels and ours then die of SIGILL, so no build above this process's capability is asked
+for.)
+"""
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import causal_attention
+from attention_testing import run_python
+
+PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
+# The highest build this torch selects here (lower if this process runs under a lowering
+# ATEN_CPU_CAPABILITY itself), and the builds it can be lowered to.
+MACHINE_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+RUNNABLE = {
+    "default": True,
+    "avx2": MACHINE_CAPABILITY in ("AVX2", "AVX512"),
+    "avx512": MACHINE_CAPABILITY == "AVX512",
+}
+MARKER = "INSTRUCTION_SET_SUBSET_OK"
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    import torch
+    import torch.nn.functional as F
+
+    import causal_attention
+
+    requested = os.environ["ATEN_CPU_CAPABILITY"].upper()
+    selected = torch.backends.cpu.get_cpu_capability()
+    assert selected == requested, f"asked for {requested}, torch selected {selected}"
+    print("PACKAGE", causal_attention.__file__)
+
+    # name, batch, Hq, Hkv, Lq, Lk, D, Dv
+    CASES = [
+        ("square, 4 row blocks", 1, 2, 2, 200, 200, 64, 64),
+        ("GQA 4:2", 1, 4, 2, 130, 130, 64, 64),
+        ("KV cache", 1, 2, 2, 40, 300, 64, 64),
+        ("decode", 1, 4, 2, 3, 1500, 64, 64),
+        ("B*Hkv = 8, Dv != D", 2, 4, 4, 130, 130, 64, 48),
+    ]
+    # Largest error over the largest reference magnitude: (output, gradients).
+    TOLERANCES = {
+        torch.float64: (1e-10, 1e-10),
+        torch.float32: (2e-5, 5e-5),
+        torch.bfloat16: (3e-2, 3e-2),
+    }
+
+    def reference(q, k, v, grad_out):
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        lq, lk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad_out.double())]
+
+    def ours(q, k, v, grad_out):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = causal_attention.attention(*leaves)
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+    torch.manual_seed(0)
+    failures = []
+    for name, b, hq, hkv, lq, lk, d, dv in CASES:
+        base = [torch.randn(shape) for shape in
+                ((b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv), (b, hq, lq, dv))]
+        for dtype, (tol_out, tol_grad) in TOLERANCES.items():
+            q, k, v, grad_out = (t.to(dtype) for t in base)
+            got = ours(q, k, v, grad_out)
+            want = reference(q, k, v, grad_out)
+            for what, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want,
+                                       (tol_out, tol_grad, tol_grad, tol_grad)):
+                assert g.dtype == dtype and g.shape == w.shape, (name, what, g.dtype, g.shape)
+                error = ((g.double() - w).abs().max() / w.abs().max()).item()
+                line = f"{requested} {name} {dtype} {what}: relative error {error:.2e}"
+                line += f" (tol {tol:.0e})"
+                print(line)
+                if not error <= tol:
+                    failures.append(line)
+    if failures:
+        raise SystemExit("FAILED:\\n" + "\\n".join(failures))
+    print("INSTRUCTION_SET_SUBSET_OK", requested)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "capability",
+    [
+        pytest.param(
+            cap,
+            marks=pytest.mark.skipif(
+                not runnable,
+                reason=f"torch's CPU capability in this process is {MACHINE_CAPABILITY} "
+                f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}): "
+                f"the {cap.upper()} kernel build cannot run here",
+            ),
+        )
+        for cap, runnable in RUNNABLE.items()
+    ],
+)
+def test_kernel_build_matches_float64_sdpa(capability, monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    result = run_python(SCRIPT, PACKAGE_PARENT, timeout=120)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, report
+    assert f"PACKAGE {causal_attention.__file__}" in result.stdout, report
+    assert f"{MARKER} {capability.upper()}" in result.stdout, report
