@@ -1,48 +1,161 @@
-"""Peak memory: forward + backward at L = 16384 must not materialize anything of size L x L
-(that would be 1 GiB in float32)."""
+"""Peak memory of a call against the bytes of its own tensors: nothing of size L x L (at
+L = 16384 that would be 1 GiB in float32), and little beyond the tensors a call cannot do
+without.
 
+- Training, B = H = 1, L = 16384, D = 64, float32, forward + backward: the peak RSS growth is at
+  most 5 % over q, k, v, grad_out, out, dq, dk, dv (32 MiB), plus ALLOWANCE_MIB.
+- Decoding, Hq = 256, Hkv = 1, Lq = 32, Lk = 300000, D = 64, float32, one forward under
+  torch.no_grad(): at most 10 % over q, k, v, out (150 MiB), plus ALLOWANCE_MIB. The share is
+  larger than training's for the key splits' partial results (schedule.h bounds them to 5 % of
+  the call's bytes) and the decode tasks' scratch.
+"""
+
+import json
+import os
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from attention_testing import run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LIMIT_MB = 200
 
-# Runs in a fresh interpreter so that the peak RSS (ru_maxrss, KiB on Linux) is this workload's.
+# Fixed allowance over the share, for what a call needs whatever its tensors' bytes: the per-task
+# scratch of block tiles (about 350 KiB per task for the D = 64 backward, ~1.4 MiB at THREADS
+# tasks), the O(L) lse and delta (64 KiB each here), the autograd graph, Python objects and
+# tensor headers, and the allocator's granularity (glibc pads each arena's growth by M_TOP_PAD,
+# 128 KiB, and maps whole 4 KiB pages). Training measured +0.5 MiB over its tensors at 1 thread,
+# +1.5 MiB at 4 and +7.4 MiB at 16 (the scratch), so 8 MiB holds THREADS = 4 with room. It stays
+# small next to the tensors: training's share plus allowance (9.6 MiB) is under one extra copy
+# of q, k and v (12 MiB), decoding's (23 MiB) under a third of one copy of the cache's K.
+ALLOWANCE_MIB = 8
+# Scratch is per task, and tasks run one per thread: a fixed thread count keeps the figures the
+# same on every machine but for block sizes (a 64-core machine would run 64 tasks at once).
+THREADS = 4
+
+# Runs in a fresh interpreter. After a small warm-up call of the same kind (so that lazy
+# initialization, the thread pool and code pages are already paid for), it returns free heap
+# pages to the kernel (malloc_trim) and resets the peak-RSS counter (writing 5 to
+# /proc/self/clear_refs resets VmHWM to the current RSS), then creates the tensors and makes the
+# call: VmHWM - VmRSS before is the call's peak growth, tensors included. If the counter cannot
+# be reset, VmHWM still holds the earlier, higher peak, so the growth is overstated, never
+# understated.
 SCRIPT = textwrap.dedent(
     """
-    import resource
+    import ctypes
+    import gc
+    import json
+
     import torch
     import causal_attention
 
-    def peak_mb():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    CASE = json.loads(CASE_JSON)  # prepended by the test
 
-    def forward_backward(q, k, v, grad_out):
+    def status_bytes(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    def tensors(lq, lk):
+        shapes = (
+            (1, CASE["hq"], lq, CASE["d"]),
+            (1, CASE["hkv"], lk, CASE["d"]),
+            (1, CASE["hkv"], lk, CASE["d"]),
+        )
+        q, k, v = (torch.randn(s, requires_grad=CASE["backward"]) for s in shapes)
+        return q, k, v
+
+    def call(lq, lk):
+        q, k, v = tensors(lq, lk)
+        if not CASE["backward"]:
+            with torch.no_grad():
+                out = causal_attention.attention(q, k, v)
+            return [q, k, v, out]
+        grad_out = torch.randn(out_shape := (1, CASE["hq"], lq, CASE["d"]))
         out = causal_attention.attention(q, k, v)
         out.backward(grad_out)
+        assert out.shape == out_shape
+        return [q, k, v, grad_out, out.detach(), q.grad, k.grad, v.grad]
 
     torch.manual_seed(0)
-    shape = (1, 1, 16384, 64)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape)
-    tiny = [t[..., :64, :].detach().clone().requires_grad_() for t in (q, k, v)]
-    forward_backward(*tiny, grad_out[..., :64, :])
-
-    baseline = peak_mb()
-    forward_backward(q, k, v, grad_out)
-    assert q.grad is not None and k.grad is not None and v.grad is not None
-    print(f"PEAK_GROWTH_MB={peak_mb() - baseline:.1f}")
+    torch.set_num_threads(CASE["threads"])
+    call(*CASE["warmup"])
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    before = status_bytes("VmRSS")
+    assert reset is False or status_bytes("VmHWM") <= before + (1 << 20)
+    results = call(CASE["lq"], CASE["lk"])
+    growth = status_bytes("VmHWM") - before
+    print("RESULT=" + json.dumps({
+        "growth": growth,
+        "tensor_bytes": sum(t.numel() * t.element_size() for t in results),
+        "hwm_reset": reset,
+        "library": causal_attention.__file__,
+        "threads": torch.get_num_threads(),
+    }))
     """
 )
 
+MEMORY_CASES = [
+    pytest.param(
+        dict(hq=1, hkv=1, lq=16384, lk=16384, d=64, backward=True, warmup=(256, 256)),
+        0.05,
+        id="train-L16384-D64-forward-backward",
+    ),
+    pytest.param(
+        # The warm-up decodes too (Lq <= 32) against enough keys to split them.
+        dict(hq=256, hkv=1, lq=32, lk=300000, d=64, backward=False, warmup=(32, 4096)),
+        0.10,
+        id="decode-Hq256-Hkv1-Lq32-Lk300000-D64",
+        # Measured on the library of 6f4a6db: +18.2 MiB over the tensors at 1 thread, +31.4 at 2,
+        # +43.7 at 4 (limit +23.0). The 3 key splits' partials take 6.2 MiB, within schedule.h's
+        # 5 %; each running decode task adds ~12 MiB of scratch (decode.h Scratch: queries,
+        # queries_t, scores, scores_t and the row state for all 256 x 32 rows of the GQA group),
+        # which no bound covers. Strict: remove the mark once the kernel holds the target.
+        marks=pytest.mark.xfail(
+            strict=True, reason="decode scratch: ~12 MiB per task, outside the 10 % target"
+        ),
+    ),
+]
 
-def test_peak_rss_growth_of_long_sequence_forward_backward():
-    result = run_python(SCRIPT, REPO_ROOT, timeout=300)
+
+def _peak_growth(case):
+    """{"growth": peak RSS growth in bytes, "tensor_bytes": bytes of the call's tensors, ...}."""
+    case = dict(case, threads=THREADS)
+    script = f"CASE_JSON = {json.dumps(case)!r}\n" + SCRIPT
+    result = run_python(script, REPO_ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("PEAK_GROWTH_MB=")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT=")]
     assert len(lines) == 1, result.stdout
-    growth_mb = float(lines[0].split("=", 1)[1])
-    print(f"\npeak RSS growth for B=H=1, L=16384, D=64 float32 forward+backward: {growth_mb} MB")
-    assert growth_mb < LIMIT_MB
+    measured = json.loads(lines[0].split("=", 1)[1])
+    # The interpreter measured this checkout's library, not an installed copy.
+    assert Path(measured["library"]).resolve().is_relative_to(REPO_ROOT), measured["library"]
+    assert measured["threads"] == THREADS
+    return measured
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("case,share", MEMORY_CASES)
+def test_peak_rss_growth_is_within_a_share_of_the_call_tensors(case, share):
+    measured = _peak_growth(case)
+    mib = 1 << 20
+    tensor_bytes, growth = measured["tensor_bytes"], measured["growth"]
+    limit = (1 + share) * tensor_bytes + ALLOWANCE_MIB * mib
+    print(
+        f"\npeak RSS growth {growth / mib:.1f} MiB for {tensor_bytes / mib:.1f} MiB of tensors "
+        f"(+{(growth - tensor_bytes) / tensor_bytes:.1%}); limit {limit / mib:.1f} MiB; "
+        f"peak counter reset: {measured['hwm_reset']}"
+    )
+    assert growth <= limit, (
+        f"peak RSS grew {growth / mib:.1f} MiB, over {limit / mib:.1f} MiB = "
+        f"{1 + share:.2f} x {tensor_bytes / mib:.1f} MiB of tensors + {ALLOWANCE_MIB} MiB"
+    )
