@@ -17,9 +17,13 @@ from pathlib import Path
 
 import pytest
 
+import causal_attention
 from attention_testing import run_python
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# The subprocesses import the package this process imported (this checkout's, or the sanitized
+# copy scripts/sanitize.sh puts first on the path), not whatever an installed copy points to.
+PACKAGE_FILE = Path(causal_attention.__file__).resolve()
+PACKAGE_ROOT = PACKAGE_FILE.parents[1]
 
 # Fixed allowance over the share, for what a call needs whatever its tensors' bytes: the per-task
 # scratch of block tiles (about 350 KiB per task for the D = 64 backward, ~1.4 MiB at THREADS
@@ -132,13 +136,12 @@ def _peak_growth(case):
     """{"growth": peak RSS growth in bytes, "tensor_bytes": bytes of the call's tensors, ...}."""
     case = dict(case, threads=THREADS)
     script = f"CASE_JSON = {json.dumps(case)!r}\n" + SCRIPT
-    result = run_python(script, REPO_ROOT, timeout=300)
+    result = run_python(script, PACKAGE_ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT=")]
     assert len(lines) == 1, result.stdout
     measured = json.loads(lines[0].split("=", 1)[1])
-    # The interpreter measured this checkout's library, not an installed copy.
-    assert Path(measured["library"]).resolve().is_relative_to(REPO_ROOT), measured["library"]
+    assert Path(measured["library"]).resolve() == PACKAGE_FILE, measured["library"]
     assert measured["threads"] == THREADS
     return measured
 
