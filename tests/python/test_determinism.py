@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import Case, dtype_params, make_tensor, run_python
+from attention_testing import DTYPE_IDS, Case, make_tensor, run_python
 
 # The subprocesses import the package this process imported (this checkout's, or the sanitized
 # copy scripts/sanitize.sh puts first on the path), not whatever an installed copy points to.
@@ -25,6 +25,30 @@ CASES = [
     # Decoding: one task per KV head and 1024-key split, merged in split order.
     pytest.param(Case(16, 3000, 64, hq=4, hkv=2), id="decode-gqa2-Lq16-Lk3000"),
 ]
+# The one-pass backward (float32 and float64 with batch * heads_kv >= 8): one task per (batch,
+# KV head), which adds every query block's dS K_j into its rows of dq in place.
+ONE_PASS_CASES = [
+    pytest.param(Case(300, 300, 64, hq=8, hkv=8), id="one-pass-H8-L300-D64"),
+    pytest.param(Case(300, 300, 64, hq=16, hkv=8), id="one-pass-gqa2-Hq16-Hkv8-L300-D64"),
+    pytest.param(
+        Case(300, 300, 64, dv=32, hq=8, hkv=4, batch=(2,)), id="one-pass-B2-gqa2-Hkv4-L300-Dv32"
+    ),
+    pytest.param(Case(200, 333, 64, hq=8, hkv=8), id="one-pass-kv-cache-H8-Lq200-Lk333"),
+]
+
+
+def _case_dtype_params():
+    """(case, dtype) pairs: CASES in float32 and bfloat16 (bfloat16 takes the two-pass
+    backward), ONE_PASS_CASES in the dtypes of the one-pass backward."""
+    pairs = [(case, dtype) for case in CASES for dtype in (torch.float32, torch.bfloat16)]
+    pairs += [(case, dtype) for case in ONE_PASS_CASES for dtype in (torch.float32, torch.float64)]
+    return [
+        pytest.param(case.values[0], dtype, id=f"{case.id}-{DTYPE_IDS[dtype]}")
+        for case, dtype in pairs
+    ]
+
+
+CASE_DTYPE_PARAMS = _case_dtype_params()
 
 
 def _forward_backward(inputs, grad_out, threads):
@@ -42,8 +66,7 @@ def _inputs(case, dtype):
     return case.inputs(dtype, requires_grad=True), make_tensor(case.out_shape, dtype)
 
 
-@pytest.mark.parametrize("dtype", dtype_params((torch.float32, torch.bfloat16)))
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,dtype", CASE_DTYPE_PARAMS)
 def test_bitwise_equal_for_one_and_two_threads(case, dtype, restore_num_threads):
     inputs, grad_out = _inputs(case, dtype)
     one = _forward_backward(inputs, grad_out, threads=1)
@@ -51,8 +74,7 @@ def test_bitwise_equal_for_one_and_two_threads(case, dtype, restore_num_threads)
     _assert_bitwise_equal(one, two)
 
 
-@pytest.mark.parametrize("dtype", dtype_params((torch.float32, torch.bfloat16)))
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,dtype", CASE_DTYPE_PARAMS)
 def test_bitwise_equal_across_repeated_calls(case, dtype, restore_num_threads):
     inputs, grad_out = _inputs(case, dtype)
     first = _forward_backward(inputs, grad_out, threads=2)
