@@ -1,19 +1,23 @@
 """Numerical robustness at the edges: logits of +-1e4, and non-finite values kept where they
 belong. A NaN in a query row poisons that row only; an inf or NaN in a key or value reaches only
-the rows that can see it; rows without keys stay exact zeros with zero gradient whatever K, V and
-their own grad_out hold.
+the rows that can see it; one in a grad_out row reaches only that row's dq and the keys it sees;
+rows without keys stay exact zeros with zero gradient whatever K, V and their own grad_out hold.
+Each runs in both backward schedules (TWO_PASS and ONE_PASS head layouts below).
 
 "Exact" here means bitwise equal to the same call on clean inputs: the values that must not be
 affected are computed from exactly the same numbers either way.
 """
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import causal_attention
 from attention_testing import (
+    DTYPE_IDS,
+    DTYPES,
     UNIT_ROUNDOFF,
     abs_magnitudes,
     accumulation_roundoff,
@@ -24,13 +28,39 @@ from attention_testing import (
     visible_keys,
 )
 
-# Two 64-row blocks and a straddled diagonal; Hq = 4 reads Hkv = 2 (GQA).
-BATCH, HQ, HKV = 2, 4, 2
+
+@dataclass(frozen=True)
+class Heads:
+    """Batch size and head counts of a test's inputs; query head h reads KV head h // group."""
+
+    batch: int
+    hq: int
+    hkv: int
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
 
 
-def _inputs(lq, lk, d, dtype, generator_seed=0):
+# Two 64-row blocks and a straddled diagonal in every shape below; Hq = 2 Hkv (GQA) in both
+# head layouts. TWO_PASS has 4 (batch, KV head) items, too few for the one-pass backward, so
+# every dtype takes the two passes; ONE_PASS has 8, so float32 and float64 take the one pass
+# (attention_backward_kernel.cpp), which adds each pair's dS K_j into dq in place.
+TWO_PASS = Heads(batch=2, hq=4, hkv=2)
+ONE_PASS = Heads(batch=2, hq=8, hkv=4)
+
+
+def heads_dtype_params():
+    """(heads, dtype): TWO_PASS in every dtype, ONE_PASS in the dtypes that run the one pass."""
+    pairs = [(TWO_PASS, "two-pass", d) for d in DTYPES]
+    pairs += [(ONE_PASS, "one-pass", d) for d in (torch.float64, torch.float32)]
+    return [pytest.param(h, d, id=f"{name}-{DTYPE_IDS[d]}") for h, name, d in pairs]
+
+
+def _inputs(lq, lk, d, dtype, heads=TWO_PASS, generator_seed=0):
     generator = torch.Generator().manual_seed(generator_seed)
-    shapes = ((BATCH, HQ, lq, d), (BATCH, HKV, lk, d), (BATCH, HKV, lk, d), (BATCH, HQ, lq, d))
+    b, hq, hkv = heads.batch, heads.hq, heads.hkv
+    shapes = ((b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d), (b, hq, lq, d))
     return [torch.randn(s, generator=generator).to(dtype) for s in shapes]
 
 
@@ -43,15 +73,16 @@ def _forward_backward(q, k, v, grad_out, scale=None):
 # --- logits of +-1e4 -----------------------------------------------------------------------
 
 
-def _peaked_logits(lq, lk, d, dtype, logit):
+def _peaked_logits(lq, lk, d, dtype, logit, heads):
     """q, k whose logits (scale 1) are exactly +-logit: q and k rows are +-sqrt(logit) * e_0 with
     random signs, so that rows have several tied winners, one winner, or only -logit."""
     generator = torch.Generator().manual_seed(1)
     c = math.sqrt(logit)
-    q = torch.zeros(BATCH, HQ, lq, d)
-    k = torch.zeros(BATCH, HKV, lk, d)
-    q[..., 0] = c * torch.randint(0, 2, (BATCH, HQ, lq), generator=generator).mul(2).sub(1)
-    k[..., 0] = c * torch.randint(0, 2, (BATCH, HKV, lk), generator=generator).mul(2).sub(1)
+    b, hq, hkv = heads.batch, heads.hq, heads.hkv
+    q = torch.zeros(b, hq, lq, d)
+    k = torch.zeros(b, hkv, lk, d)
+    q[..., 0] = c * torch.randint(0, 2, (b, hq, lq), generator=generator).mul(2).sub(1)
+    k[..., 0] = c * torch.randint(0, 2, (b, hkv, lk), generator=generator).mul(2).sub(1)
     return q.to(dtype), k.to(dtype)
 
 
@@ -63,11 +94,11 @@ def _tolerance(dtype, logit):
 
 
 @pytest.mark.parametrize("logit", [1e3, 1e4])
-@pytest.mark.parametrize("dtype", dtype_params())
-def test_logits_of_1e4_give_finite_accurate_results(dtype, logit):
+@pytest.mark.parametrize("heads,dtype", heads_dtype_params())
+def test_logits_of_1e4_give_finite_accurate_results(heads, dtype, logit):
     lq, lk, d = 130, 150, 16
-    q, k = _peaked_logits(lq, lk, d, dtype, logit)
-    _, _, v, grad_out = _inputs(lq, lk, d, dtype)
+    q, k = _peaked_logits(lq, lk, d, dtype, logit, heads)
+    _, _, v, grad_out = _inputs(lq, lk, d, dtype, heads)
     out, dq, dk, dv = _forward_backward(q, k, v, grad_out, scale=1.0)
     ref = float64_reference(q, k, v, 1.0, grad_out)
     # The weights are as extreme as they get: visible keys' exp(-2 logit) underflows to 0, and
@@ -104,10 +135,10 @@ def test_masked_key_with_huge_logit_does_not_set_the_row_maximum(dtype):
 # --- NaN in one query row ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("heads,dtype", heads_dtype_params())
 @pytest.mark.parametrize("lq,lk", [(130, 130), (90, 150)], ids=["square", "kv-cache"])
-def test_nan_in_one_query_row_poisons_only_that_row(dtype, lq, lk):
-    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+def test_nan_in_one_query_row_poisons_only_that_row(heads, dtype, lq, lk):
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype, heads)
     batch, head, row = 1, 3, 70
     clean = _forward_backward(q, k, v, grad_out)
     q_nan = q.clone()
@@ -122,10 +153,43 @@ def test_nan_in_one_query_row_poisons_only_that_row(dtype, lq, lk):
     assert torch.equal(dq[~poisoned], clean[1][~poisoned])
     # dk, dv of a key are sums over the rows that see it: keys the NaN row cannot see, and the
     # K/V heads and batch entries it does not read, are untouched.
-    unseen = torch.ones(BATCH, HKV, lk, dtype=torch.bool)
-    unseen[batch, head // (HQ // HKV)] = ~visible_keys(lq, lk)[row]
+    unseen = torch.ones(heads.batch, heads.hkv, lk, dtype=torch.bool)
+    unseen[batch, head // heads.group] = ~visible_keys(lq, lk)[row]
     assert unseen.any() and not unseen.all()
     for name, ours, expected in (("dk", dk, clean[2]), ("dv", dv, clean[3])):
+        assert torch.equal(ours[unseen], expected[unseen]), name
+
+
+# --- inf / NaN in one grad_out row ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("heads,dtype", heads_dtype_params())
+@pytest.mark.parametrize("lq,lk", [(130, 130), (90, 150)], ids=["square", "kv-cache"])
+def test_non_finite_grad_out_row_reaches_only_its_dq_row_and_the_keys_it_sees(
+    heads, dtype, lq, lk, value
+):
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype, heads)
+    batch, head, row = 1, 3, 70  # in a query block that straddles the diagonal
+    clean = _forward_backward(q, k, v, grad_out)
+    poisoned_grad_out = grad_out.clone()
+    poisoned_grad_out[batch, head, row, 5] = value
+    out, dq, dk, dv = _forward_backward(q, k, v, poisoned_grad_out)
+
+    assert torch.equal(out, clean[0])
+    poisoned = torch.zeros(dq.shape[:-1], dtype=torch.bool)
+    poisoned[batch, head, row] = True
+    assert not torch.isfinite(dq[poisoned]).all()
+    # dq of every other row involves only that row's grad_out.
+    assert torch.isfinite(dq[~poisoned]).all()
+    assert torch.equal(dq[~poisoned], clean[1][~poisoned])
+    # dk, dv of a key sum over the rows that see it: keys the row cannot see (in the same key
+    # block too), and the other K/V heads and batch entries, are untouched.
+    unseen = torch.ones(heads.batch, heads.hkv, lk, dtype=torch.bool)
+    unseen[batch, head // heads.group] = ~visible_keys(lq, lk)[row]
+    assert unseen.any() and not unseen.all()
+    for name, ours, expected in (("dk", dk, clean[2]), ("dv", dv, clean[3])):
+        assert torch.isfinite(ours[unseen]).all(), name
         assert torch.equal(ours[unseen], expected[unseen]), name
 
 
@@ -134,16 +198,16 @@ def test_nan_in_one_query_row_poisons_only_that_row(dtype, lq, lk):
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("tensor", ["k", "v"])
-@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("heads,dtype", heads_dtype_params())
 @pytest.mark.parametrize(
     "lq,lk,key",
     [(100, 100, 37), (40, 100, 80), (130, 130, 64), (8, 300, 295), (3, 300, 298)],
     ids=["square", "kv-cache", "block-edge", "decode", "decode-few-rows"],
 )
 def test_non_finite_key_does_not_leak_into_rows_that_cannot_see_it(
-    dtype, tensor, value, lq, lk, key
+    heads, dtype, tensor, value, lq, lk, key
 ):
-    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype, heads)
     clean = _forward_backward(q, k, v, grad_out)
     inputs = {"k": k.clone(), "v": v.clone()}
     inputs[tensor][:, :, key, 3] = value
@@ -158,10 +222,10 @@ def test_non_finite_key_does_not_leak_into_rows_that_cannot_see_it(
 # --- rows without keys ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", dtype_params())
-def test_rows_without_keys_stay_zero_whatever_k_v_and_their_grad_out_hold(dtype):
+@pytest.mark.parametrize("heads,dtype", heads_dtype_params())
+def test_rows_without_keys_stay_zero_whatever_k_v_and_their_grad_out_hold(heads, dtype):
     lq, lk = 100, 30  # rows 0..69 see no key
-    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype, heads)
     rows = empty_rows(lq, lk)
     k = k * 1e3  # logits of ~1e4 in the rows that do see keys
     nan_grad_out = grad_out.clone()
