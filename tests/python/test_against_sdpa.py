@@ -20,8 +20,9 @@ from attention_testing import (
 )
 
 # Together these cover every L in {1, 2, 17, 64, 129, 1000}, D in {1, 8, 64, 80, 128},
-# Hq/Hkv in {1, 2, 4}, Dv != D, Lq < Lk, Lq > Lk, 2-D/3-D/4-D/5-D inputs and the
-# transposed-view and sliced/strided layouts; each case runs in every dtype.
+# Hq/Hkv in {1, 2, 4}, batch * Hkv >= 8 (the one-pass backward), Dv != D, Lq < Lk, Lq > Lk,
+# 2-D/3-D/4-D/5-D inputs and the transposed-view and sliced/strided layouts; each case runs in
+# every dtype.
 CASES = [
     pytest.param(Case(1, 1, 8, hq=2, hkv=2), id="L1-D8-H2"),
     pytest.param(Case(2, 2, 1, batch=(2,)), id="L2-D1-B2"),
@@ -66,6 +67,12 @@ CASES = [
     pytest.param(
         Case(64, 2, 64, hq=2, hkv=2, batch=(), layout="transposed"),
         id="3d-Lq64-Lk2-D64-transposed",
+    ),
+    # batch * Hkv >= 8: the one-pass backward in float32 and float64 (the two passes otherwise).
+    pytest.param(Case(150, 150, 64, hq=8, hkv=8, layout="transposed"), id="L150-D64-H8-one-pass"),
+    pytest.param(
+        Case(200, 333, 32, dv=16, hq=16, hkv=4, batch=(2,), layout="strided"),
+        id="kvcache-Lq200-Lk333-D32-Dv16-gqa4-B2-one-pass-strided",
     ),
 ]
 
