@@ -120,14 +120,6 @@ MEMORY_CASES = [
         dict(hq=256, hkv=1, lq=32, lk=300000, d=64, backward=False, warmup=(32, 4096)),
         0.10,
         id="decode-Hq256-Hkv1-Lq32-Lk300000-D64",
-        # Measured on the library of 6f4a6db: +18.2 MiB over the tensors at 1 thread, +31.4 at 2,
-        # +43.7 at 4 (limit +23.0). The 3 key splits' partials take 6.2 MiB, within schedule.h's
-        # 5 %; each running decode task adds ~12 MiB of scratch (decode.h Scratch: queries,
-        # queries_t, scores, scores_t and the row state for all 256 x 32 rows of the GQA group),
-        # which no bound covers. Strict: remove the mark once the kernel holds the target.
-        marks=pytest.mark.xfail(
-            strict=True, reason="decode scratch: ~12 MiB per task, outside the 10 % target"
-        ),
     ),
 ]
 
