@@ -33,6 +33,13 @@ CASES = [
     ),
     pytest.param(Case(129, 129, 128, hq=2, hkv=2, layout="strided"), id="L129-D128-strided"),
     pytest.param(Case(1000, 1000, 64, hq=2, hkv=1), id="L1000-D64-gqa2"),
+    # Lq >= 1024: forward tasks take tiles of several query blocks (the last one partial); with
+    # few tiles and Lk > 1024 the keys are split too.
+    pytest.param(Case(1100, 1100, 16, hq=2, hkv=1), id="L1100-D16-gqa2-tiles"),
+    pytest.param(
+        Case(1030, 1600, 32, hq=2, hkv=2, layout="transposed"),
+        id="Lq1030-Lk1600-D32-tiles-split-transposed",
+    ),
     pytest.param(Case(129, 129, 8, heads=False), id="2d-L129-D8"),
     pytest.param(Case(17, 64, 64, heads=False, layout="strided"), id="2d-Lq17-Lk64-D64-strided"),
     pytest.param(Case(17, 17, 8, hq=3, hkv=3, batch=()), id="3d-H3-L17-D8"),

@@ -22,6 +22,8 @@ PACKAGE_ROOT = PACKAGE_FILE.parents[1]
 CASES = [
     pytest.param(Case(700, 700, 64, hq=2, hkv=2), id="H2-L700-D64"),
     pytest.param(Case(500, 700, 64, dv=32, hq=4, hkv=1), id="gqa4-Lq500-Lk700-Dv32"),
+    # Forward tasks of several query blocks (Lq >= 1024), with the keys split (few tiles).
+    pytest.param(Case(1100, 1500, 32, hq=2, hkv=1), id="tiles-split-gqa2-Lq1100-Lk1500"),
     # Decoding: one task per KV head and 1024-key split, merged in split order.
     pytest.param(Case(16, 3000, 64, hq=4, hkv=2), id="decode-gqa2-Lq16-Lk3000"),
 ]

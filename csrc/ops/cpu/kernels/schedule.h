@@ -35,6 +35,14 @@ inline BlockSizes block_sizes(int64_t head_dim, int64_t value_dim) {
   return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
 }
 
+// Query rows of a forward task: several query blocks, which take each key block in turn while
+// it is in cache, so that K and V stream from memory (or a shared L3) once per tile rather than
+// once per query block. Long sequences only, where the rows of a head's K and V outgrow L2 and
+// there are still tiles enough to balance.
+inline int64_t forward_tile_rows(const AttentionDims& d, const BlockSizes& blocks) {
+  return d.len_q >= 1024 ? 4 * blocks.query_rows : blocks.query_rows;
+}
+
 // Causal blocks differ in cost (the last query block sees every key, the first only a few).
 // Tasks take contiguous ranges of work items, so items are ordered 0, n-1, 1, n-2, ... within
 // each head: any contiguous range then mixes cheap and expensive blocks. Only the order of the
