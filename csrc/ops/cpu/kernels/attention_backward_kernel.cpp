@@ -4,9 +4,10 @@
 //
 // - One pass (float32, float64, with enough (batch, KV head) items to share between threads): a
 //   task owns a (batch, KV head) with every query head of its GQA group and walks its key blocks
-//   once: K_j^T and V_j^T packed once, dK_j and dV_j summed over the query blocks that see them,
-//   and each pair's dS K_j added to dQ_i in the dq output itself, which only this task writes.
-//   5 block products a pair, as in FlashAttention-2.
+//   once, a tile of them at a time (as many as fit half of L2): K_j^T and V_j^T packed once,
+//   dK_j and dV_j summed over the query blocks that see them, and each pair's dS K_j added to
+//   dQ_i in the dq output itself, which only this task writes. 5 block products a pair, as in
+//   FlashAttention-2.
 // - Two passes (few items, or bfloat16/float16): tasks own a (batch, KV head, key block) and
 //   accumulate dK_j, dV_j; then tasks own a (batch, query head, query block) and accumulate dQ_i.
 //   Pass 2 recomputes S and dP once more: 7 block products, for parallelism over blocks.
@@ -25,6 +26,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -46,22 +48,24 @@ class BackwardKernel {
         blocks_(pair_.blocks) {}
 
   void run() {
-    const auto make_scratch = [this] { return Scratch(dims_, blocks_); };
     if constexpr (kDeltaFromOutput) {
       compute_delta_from_output();
       if (dims_.batch * dims_.heads_kv >= kMinOnePassItems) {
-        for_each_head_block(dims_.batch * dims_.heads_kv, 1, make_scratch,
-                            [&](int64_t bh_kv, int64_t, Scratch& s) { one_pass(bh_kv, s); });
+        const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
+        for_each_head_block(
+            dims_.batch * dims_.heads_kv, 1, [&] { return Scratch(dims_, blocks_, tile); },
+            [&](int64_t bh_kv, int64_t, Scratch& s) { one_pass(bh_kv, tile, s); });
         return;
       }
     }
+    const auto make_scratch = [this] { return Scratch(dims_, blocks_, /*tile=*/1); };
     for_each_head_block(dims_.batch * dims_.heads_q, ceil_div(dims_.len_q, blocks_.query_rows),
                         make_scratch, [&](int64_t bh, int64_t block, Scratch& s) {
                           query_block_gradient(bh, block * blocks_.query_rows, s);
                         });
     for_each_head_block(dims_.batch * dims_.heads_kv, ceil_div(dims_.len_k, blocks_.keys),
                         make_scratch, [&](int64_t bh_kv, int64_t block, Scratch& s) {
-                          key_block_gradients(bh_kv, block * blocks_.keys, /*with_dq=*/false, s);
+                          key_tile_gradients(bh_kv, block * blocks_.keys, 1, /*with_dq=*/false, s);
                         });
   }
 
@@ -80,7 +84,7 @@ class BackwardKernel {
   }
 
   // One (batch, KV head), every gradient of it: dQ accumulates in dq (of dtype acc_t here).
-  void one_pass(int64_t bh_kv, Scratch& s) const {
+  void one_pass(int64_t bh_kv, int64_t tile, Scratch& s) const {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
     const int64_t D = dims_.head_dim;
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
@@ -88,8 +92,8 @@ class BackwardKernel {
         std::fill_n(pair_.dq.row(b, h, r), D, scalar_t(0));
       }
     }
-    for (int64_t k0 = 0; k0 < dims_.len_k; k0 += blocks_.keys) {
-      key_block_gradients(bh_kv, k0, /*with_dq=*/true, s);
+    for (int64_t k0 = 0; k0 < dims_.len_k; k0 += tile * blocks_.keys) {
+      key_tile_gradients(bh_kv, k0, tile, /*with_dq=*/true, s);
     }
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
       for (int64_t r = 0; r < dims_.len_q; ++r) {
@@ -98,37 +102,58 @@ class BackwardKernel {
     }
   }
 
-  // dK_j and dV_j of the key block at k0, summed over every query row (of every query head in
-  // the group) that sees it, in a fixed order; with `with_dq`, also dQ_i += dS K_j of each pair.
-  void key_block_gradients(int64_t bh_kv, int64_t k0, bool with_dq, Scratch& s) const {
+  // dK_j and dV_j of the `tile` key blocks from k0, summed over every query row (of every query
+  // head in the group) that sees them, in a fixed order; with `with_dq`, also dQ_i += dS K_j of
+  // each pair. A query block meets the tile's key blocks one after the other, so that its rows
+  // (and dQ_i) stream in once per tile, not once per key block.
+  void key_tile_gradients(int64_t bh_kv, int64_t k0, int64_t tile, bool with_dq, Scratch& s) const {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
-    const int64_t D = dims_.head_dim, Dv = dims_.value_dim;
-    const int64_t cols = std::min(blocks_.keys, dims_.len_k - k0);
-    const auto ko = pair_.key_operands(b, h_kv, k0, cols, s);
-    acc_t* dk = s.grad_a.data();
-    acc_t* dv = s.grad_b.data();
-    std::fill_n(dk, cols * D, acc_t(0));
-    std::fill_n(dv, cols * Dv, acc_t(0));
+    const int64_t tile_end = std::min(dims_.len_k, k0 + tile * blocks_.keys);
+    std::array<typename Pair::KeyOperands, kMaxKeyTileBlocks> ko;
+    for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
+      const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
+      ko[t] = pair_.key_operands(b, h_kv, kj, cols, t, s);
+      std::fill_n(s.key_gradient(t, dims_), cols * dims_.head_dim, acc_t(0));
+      std::fill_n(s.value_gradient(t, dims_), cols * dims_.value_dim, acc_t(0));
+    }
     const int64_t first_q0 = dims_.first_row_seeing(k0) / blocks_.query_rows * blocks_.query_rows;
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
       for (int64_t q0 = first_q0; q0 < dims_.len_q; q0 += blocks_.query_rows) {
         const int64_t rows = std::min(blocks_.query_rows, dims_.len_q - q0);
-        const auto qo = pair_.query_operands(b, h, q0, rows, s);
-        pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols,
-                                          /*with_delta=*/true, s);
-        pair_.add_value_gradient(b, h, q0, rows, k0, cols, dv, s);
-        pair_.add_key_gradient(b, h, q0, rows, k0, cols, dk, s);
-        if (with_dq) {
-          if constexpr (kDeltaFromOutput) {
-            pair_.add_query_product(s.ds.data(), b, h_kv, q0, rows, k0, cols,
-                                    pair_.dq.row(b, h, q0), pair_.dq.row_stride, s);
-          }
+        const int64_t key_end = std::min(tile_end, dims_.key_end(q0 + rows - 1));
+        for (int64_t t = 0; k0 + t * blocks_.keys < key_end; ++t) {
+          const int64_t kj = k0 + t * blocks_.keys;
+          pair_gradients(b, h, q0, rows, kj, std::min(blocks_.keys, tile_end - kj), ko[t], t,
+                         with_dq, s);
         }
       }
     }
-    for (int64_t c = 0; c < cols; ++c) {
-      store_scaled_row(dk + c * D, D, pair_.scale, pair_.dk.row(b, h_kv, k0 + c));
-      store_scaled_row(dv + c * Dv, Dv, acc_t(1), pair_.dv.row(b, h_kv, k0 + c));
+    for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
+      const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
+      for (int64_t c = 0; c < cols; ++c) {
+        store_scaled_row(s.key_gradient(t, dims_) + c * dims_.head_dim, dims_.head_dim, pair_.scale,
+                         pair_.dk.row(b, h_kv, kj + c));
+        store_scaled_row(s.value_gradient(t, dims_) + c * dims_.value_dim, dims_.value_dim,
+                         acc_t(1), pair_.dv.row(b, h_kv, kj + c));
+      }
+    }
+  }
+
+  // One block pair: dV_j, dK_j into the tile's accumulators t, and dQ_i into dq.
+  void pair_gradients(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                      const typename Pair::KeyOperands& ko, int64_t t, bool with_dq,
+                      Scratch& s) const {
+    // The query operands are made per pair: the B operands below may reuse their scratch.
+    const auto qo = pair_.query_operands(b, h, q0, rows, s);
+    pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols,
+                                      /*with_delta=*/true, s);
+    pair_.add_value_gradient(b, h, q0, rows, k0, cols, s.value_gradient(t, dims_), s);
+    pair_.add_key_gradient(b, h, q0, rows, k0, cols, s.key_gradient(t, dims_), s);
+    if constexpr (kDeltaFromOutput) {
+      if (with_dq) {
+        pair_.add_query_product(s.ds.data(), b, h / dims_.group(), q0, rows, k0, cols,
+                                pair_.dq.row(b, h, q0), pair_.dq.row_stride, s);
+      }
     }
   }
 
@@ -150,7 +175,7 @@ class BackwardKernel {
     const int64_t key_end = dims_.key_end(q0 + rows - 1);
     for (int64_t k0 = 0; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
-      const auto ko = pair_.key_operands(b, h_kv, k0, cols, s);
+      const auto ko = pair_.key_operands(b, h_kv, k0, cols, /*t=*/0, s);
       pair_.probabilities_and_gradients(bh, qo, ko, q0, rows, k0, cols, kDeltaFromOutput, s);
       pair_.add_query_product(s.ds.data(), b, h_kv, q0, rows, k0, cols, dq, D, s);
       if constexpr (!kDeltaFromOutput) {

@@ -33,21 +33,38 @@ class BlockPairGradients {
     std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums;
     std::vector<int64_t> visible;  // keys of the current block each query row sees
     NonFiniteRowGuard<scalar_t> guard;
-    Scratch(const AttentionDims& d, const BlockSizes& blocks)
+    // For key tiles of up to `tile` blocks.
+    Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
         : q_tile(Pack::scratch_size(blocks.query_rows, d.head_dim)),
           do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
-          k_tile(Pack::scratch_size(blocks.keys, d.head_dim)),
-          v_tile(Pack::scratch_size(blocks.keys, d.value_dim)),
+          k_tile(tile * Pack::scratch_size(blocks.keys, d.head_dim)),
+          v_tile(tile * Pack::scratch_size(blocks.keys, d.value_dim)),
           k_rows(Pack::scratch_size(blocks.keys, d.head_dim)),
           p_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
           ds_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
           p(blocks.query_rows * blocks.keys),
           ds(blocks.query_rows * blocks.keys),
-          grad_a(std::max(blocks.query_rows, blocks.keys) * d.head_dim),
-          grad_b(blocks.keys * d.value_dim),
+          grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
+          grad_b(tile * blocks.keys * d.value_dim),
           grad_c(blocks.query_rows * d.head_dim),
           row_sums(blocks.query_rows),
-          visible(blocks.query_rows) {}
+          visible(blocks.query_rows),
+          key_slot(Pack::scratch_size(blocks.keys, d.head_dim)),
+          value_slot(Pack::scratch_size(blocks.keys, d.value_dim)),
+          keys_per_block(blocks.keys) {}
+
+    // The dK_j and dV_j accumulators of block t of a key tile (cols x D, cols x Dv).
+    acc_t* key_gradient(int64_t t, const AttentionDims& d) {
+      return grad_a.data() + t * keys_per_block * d.head_dim;
+    }
+    acc_t* value_gradient(int64_t t, const AttentionDims& d) {
+      return grad_b.data() + t * keys_per_block * d.value_dim;
+    }
+
+    const int64_t key_slot, value_slot;  // per block of k_tile, v_tile
+
+   private:
+    int64_t keys_per_block;
   };
 
   // The operands of one query block (Q_i, dO_i as A) or one key block (K_j^T, V_j^T as B).
@@ -79,11 +96,13 @@ class BlockPairGradients {
                     s.do_tile.data())};
   }
 
-  KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
-    return {
-        Pack::b_transposed(k.row(b, h_kv, k0), cols, dims.head_dim, k.row_stride, s.k_tile.data()),
-        Pack::b_transposed(v.row(b, h_kv, k0), cols, dims.value_dim, v.row_stride,
-                           s.v_tile.data())};
+  // K_j^T and V_j^T packed into slot t of the task's key tile.
+  KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, int64_t t,
+                           Scratch& s) const {
+    return {Pack::b_transposed(k.row(b, h_kv, k0), cols, dims.head_dim, k.row_stride,
+                               s.k_tile.data() + t * s.key_slot),
+            Pack::b_transposed(v.row(b, h_kv, k0), cols, dims.value_dim, v.row_stride,
+                               s.v_tile.data() + t * s.value_slot)};
   }
 
   // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.visible the keys each row sees;

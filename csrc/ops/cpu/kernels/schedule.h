@@ -89,6 +89,20 @@ inline int64_t key_splits(const AttentionDims& d, int64_t items, int64_t element
   return std::clamp<int64_t>(affordable, 1, std::max<int64_t>(1, ceil_div(d.len_k, kKeysPerSplit)));
 }
 
+// Key blocks a one-pass backward task takes at once (attention_backward_kernel.cpp): as many as
+// keep their packed K^T, V^T and dK, dV accumulators (float32) within half of L2, at most
+// kMaxKeyTileBlocks.
+constexpr int64_t kMaxKeyTileBlocks = 8;
+inline int64_t backward_key_tile_blocks(const AttentionDims& d, const BlockSizes& blocks) {
+  static const int64_t l2_bytes = [] {
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return reported > 0 ? int64_t(reported) : int64_t(512) * 1024;
+  }();
+  const int64_t bytes_per_block =
+      2 * blocks.keys * (d.head_dim + d.value_dim) * int64_t(sizeof(float));
+  return std::clamp<int64_t>(l2_bytes / 2 / bytes_per_block, 1, kMaxKeyTileBlocks);
+}
+
 // The backward runs in one pass over the blocks of each (batch, KV head) when there are at least
 // this many of them to share between threads (see attention_backward_kernel.cpp).
 constexpr int64_t kMinOnePassItems = 8;
