@@ -54,7 +54,8 @@ struct AttentionDims {
     return std::clamp<int64_t>(key_end(row) - k0, 0, cols);
   }
   // Whether some row of [q0, q0 + rows) misses a key of [k0, k0 + cols): the block pair
-  // straddles the boundary, so its products carry masked zeros.
+  // straddles the boundary, so its products carry masked zeros. Causally the first row sees the
+  // fewest keys, so it alone decides; a mask that hides keys from later rows needs `rows`.
   bool has_masked_entries(int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
     return visible_in_block(q0, k0, cols) < cols;
   }

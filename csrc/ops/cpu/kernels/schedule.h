@@ -26,11 +26,14 @@ struct BlockSizes {
   int64_t keys;
 };
 
+// The size of a CPU cache as the OS reports it (sysconf name), or `fallback` where it does not.
+inline int64_t cache_bytes(int name, int64_t fallback) {
+  const long reported = sysconf(name);
+  return reported > 0 ? int64_t(reported) : fallback;
+}
+
 inline BlockSizes block_sizes(int64_t head_dim, int64_t value_dim) {
-  static const int64_t l1d_bytes = [] {
-    const long reported = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return reported > 0 ? int64_t(reported) : int64_t(32) * 1024;
-  }();
+  static const int64_t l1d_bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32 * 1024);
   const int64_t bytes_of_128_keys = 128 * (head_dim + value_dim) * int64_t(sizeof(float));
   return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
 }
@@ -94,10 +97,7 @@ inline int64_t key_splits(const AttentionDims& d, int64_t items, int64_t element
 // kMaxKeyTileBlocks.
 constexpr int64_t kMaxKeyTileBlocks = 8;
 inline int64_t backward_key_tile_blocks(const AttentionDims& d, const BlockSizes& blocks) {
-  static const int64_t l2_bytes = [] {
-    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return reported > 0 ? int64_t(reported) : int64_t(512) * 1024;
-  }();
+  static const int64_t l2_bytes = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 512 * 1024);
   const int64_t bytes_per_block =
       2 * blocks.keys * (d.head_dim + d.value_dim) * int64_t(sizeof(float));
   return std::clamp<int64_t>(l2_bytes / 2 / bytes_per_block, 1, kMaxKeyTileBlocks);
