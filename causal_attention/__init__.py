@@ -14,6 +14,9 @@ from .ops import (  # noqa: E402
     attention_backward,
     attention_forward,
     attention_weights,
+    varlen_attention,
+    varlen_attention_backward,
+    varlen_attention_forward,
 )
 
 __all__ = [
@@ -21,6 +24,9 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_weights",
+    "varlen_attention",
+    "varlen_attention_forward",
+    "varlen_attention_backward",
     "scaled_dot_product_attention",
     "CausalSelfAttention",
     "KVCache",

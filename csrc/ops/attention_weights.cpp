@@ -34,9 +34,11 @@ at::Tensor grouped_scores(const at::Tensor& q, const at::Tensor& k, double scale
 }
 
 at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, std::optional<double> scale) {
+                                       const at::Tensor& v, std::optional<double> scale,
+                                       const std::optional<at::Tensor>& key_mask) {
   constexpr const char* op = "causal_attention.attention_weights";
   detail::check_attention_inputs(op, q, k, v);
+  detail::check_key_mask(op, q, k, key_mask);
   const double resolved = detail::resolve_scale(op, q, scale);
   const at::Tensor scores = grouped_scores(q, k, resolved);
 
@@ -45,8 +47,14 @@ at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
   const auto index_options = q.options().dtype(at::kLong);
   const at::Tensor rows = at::arange(len_q, index_options).unsqueeze(-1);
   const at::Tensor cols = at::arange(len_k, index_options);
-  // (Lq, Lk): key j is hidden from query row i iff j > i + (Lk - Lq), bottom-right aligned.
-  const at::Tensor hidden = cols.gt(rows.add(c10::Scalar(len_k - len_q)));
+  // (Lq, Lk): key j is hidden from query row i iff j > i + (Lk - Lq), bottom-right aligned, or
+  // the key mask hides it.
+  at::Tensor hidden = cols.gt(rows.add(c10::Scalar(len_k - len_q)));
+  if (key_mask.has_value()) {
+    // (*batch, Lk) -> (*batch, 1, 1, Lk): the same keys hidden from every head and query row.
+    const at::Tensor kept = q.dim() >= 4 ? key_mask->unsqueeze(-2).unsqueeze(-2) : *key_mask;
+    hidden = hidden.logical_or(kept.logical_not());
+  }
 
   // A row with no visible key would be a softmax over nothing but -inf, which is NaN in value
   // and gradient. Such rows keep their finite scores through the softmax and are zeroed after

@@ -2,7 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace causal_attention::detail {
 namespace {
@@ -99,17 +101,42 @@ double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> 
   return 1.0 / std::sqrt(static_cast<double>(head_dim));
 }
 
-void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        double scale) {
+void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
+                    const std::optional<at::Tensor>& key_mask) {
+  if (!key_mask.has_value()) {
+    return;
+  }
+  const at::Tensor& mask = *key_mask;
+  check_defined(op, "key_mask", mask);
+  TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, op,
+                   ": key_mask must be a bool tensor (True where a key may be attended), got "
+                   "key_mask.dtype=",
+                   mask.scalar_type());
+  TORCH_CHECK_VALUE(mask.device() == q.device(), op, ": key_mask must be on q's device ",
+                    q.device(), ", got key_mask.device=", mask.device());
+  std::vector<c10::SymInt> expected(q.sym_sizes().begin(),
+                                    q.sym_sizes().end() - std::min<int64_t>(q.dim(), 3));
+  expected.push_back(k.sym_size(-2));
+  TORCH_CHECK_VALUE(mask.sym_sizes() == c10::SymIntArrayRef(expected), op,
+                    ": key_mask must have shape (*batch, Lk)=", c10::SymIntArrayRef(expected),
+                    " (q's leading dims and k's keys), got key_mask.shape=", mask.sym_sizes(),
+                    " for q.shape=", q.sym_sizes(), ", k.shape=", k.sym_sizes());
+}
+
+void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                        const std::optional<at::Tensor>& key_mask) {
   constexpr const char* op = "causal_attention.attention_forward";
   check_attention_inputs(op, q, k, v);
   check_scale(op, scale);
+  check_key_mask(op, q, k, key_mask);
 }
 
 double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::optional<double> scale) {
+                            std::optional<double> scale,
+                            const std::optional<at::Tensor>& key_mask) {
   constexpr const char* op = "causal_attention.attention";
   check_attention_inputs(op, q, k, v);
+  check_key_mask(op, q, k, key_mask);
   return resolve_scale(op, q, scale);
 }
 
@@ -129,10 +156,11 @@ std::vector<c10::SymInt> lse_sym_sizes(const at::Tensor& q) {
 
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                           double scale) {
+                           double scale, const std::optional<at::Tensor>& key_mask) {
   constexpr const char* op = "causal_attention.attention_backward";
   check_defined(op, "grad_out", grad_out);
   check_attention_inputs(op, q, k, v);
+  check_key_mask(op, q, k, key_mask);
   check_defined(op, "out", out);
   check_defined(op, "lse", lse);
   check_scale(op, scale);
@@ -158,6 +186,114 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, cons
   TORCH_CHECK_VALUE(
       grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
       op, ": grad_out, out and lse must be on q's device ", q.device());
+}
+
+namespace {
+
+void check_packed_rank(const char* op, const char* name, const at::Tensor& t, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == 3, op, ": ", name, " must have 3 dimensions ", layout, ", got ",
+                    name, ".shape=", t.sym_sizes());
+}
+
+void check_cumulative_lengths_tensor(const char* op, const char* name, const at::Tensor& cu,
+                                     const at::Tensor& q) {
+  check_defined(op, name, cu);
+  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, op, ": ", name,
+                   " must be int32 (cumulative sequence lengths), got ", name,
+                   ".dtype=", cu.scalar_type());
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.sym_size(0) >= 1, op, ": ", name,
+                    " must be 1-D with N + 1 >= 1 entries, got ", name, ".shape=", cu.sym_sizes());
+  TORCH_CHECK_VALUE(cu.device() == q.device(), op, ": ", name, " must be on q's device ",
+                    q.device(), ", got ", name, ".device=", cu.device());
+}
+
+}  // namespace
+
+void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                       const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
+                       const c10::SymInt& max_seqlen_k) {
+  check_defined(op, "q", q);
+  check_defined(op, "k", k);
+  check_defined(op, "v", v);
+  check_packed_rank(op, "q", q, "(total_q, Hq, D)");
+  check_packed_rank(op, "k", k, "(total_k, Hkv, D)");
+  check_packed_rank(op, "v", v, "(total_k, Hkv, Dv)");
+  // The packed tensors as (heads, rows, dim): the dense checks then cover dtypes, devices, head
+  // dims, key counts and Hq % Hkv.
+  check_attention_inputs(op, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
+  check_cumulative_lengths_tensor(op, "cu_seqlens_q", cu_seqlens_q, q);
+  check_cumulative_lengths_tensor(op, "cu_seqlens_k", cu_seqlens_k, q);
+  TORCH_CHECK_VALUE(cu_seqlens_q.sym_size(0) == cu_seqlens_k.sym_size(0), op,
+                    ": cu_seqlens_q and cu_seqlens_k must have the same length N + 1, got "
+                    "cu_seqlens_q.shape=",
+                    cu_seqlens_q.sym_sizes(), ", cu_seqlens_k.shape=", cu_seqlens_k.sym_sizes());
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, op,
+                    ": max_seqlen_q and max_seqlen_k must be non-negative, got max_seqlen_q=",
+                    max_seqlen_q, ", max_seqlen_k=", max_seqlen_k);
+}
+
+double check_varlen_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                   const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
+                                   std::optional<double> scale) {
+  constexpr const char* op = "causal_attention.varlen_attention";
+  check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  return resolve_scale(op, q, scale);
+}
+
+void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
+                                  const c10::SymInt& max_seqlen_k, double scale) {
+  constexpr const char* op = "causal_attention.varlen_attention_backward";
+  check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_defined(op, "grad_out", grad_out);
+  check_defined(op, "out", out);
+  check_defined(op, "lse", lse);
+  check_scale(op, scale);
+  const std::vector<c10::SymInt> expected_out{q.sym_size(0), q.sym_size(1), v.sym_size(2)};
+  const std::vector<c10::SymInt> expected_lse{q.sym_size(1), q.sym_size(0)};
+  TORCH_CHECK_VALUE(grad_out.sym_sizes() == c10::SymIntArrayRef(expected_out) &&
+                        out.sym_sizes() == c10::SymIntArrayRef(expected_out),
+                    op, ": grad_out and out must have shape (total_q, Hq, Dv)=",
+                    c10::SymIntArrayRef(expected_out),
+                    ", got grad_out.shape=", grad_out.sym_sizes(), ", out.shape=", out.sym_sizes());
+  TORCH_CHECK_VALUE(lse.sym_sizes() == c10::SymIntArrayRef(expected_lse), op,
+                    ": lse must have shape (Hq, total_q)=", c10::SymIntArrayRef(expected_lse),
+                    ", got lse.shape=", lse.sym_sizes());
+  TORCH_CHECK_TYPE(
+      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
+      ": grad_out and out must have q's dtype ", q.scalar_type(),
+      ", got grad_out.dtype=", grad_out.scalar_type(), ", out.dtype=", out.scalar_type());
+  TORCH_CHECK_TYPE(lse.scalar_type() == accumulation_dtype(q.scalar_type()), op,
+                   ": lse must have dtype ", accumulation_dtype(q.scalar_type()),
+                   " for q.dtype=", q.scalar_type(), ", got lse.dtype=", lse.scalar_type());
+  TORCH_CHECK_VALUE(
+      grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+      op, ": grad_out, out and lse must be on q's device ", q.device());
+}
+
+int64_t check_cumulative_lengths(const char* op, const char* name, const at::Tensor& cu_seqlens,
+                                 int64_t total, const char* max_name, int64_t max_seqlen) {
+  const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
+  const int64_t n = cu_seqlens.numel() - 1;
+  TORCH_CHECK_VALUE(cu[0] == 0, op, ": ", name, " must start at 0, got ", name, "[0]=", cu[0]);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t length = int64_t(cu[i + 1]) - cu[i];
+    TORCH_CHECK_VALUE(length >= 0, op, ": ", name, " must be non-decreasing, got ", name, "[", i,
+                      "]=", cu[i], " > ", name, "[", i + 1, "]=", cu[i + 1]);
+    TORCH_CHECK_VALUE(length <= max_seqlen, op, ": sequence ", i, " has length ", length, " (",
+                      name, "[", i + 1, "] - ", name, "[", i, "]), more than ", max_name, "=",
+                      max_seqlen);
+    longest = std::max(longest, length);
+  }
+  TORCH_CHECK_VALUE(cu[n] == total, op, ": the last entry of ", name,
+                    " must be the number of packed rows ", total, ", got ", name, "[", n,
+                    "]=", cu[n]);
+  return longest;
 }
 
 }  // namespace causal_attention::detail

@@ -21,19 +21,51 @@ void check_scale(const char* op, double scale);
 // The scale `attention` uses: `scale` if given (checked finite), else 1/sqrt(D).
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale);
 
+// Checks key_mask, where given: bool, on q's device, shaped (*batch, Lk), with q's leading
+// (batch) dims and k's number of keys.
+void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
+                    const std::optional<at::Tensor>& key_mask);
+
 // Everything `attention_forward` checks, reported under its own name.
-void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        double scale);
+void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                        const std::optional<at::Tensor>& key_mask);
 
 // Everything `attention` checks, reported under its own name; returns the resolved scale.
 double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::optional<double> scale);
+                            std::optional<double> scale, const std::optional<at::Tensor>& key_mask);
 
 // Checks the inputs of attention_backward: those of the forward plus grad_out and out shaped
 // (..., Hq, Lq, Dv) in q's dtype, and lse (..., Hq, Lq) in the accumulation dtype.
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                           double scale);
+                           double scale, const std::optional<at::Tensor>& key_mask);
+
+// Packed sequences (varlen_attention): q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv,
+// Dv), cu_seqlens_q and cu_seqlens_k int32 1-D of one length N + 1 on q's device, max_seqlen_q and
+// max_seqlen_k non-negative. Shapes only, so that the Meta kernels run it.
+void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                       const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
+                       const c10::SymInt& max_seqlen_k);
+
+// Everything `varlen_attention` checks on shapes; returns the resolved scale.
+double check_varlen_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                   const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
+                                   std::optional<double> scale);
+
+// Those of the forward, plus grad_out and out (total_q, Hq, Dv) in q's dtype and lse
+// (Hq, total_q) in the accumulation dtype.
+void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
+                                  const c10::SymInt& max_seqlen_k, double scale);
+
+// The values of one cumulative-lengths tensor (contiguous int32 on the CPU): starts at 0, never
+// decreases, ends at `total` rows, no length above `max_seqlen`. Returns the longest length.
+int64_t check_cumulative_lengths(const char* op, const char* name, const at::Tensor& cu_seqlens,
+                                 int64_t total, const char* max_name, int64_t max_seqlen);
 
 // The dtype of lse and of every accumulator: float64 for float64 inputs, float32 otherwise.
 at::ScalarType accumulation_dtype(at::ScalarType input_dtype);

@@ -5,6 +5,7 @@
 
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <string>
@@ -60,11 +61,34 @@ void run_kernel(const Tensors& tensors, void (*avx512)(const Tensors&),
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, double scale) {
-  detail::check_forward_call(q, k, v, scale);
-  ForwardTensors t{
-      as_batch_heads_rows(q), as_batch_heads_rows(k), as_batch_heads_rows(v), {}, {}, scale};
+// The key mask as the kernels read it: contiguous bool (batch, Lk), and the running count of the
+// keys it keeps, (batch, Lk + 1) from 0, which says in O(1) whether a key block is hidden
+// entirely (skipped), partly (masked entries) or not at all.
+template <typename Tensors>
+void set_key_mask(Tensors& t, const std::optional<at::Tensor>& key_mask) {
+  if (!key_mask.has_value()) {
+    return;
+  }
+  const int64_t len_k = t.k.size(2);
+  t.key_mask = key_mask->reshape({t.q.size(0), len_k}).contiguous();
+  t.kept_keys_before = at::zeros({t.q.size(0), len_k + 1}, t.key_mask.options().dtype(at::kInt));
+  t.kept_keys_before.narrow(1, 1, len_k).copy_(t.key_mask.cumsum(1, at::kInt));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const std::optional<at::Tensor>& key_mask) {
+  detail::check_forward_call(q, k, v, scale, key_mask);
+  ForwardTensors t{as_batch_heads_rows(q),
+                   as_batch_heads_rows(k),
+                   as_batch_heads_rows(v),
+                   {},
+                   {},
+                   scale,
+                   {},
+                   {},
+                   {}};
+  set_key_mask(t, key_mask);
   t.out = at::empty({t.q.size(0), t.q.size(1), t.q.size(2), t.v.size(3)}, q.options());
   t.lse = at::empty({t.q.size(0), t.q.size(1), t.q.size(2)},
                     q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
@@ -76,15 +100,16 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
 }
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         std::optional<double> scale) {
-  const double resolved = detail::check_attention_call(q, k, v, scale);
-  return std::get<0>(attention_forward_cpu(q, k, v, resolved));
+                         std::optional<double> scale, const std::optional<at::Tensor>& key_mask) {
+  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask);
+  return std::get<0>(attention_forward_cpu(q, k, v, resolved, key_mask));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double scale) {
-  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale);
+    const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::optional<at::Tensor>& key_mask) {
+  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale, key_mask);
   BackwardTensors t{as_batch_heads_rows(grad_out),
                     as_batch_heads_rows(q),
                     as_batch_heads_rows(k),
@@ -94,7 +119,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
                     {},
                     {},
                     {},
-                    scale};
+                    scale,
+                    {},
+                    {},
+                    {}};
+  set_key_mask(t, key_mask);
   t.lse = lse.reshape({t.q.size(0), t.q.size(1), t.q.size(2)}).contiguous();
   t.dq = at::empty(t.q.sizes(), q.options());
   t.dk = at::empty(t.k.sizes(), k.options());
@@ -106,6 +135,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
           t.dv.view_symint(v.sym_sizes())};
 }
 
+// Packed sequences: a (total, heads, dim) tensor as the kernels' (1, heads, total, dim).
+at::Tensor packed_as_batch_heads_rows(const at::Tensor& t) {
+  return as_batch_heads_rows(t.transpose(0, 1).unsqueeze(0));
+}
+
+PackedSequences packed_sequences(const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                 int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  PackedSequences sequences{cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()};
+  sequences.max_len_q =
+      detail::check_cumulative_lengths("causal_attention.varlen_attention", "cu_seqlens_q",
+                                       sequences.cu_q, q.size(0), "max_seqlen_q", max_seqlen_q);
+  sequences.max_len_k =
+      detail::check_cumulative_lengths("causal_attention.varlen_attention", "cu_seqlens_k",
+                                       sequences.cu_k, k.size(0), "max_seqlen_k", max_seqlen_k);
+  return sequences;
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale) {
+  detail::check_varlen_call("causal_attention.varlen_attention_forward", q, k, v, cu_seqlens_q,
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  detail::check_scale("causal_attention.varlen_attention_forward", scale);
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)},
+                             q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
+  ForwardTensors t{packed_as_batch_heads_rows(q),
+                   packed_as_batch_heads_rows(k),
+                   packed_as_batch_heads_rows(v),
+                   packed_as_batch_heads_rows(out),
+                   lse.unsqueeze(0),
+                   scale,
+                   {},
+                   {},
+                   {}};
+  t.sequences = packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
+                                 max_seqlen_k.expect_int());
+  if (out.numel() > 0 && t.sequences.cu_q.numel() > 1) {
+    run_kernel(t, AVX512::forward_kernel, AVX2::forward_kernel, DEFAULT::forward_kernel);
+  }
+  return {out, lse};
+}
+
+at::Tensor varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+                                std::optional<double> scale) {
+  const double resolved = detail::check_varlen_attention_call(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                              max_seqlen_q, max_seqlen_k, scale);
+  return std::get<0>(varlen_attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  max_seqlen_k, resolved));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale) {
+  detail::check_varlen_backward_inputs(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                       max_seqlen_q, max_seqlen_k, scale);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  BackwardTensors t{packed_as_batch_heads_rows(grad_out),
+                    packed_as_batch_heads_rows(q),
+                    packed_as_batch_heads_rows(k),
+                    packed_as_batch_heads_rows(v),
+                    packed_as_batch_heads_rows(out),
+                    lse.contiguous().unsqueeze(0),
+                    packed_as_batch_heads_rows(dq),
+                    packed_as_batch_heads_rows(dk),
+                    packed_as_batch_heads_rows(dv),
+                    scale,
+                    {},
+                    {},
+                    {}};
+  t.sequences = packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
+                                 max_seqlen_k.expect_int());
+  if ((dq.numel() > 0 || dk.numel() > 0 || dv.numel() > 0) && t.sequences.cu_q.numel() > 1) {
+    run_kernel(t, AVX512::backward_kernel, AVX2::backward_kernel, DEFAULT::backward_kernel);
+  }
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace causal_attention::cpu
 
@@ -113,4 +228,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("attention", causal_attention::cpu::attention_cpu);
   m.impl("attention_forward", causal_attention::cpu::attention_forward_cpu);
   m.impl("attention_backward", causal_attention::cpu::attention_backward_cpu);
+  m.impl("varlen_attention", causal_attention::cpu::varlen_attention_cpu);
+  m.impl("varlen_attention_forward", causal_attention::cpu::varlen_attention_forward_cpu);
+  m.impl("varlen_attention_backward", causal_attention::cpu::varlen_attention_backward_cpu);
 }

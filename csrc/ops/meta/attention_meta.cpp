@@ -1,33 +1,70 @@
 // Meta kernels: shapes and dtypes only, written with SymInts so that FakeTensor, torch.compile
-// (dynamic shapes included) and torch.export trace the ops without running them.
+// (dynamic shapes included) and torch.export trace the ops without running them. The values of
+// cu_seqlens are data, checked by the CPU kernels only.
 #include "../checks.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 namespace causal_attention {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, double scale) {
-  detail::check_forward_call(q, k, v, scale);
-  at::Tensor out = at::empty_symint(detail::output_sym_sizes(q, v), q.options());
-  at::Tensor lse = at::empty_symint(detail::lse_sym_sizes(q),
-                                    q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
-  return {out, lse};
+at::TensorOptions lse_options(const at::Tensor& q) {
+  return q.options().dtype(detail::accumulation_dtype(q.scalar_type()));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const std::optional<at::Tensor>& key_mask) {
+  detail::check_forward_call(q, k, v, scale, key_mask);
+  return {at::empty_symint(detail::output_sym_sizes(q, v), q.options()),
+          at::empty_symint(detail::lse_sym_sizes(q), lse_options(q))};
 }
 
 at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          std::optional<double> scale) {
-  const double resolved = detail::check_attention_call(q, k, v, scale);
-  return std::get<0>(attention_forward_meta(q, k, v, resolved));
+                          std::optional<double> scale, const std::optional<at::Tensor>& key_mask) {
+  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask);
+  return std::get<0>(attention_forward_meta(q, k, v, resolved, key_mask));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double scale) {
-  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale);
+    const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::optional<at::Tensor>& key_mask) {
+  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale, key_mask);
+  return {at::empty_symint(q.sym_sizes(), q.options()),
+          at::empty_symint(k.sym_sizes(), k.options()),
+          at::empty_symint(v.sym_sizes(), v.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_meta(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale) {
+  detail::check_varlen_call("causal_attention.varlen_attention_forward", q, k, v, cu_seqlens_q,
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  detail::check_scale("causal_attention.varlen_attention_forward", scale);
+  return {at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2)}, q.options()),
+          at::empty_symint({q.sym_size(1), q.sym_size(0)}, lse_options(q))};
+}
+
+at::Tensor varlen_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                 c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+                                 std::optional<double> scale) {
+  const double resolved = detail::check_varlen_attention_call(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                              max_seqlen_q, max_seqlen_k, scale);
+  return std::get<0>(varlen_attention_forward_meta(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                   max_seqlen_q, max_seqlen_k, resolved));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale) {
+  detail::check_varlen_backward_inputs(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                       max_seqlen_q, max_seqlen_k, scale);
   return {at::empty_symint(q.sym_sizes(), q.options()),
           at::empty_symint(k.sym_sizes(), k.options()),
           at::empty_symint(v.sym_sizes(), v.options())};
@@ -39,6 +76,9 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("attention", attention_meta);
   m.impl("attention_forward", attention_forward_meta);
   m.impl("attention_backward", attention_backward_meta);
+  m.impl("varlen_attention", varlen_attention_meta);
+  m.impl("varlen_attention_forward", varlen_attention_forward_meta);
+  m.impl("varlen_attention_backward", varlen_attention_backward_meta);
 }
 
 }  // namespace causal_attention

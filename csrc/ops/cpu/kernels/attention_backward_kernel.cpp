@@ -42,7 +42,7 @@ class BackwardKernel {
 
  public:
   explicit BackwardKernel(const BackwardTensors& t)
-      : delta_(t.q.size(0) * t.q.size(1) * t.q.size(2)),
+      : delta_(padded_query_rows(AttentionDims(t))),
         pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data()),
         dims_(pair_.dims),
         blocks_(pair_.blocks) {}
@@ -52,30 +52,56 @@ class BackwardKernel {
       compute_delta_from_output();
       if (dims_.batch * dims_.heads_kv >= kMinOnePassItems) {
         const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
-        for_each_head_block(
-            dims_.batch * dims_.heads_kv, 1, [&] { return Scratch(dims_, blocks_, tile); },
+        // A (batch, KV head) costs about its query rows times its keys.
+        const auto cost = [&](int64_t bh_kv, int64_t) {
+          const int64_t b = bh_kv / dims_.heads_kv;
+          return dims_.rows_q(b) * (1 + dims_.kept_keys(b, 0, dims_.rows_k(b))) + dims_.rows_k(b);
+        };
+        schedule_head_blocks(
+            dims_, dims_.batch * dims_.heads_kv, 1, cost,
+            [&] { return Scratch(dims_, blocks_, tile); },
             [&](int64_t bh_kv, int64_t, Scratch& s) { one_pass(bh_kv, tile, s); });
         return;
       }
     }
     const auto make_scratch = [this] { return Scratch(dims_, blocks_, /*tile=*/1); };
-    for_each_head_block(dims_.batch * dims_.heads_q, ceil_div(dims_.len_q, blocks_.query_rows),
-                        make_scratch, [&](int64_t bh, int64_t block, Scratch& s) {
-                          query_block_gradient(bh, block * blocks_.query_rows, s);
-                        });
-    for_each_head_block(dims_.batch * dims_.heads_kv, ceil_div(dims_.len_k, blocks_.keys),
-                        make_scratch, [&](int64_t bh_kv, int64_t block, Scratch& s) {
-                          key_tile_gradients(bh_kv, block * blocks_.keys, 1, /*with_dq=*/false, s);
-                        });
+    // A query block costs its rows times the keys its last row reaches; zero past the end of a
+    // packed sequence.
+    const auto query_block_cost = [&](int64_t bh, int64_t block) -> int64_t {
+      const int64_t b = bh / dims_.heads_q, q0 = block * blocks_.query_rows;
+      const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
+      return rows <= 0 ? 0 : rows * (1 + dims_.kept_keys(b, 0, dims_.key_end(b, q0 + rows - 1)));
+    };
+    schedule_head_blocks(dims_, dims_.batch * dims_.heads_q,
+                         ceil_div(dims_.len_q, blocks_.query_rows), query_block_cost, make_scratch,
+                         [&](int64_t bh, int64_t block, Scratch& s) {
+                           query_block_gradient(bh, block * blocks_.query_rows, s);
+                         });
+    // A key block costs its keys times the query rows that reach it.
+    const auto key_block_cost = [&](int64_t bh_kv, int64_t block) -> int64_t {
+      const int64_t b = bh_kv / dims_.heads_kv, k0 = block * blocks_.keys;
+      const int64_t cols = std::min(blocks_.keys, dims_.rows_k(b) - k0);
+      return cols <= 0 ? 0
+                       : cols + dims_.kept_keys(b, k0, cols) *
+                                    (dims_.rows_q(b) - dims_.first_row_seeing(b, k0));
+    };
+    schedule_head_blocks(dims_, dims_.batch * dims_.heads_kv, ceil_div(dims_.len_k, blocks_.keys),
+                         key_block_cost, make_scratch,
+                         [&](int64_t bh_kv, int64_t block, Scratch& s) {
+                           key_tile_gradients(bh_kv, block * blocks_.keys, 1, /*with_dq=*/false, s);
+                         });
   }
 
  private:
+  // One delta per query row of every (batch, query head), the longest sequence's rows each.
+  static int64_t padded_query_rows(const AttentionDims& d) { return d.batch * d.heads_q * d.len_q; }
+
   // delta = rowsum(dO o O) in acc_t, one value per query row: O(Lq) memory.
   void compute_delta_from_output() {
     at::parallel_for(0, dims_.batch * dims_.heads_q, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
-        for (int64_t r = 0; r < dims_.len_q; ++r) {
+        for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
           delta_[bh * dims_.len_q + r] =
               dot_row<acc_t>(pair_.out.row(b, h, r), pair_.grad_out.row(b, h, r), dims_.value_dim);
         }
@@ -88,15 +114,15 @@ class BackwardKernel {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
     const int64_t D = dims_.head_dim;
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
-      for (int64_t r = 0; r < dims_.len_q; ++r) {
+      for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
         std::fill_n(pair_.dq.row(b, h, r), D, scalar_t(0));
       }
     }
-    for (int64_t k0 = 0; k0 < dims_.len_k; k0 += tile * blocks_.keys) {
+    for (int64_t k0 = 0; k0 < dims_.rows_k(b); k0 += tile * blocks_.keys) {
       key_tile_gradients(bh_kv, k0, tile, /*with_dq=*/true, s);
     }
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
-      for (int64_t r = 0; r < dims_.len_q; ++r) {
+      for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
         scale_row(pair_.dq.row(b, h, r), D, pair_.scale);
       }
     }
@@ -108,7 +134,7 @@ class BackwardKernel {
   // (and dQ_i) stream in once per tile, not once per key block.
   void key_tile_gradients(int64_t bh_kv, int64_t k0, int64_t tile, bool with_dq, Scratch& s) const {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
-    const int64_t tile_end = std::min(dims_.len_k, k0 + tile * blocks_.keys);
+    const int64_t tile_end = std::min(dims_.rows_k(b), k0 + tile * blocks_.keys);
     std::array<typename Pair::KeyOperands, kMaxKeyTileBlocks> ko;
     for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
       const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
@@ -116,15 +142,17 @@ class BackwardKernel {
       std::fill_n(s.key_gradient(t, dims_), cols * dims_.head_dim, acc_t(0));
       std::fill_n(s.value_gradient(t, dims_), cols * dims_.value_dim, acc_t(0));
     }
-    const int64_t first_q0 = dims_.first_row_seeing(k0) / blocks_.query_rows * blocks_.query_rows;
+    const int64_t first_q0 =
+        dims_.first_row_seeing(b, k0) / blocks_.query_rows * blocks_.query_rows;
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
-      for (int64_t q0 = first_q0; q0 < dims_.len_q; q0 += blocks_.query_rows) {
-        const int64_t rows = std::min(blocks_.query_rows, dims_.len_q - q0);
-        const int64_t key_end = std::min(tile_end, dims_.key_end(q0 + rows - 1));
+      for (int64_t q0 = first_q0; q0 < dims_.rows_q(b); q0 += blocks_.query_rows) {
+        const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
+        const int64_t key_end = std::min(tile_end, dims_.key_end(b, q0 + rows - 1));
         for (int64_t t = 0; k0 + t * blocks_.keys < key_end; ++t) {
-          const int64_t kj = k0 + t * blocks_.keys;
-          pair_gradients(b, h, q0, rows, kj, std::min(blocks_.keys, tile_end - kj), ko[t], t,
-                         with_dq, s);
+          const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
+          if (dims_.kept_keys(b, kj, cols) > 0) {  // a block the key mask hides gets zeros
+            pair_gradients(b, h, q0, rows, kj, cols, ko[t], t, with_dq, s);
+          }
         }
       }
     }
@@ -162,7 +190,7 @@ class BackwardKernel {
   void query_block_gradient(int64_t bh, int64_t q0, Scratch& s) {
     const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q, h_kv = h / dims_.group();
     const int64_t D = dims_.head_dim;
-    const int64_t rows = std::min(blocks_.query_rows, dims_.len_q - q0);
+    const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
     const auto qo = pair_.query_operands(b, h, q0, rows, s);
     acc_t* dq = s.grad_a.data();         // sum_j dS_ij K_j, or sum_j P_ij dP_ij K_j
     acc_t* p_times_k = s.grad_c.data();  // sum_j P_ij K_j (exact-delta form only)
@@ -172,9 +200,12 @@ class BackwardKernel {
       std::fill_n(p_times_k, rows * D, acc_t(0));
       std::fill_n(delta, rows, acc_t(0));
     }
-    const int64_t key_end = dims_.key_end(q0 + rows - 1);
+    const int64_t key_end = dims_.key_end(b, q0 + rows - 1);
     for (int64_t k0 = 0; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
+      if (dims_.kept_keys(b, k0, cols) == 0) {
+        continue;  // the key mask hides the whole block
+      }
       const auto ko = pair_.key_operands(b, h_kv, k0, cols, /*t=*/0, s);
       pair_.probabilities_and_gradients(bh, qo, ko, q0, rows, k0, cols, kDeltaFromOutput, s);
       pair_.add_query_product(s.ds.data(), b, h_kv, q0, rows, k0, cols, dq, D, s);

@@ -29,14 +29,14 @@ class ForwardKernel {
 
  public:
   explicit ForwardKernel(const ForwardTensors& t)
-      : dims_(t.q, t.k, t.v),
+      : dims_(t),
         blocks_(block_sizes(dims_.head_dim, dims_.value_dim)),
         tile_rows_(forward_tile_rows(dims_, blocks_)),
-        q_(t.q),
-        k_(t.k),
-        v_(t.v),
-        output_{HeadRows<scalar_t>(t.out), t.lse.data_ptr<acc_t>(), dims_.heads_q, dims_.len_q,
-                dims_.value_dim},
+        q_(t.q, dims_.cu_q),
+        k_(t.k, dims_.cu_k),
+        v_(t.v, dims_.cu_k),
+        output_{HeadRows<scalar_t>(t.out, dims_.cu_q), HeadRows<acc_t>(t.lse, dims_.cu_q),
+                dims_.heads_q, dims_.value_dim},
         scale_(static_cast<acc_t>(t.scale)) {}
 
   void run() {
@@ -48,10 +48,24 @@ class ForwardKernel {
     const int64_t num_tiles = ceil_div(dims_.len_q, tile_rows_);
     KeySplits<scalar_t, acc_t> splits(
         dims_, key_splits(dims_, num_heads * num_tiles, sizeof(scalar_t)), output_);
-    const Packed packed(dims_, k_, v_, blocks_.keys,
-                        ceil_div(dims_.key_end(dims_.len_q - 1), blocks_.keys));
-    for_each_head_block(
-        num_heads, num_tiles * splits.count(),
+    const Packed packed(dims_, k_, v_, blocks_.keys);
+    // An item's cost: its rows times (one more than) the keys of its split that its last row
+    // reaches; zero only for the items past the end of a packed sequence, which have no rows
+    // (every row is written, even one that sees no key).
+    const auto cost = [&](int64_t bh, int64_t item) -> int64_t {
+      const int64_t b = bh / dims_.heads_q, t0 = item / splits.count() * tile_rows_;
+      const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
+      if (rows <= 0) {
+        return 0;
+      }
+      const auto [key_begin, key_end] =
+          splits.key_range(item % splits.count(), dims_.key_end(b, t0 + rows - 1));
+      const int64_t keys =
+          key_end > key_begin ? dims_.kept_keys(b, key_begin, key_end - key_begin) : 0;
+      return rows * (1 + keys);
+    };
+    schedule_head_blocks(
+        dims_, num_heads, num_tiles * splits.count(), cost,
         [this] { return Scratch(dims_, blocks_, tile_rows_); },
         [&](int64_t bh, int64_t item, Scratch& s) {
           query_tile(bh, item / splits.count() * tile_rows_, item % splits.count(), packed, splits,
@@ -80,19 +94,20 @@ class ForwardKernel {
   void query_tile(int64_t bh, int64_t t0, int64_t split, const Packed& packed,
                   KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
     const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
-    const int64_t rows = std::min(tile_rows_, dims_.len_q - t0);
-    const auto [key_begin, key_end] = splits.key_range(split, dims_.key_end(t0 + rows - 1));
+    const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
+    const auto [key_begin, key_end] = splits.key_range(split, dims_.key_end(b, t0 + rows - 1));
     s.state.reset(rows);
     const Operand<gemm_t> q_rows =
         Pack::a(q_.row(b, h, t0), rows, dims_.head_dim, q_.row_stride, s.q_tile.data());
     for (int64_t k0 = key_begin; k0 < key_end; k0 += blocks_.keys) {
       for (int64_t q0 = t0; q0 < t0 + rows; q0 += blocks_.query_rows) {
         const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
-        const int64_t block_key_end = std::min(key_end, dims_.key_end(q0 + block_rows - 1));
-        if (k0 < block_key_end) {
+        const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
+        const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
+        // Blocks past the causal boundary, or that the key mask hides entirely, are skipped.
+        if (cols > 0 && dims_.kept_keys(b, k0, cols) > 0) {
           const Operand<gemm_t> q_block{q_rows.data + (q0 - t0) * q_rows.ld, q_rows.ld};
-          key_block(b, h / dims_.group(), q_block, q0, q0 - t0, block_rows, k0,
-                    std::min(blocks_.keys, block_key_end - k0), packed, s);
+          key_block(b, h / dims_.group(), q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
         }
       }
     }
@@ -110,18 +125,21 @@ class ForwardKernel {
     multiply(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0), s.scores.data(), cols,
              /*accumulate=*/false);
     // m' = max(m, rowmax(S)); P = exp(S - m'); l = e^(m-m') l + rowsum(P); O = e^(m-m') O
+    const bool* kept = dims_.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      s.visible[r] = dims_.visible_in_block(q0 + r, k0, cols);
-      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, s.visible[r], cols, scale_);
+      s.visible[r] = dims_.visible_in_block(b, q0 + r, k0, cols);
+      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, s.visible[r], cols, scale_,
+                       kept);
     }
     // O += P V_j
-    accumulate_values(b, h_kv, q0, rows, k0, cols, packed,
+    accumulate_values(b, h_kv, q0, rows, k0, cols, kept, packed,
                       s.state.out.data() + first_state_row * dims_.value_dim, s);
   }
 
   // O += P V_j, with P in s.scores; V_j is the packed block unless the guard cleaned it.
   void accumulate_values(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
-                         int64_t cols, const Packed& packed, acc_t* out, Scratch& s) const {
+                         int64_t cols, const bool* kept, const Packed& packed, acc_t* out,
+                         Scratch& s) const {
     const Operand<gemm_t> p = Pack::a(s.scores.data(), rows, cols, cols, s.p_tile.data());
     const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
     const auto pack_values = [&](Operand<scalar_t> source) {
@@ -131,10 +149,10 @@ class ForwardKernel {
       }
       return Pack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
     };
-    s.v_guard.multiply_add(dims_.has_masked_entries(q0, rows, k0, cols), rows, dims_.value_dim,
+    s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols), rows, dims_.value_dim,
                            cols, p,
                            MaskedFactor<acc_t>{s.scores.data(), cols, s.visible.data(),
-                                               /*transposed=*/false},
+                                               /*transposed=*/false, kept},
                            v_rows, pack_values, out, dims_.value_dim);
   }
 

@@ -32,6 +32,7 @@ class BlockPairGradients {
     std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile, k_rows, p_tile, ds_tile;
     std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums;
     std::vector<int64_t> visible;  // keys of the current block each query row sees
+    const bool* kept = nullptr;    // the key mask of the current block, if it hides some keys
     NonFiniteRowGuard<scalar_t> guard;
     // For key tiles of up to `tile` blocks.
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
@@ -76,17 +77,17 @@ class BlockPairGradients {
   };
 
   BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta)
-      : dims(t.q, t.k, t.v),
+      : dims(t),
         blocks(blocks),
-        q(t.q),
-        k(t.k),
-        v(t.v),
-        out(t.out),
-        grad_out(t.grad_out),
-        dq(t.dq),
-        dk(t.dk),
-        dv(t.dv),
-        lse(t.lse.data_ptr<acc_t>()),
+        q(t.q, dims.cu_q),
+        k(t.k, dims.cu_k),
+        v(t.v, dims.cu_k),
+        out(t.out, dims.cu_q),
+        grad_out(t.grad_out, dims.cu_q),
+        dq(t.dq, dims.cu_q),
+        dk(t.dk, dims.cu_k),
+        dv(t.dv, dims.cu_k),
+        lse(t.lse, dims.cu_q),
         delta(delta),
         scale(static_cast<acc_t>(t.scale)) {}
 
@@ -105,22 +106,24 @@ class BlockPairGradients {
                                s.v_tile.data() + t * s.value_slot)};
   }
 
-  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.visible the keys each row sees;
-  // without `with_delta`, dS = P o dP (the exact-delta form of the two-pass dQ).
+  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.visible and s.kept the keys each
+  // row sees; without `with_delta`, dS = P o dP (the exact-delta form of the two-pass dQ).
   void probabilities_and_gradients(int64_t bh, const QueryOperands& qo, const KeyOperands& ko,
                                    int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                                    bool with_delta, Scratch& s) const {
+    const int64_t b = bh / dims.heads_q;
     // S = Q_i K_j^T;  dP = dO_i V_j^T
     multiply(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, /*accumulate=*/false);
     multiply(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols,
              /*accumulate=*/false);
-    const acc_t* row_lse = lse + bh * dims.len_q + q0;
+    const acc_t* row_lse = lse.row(b, bh % dims.heads_q, q0);
     const acc_t* row_delta = delta + bh * dims.len_q + q0;
+    s.kept = dims.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       // P = exp(scale * S - lse);  dS = P o (dP - delta)
       s.visible[r] = softmax_gradient_row(s.p.data() + r * cols, s.ds.data() + r * cols,
-                                          dims.visible_in_block(q0 + r, k0, cols), cols, scale,
-                                          row_lse[r], with_delta ? row_delta[r] : acc_t(0));
+                                          dims.visible_in_block(b, q0 + r, k0, cols), cols, scale,
+                                          row_lse[r], with_delta ? row_delta[r] : acc_t(0), s.kept);
     }
   }
 
@@ -130,7 +133,7 @@ class BlockPairGradients {
     const Operand<gemm_t> p_t = Pack::a_transposed(s.p.data(), rows, cols, cols, s.p_tile.data());
     // dO_i is packed as B into the scratch of its A operand, which dP no longer needs.
     add_transposed_product(p_t, s.p.data(), {grad_out.row(b, h, q0), grad_out.row_stride},
-                           dims.value_dim, q0, rows, k0, cols, dv_acc, s.do_tile.data(), s);
+                           dims.value_dim, b, q0, rows, k0, cols, dv_acc, s.do_tile.data(), s);
   }
 
   // dK_j += dS^T Q_i (into dk_acc, cols x D).
@@ -139,7 +142,7 @@ class BlockPairGradients {
     const Operand<gemm_t> ds_t =
         Pack::a_transposed(s.ds.data(), rows, cols, cols, s.ds_tile.data());
     // Q_i likewise, into the scratch S no longer needs.
-    add_transposed_product(ds_t, s.ds.data(), {q.row(b, h, q0), q.row_stride}, dims.head_dim, q0,
+    add_transposed_product(ds_t, s.ds.data(), {q.row(b, h, q0), q.row_stride}, dims.head_dim, b, q0,
                            rows, k0, cols, dk_acc, s.q_tile.data(), s);
   }
 
@@ -148,8 +151,8 @@ class BlockPairGradients {
                          int64_t k0, int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
     const Operand<gemm_t> a = Pack::a(a_values, rows, cols, cols, s.ds_tile.data());
     s.guard.multiply_add(
-        dims.has_masked_entries(q0, rows, k0, cols), rows, dims.head_dim, cols, a,
-        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/false},
+        dims.has_masked_entries(b, q0, rows, k0, cols), rows, dims.head_dim, cols, a,
+        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/false, s.kept},
         Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
         [&](Operand<scalar_t> source) {
           return Pack::b(source.data, cols, dims.head_dim, source.ld, s.k_rows.data());
@@ -161,19 +164,20 @@ class BlockPairGradients {
   const BlockSizes blocks;
   const HeadRows<const scalar_t> q, k, v, out, grad_out;
   const HeadRows<scalar_t> dq, dk, dv;
-  const acc_t* const lse;
-  const acc_t* const delta;
+  const HeadRows<const acc_t> lse;
+  const acc_t* const delta;  // (batch * heads_q, len_q)
   const acc_t scale;
 
  private:
   // acc (cols x width) += A^T B_i, B_i the query rows `rows_of_b` (rows x width).
   void add_transposed_product(Operand<gemm_t> a_t, const acc_t* a_values,
-                              Operand<scalar_t> rows_of_b, int64_t width, int64_t q0, int64_t rows,
-                              int64_t k0, int64_t cols, acc_t* acc, gemm_t* b_scratch,
+                              Operand<scalar_t> rows_of_b, int64_t width, int64_t b, int64_t q0,
+                              int64_t rows, int64_t k0, int64_t cols, acc_t* acc, gemm_t* b_scratch,
                               Scratch& s) const {
     s.guard.multiply_add(
-        dims.has_masked_entries(q0, rows, k0, cols), cols, width, rows, a_t,
-        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/true}, rows_of_b,
+        dims.has_masked_entries(b, q0, rows, k0, cols), cols, width, rows, a_t,
+        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/true, s.kept},
+        rows_of_b,
         [&](Operand<scalar_t> source) {
           return Pack::b(source.data, rows, width, source.ld, b_scratch);
         },

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "geometry.h"
+#include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
 #include "row_products.h"
@@ -40,8 +41,21 @@ class DecodeForward {
   void run() const {
     const int64_t items = dims_.batch * dims_.heads_kv * row_chunks(dims_);
     KeySplits<scalar_t, acc_t> splits(dims_, key_splits(dims_, items, sizeof(scalar_t)), output_);
-    for_each_head_block(
-        items, splits.count(), [this] { return Scratch(dims_); },
+    // An item's cost: its rows times (one more than) the keys they reach; zero for a chunk past
+    // the rows of its (batch, KV head), which has nothing to do.
+    const auto cost = [&](int64_t item, int64_t split) -> int64_t {
+      const TaskRows t = task(item);
+      if (t.rows <= 0) {
+        return 0;
+      }
+      const auto [key_begin, key_end] =
+          splits.key_range(split, dims_.key_end(t.b, dims_.rows_q(t.b) - 1));
+      const int64_t keys =
+          key_end > key_begin ? dims_.kept_keys(t.b, key_begin, key_end - key_begin) : 0;
+      return t.rows * (1 + keys);
+    };
+    schedule_head_blocks(
+        dims_, items, splits.count(), cost, [this] { return Scratch(dims_); },
         [&](int64_t item, int64_t split, Scratch& s) { run_item(item, split, splits, s); });
     splits.merge();
   }
@@ -54,8 +68,8 @@ class DecodeForward {
   // At most this many query rows a task: with D = Dv = 64 its scratch then takes ~0.5 MiB.
   static constexpr int64_t kMaxTaskRows = 256;
 
-  // The query rows of a (batch, KV head): row g is query row g % len_q of query head
-  // h_kv * group + g / len_q. Tasks take chunks of them.
+  // The query rows of a (batch, KV head): row g is query row g % rows_q of query head
+  // h_kv * group + g / rows_q. Tasks take chunks of them (sized for the longest sequence).
   static int64_t group_rows(const AttentionDims& d) { return d.group() * d.len_q; }
   static int64_t row_chunks(const AttentionDims& d) {
     return ceil_div(group_rows(d), kMaxTaskRows);
@@ -72,6 +86,7 @@ class DecodeForward {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> visible;
     RowState<acc_t> state;
+    NonFiniteRowGuard<scalar_t> guard;
     explicit Scratch(const AttentionDims& d)
         : queries(task_rows(d) * d.head_dim),
           queries_t(padded(task_rows(d)) * d.head_dim),
@@ -82,35 +97,48 @@ class DecodeForward {
           state(task_rows(d), d.value_dim) {}
   };
 
-  // Rows [first_row, first_row + rows) of a (batch, KV head) against the keys of one split.
+  // Rows [first_row, first_row + rows) of a (batch, KV head), whose query heads have
+  // rows_per_head rows each.
   struct TaskRows {
-    int64_t b, h_kv, first_row, rows;
+    int64_t b, h_kv, first_row, rows, rows_per_head;
     int64_t head(int64_t r, const AttentionDims& d) const {
-      return h_kv * d.group() + (first_row + r) / d.len_q;
+      return h_kv * d.group() + (first_row + r) / rows_per_head;
     }
-    int64_t query_row(int64_t r, const AttentionDims& d) const { return (first_row + r) % d.len_q; }
+    int64_t query_row(int64_t r) const { return (first_row + r) % rows_per_head; }
   };
 
-  void run_item(int64_t item, int64_t split, KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
+  TaskRows task(int64_t item) const {
     const int64_t b_hkv = item / row_chunks(dims_), chunk = item % row_chunks(dims_);
-    const int64_t first_row = chunk * kMaxTaskRows;
-    const TaskRows t{b_hkv / dims_.heads_kv, b_hkv % dims_.heads_kv, first_row,
-                     std::min(kMaxTaskRows, group_rows(dims_) - first_row)};
+    const int64_t b = b_hkv / dims_.heads_kv, first_row = chunk * kMaxTaskRows;
+    const int64_t rows_per_head = dims_.rows_q(b);
+    return {b, b_hkv % dims_.heads_kv, first_row,
+            std::min(kMaxTaskRows, dims_.group() * rows_per_head - first_row), rows_per_head};
+  }
+
+  // The task's rows against the keys of one split.
+  void run_item(int64_t item, int64_t split, KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
+    const TaskRows t = task(item);
+    if (t.rows <= 0) {
+      return;
+    }
     const int64_t D = dims_.head_dim;
     for (int64_t r = 0; r < t.rows; ++r) {
-      convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r, dims_)), s.queries.data() + r * D,
-                  D);
+      convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
     }
     if (padded(t.rows) > 0) {
       transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
     }
-    const auto [key_begin, key_end] = splits.key_range(split, dims_.key_end(dims_.len_q - 1));
+    const auto [key_begin, key_end] =
+        splits.key_range(split, dims_.key_end(t.b, t.rows_per_head - 1));
     s.state.reset(t.rows);
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyBlock) {
-      key_block(t, k0, std::min(kKeyBlock, key_end - k0), key_end, s);
+      const int64_t cols = std::min(kKeyBlock, key_end - k0);
+      if (dims_.kept_keys(t.b, k0, cols) > 0) {  // a block the key mask hides is skipped
+        key_block(t, k0, cols, key_end, s);
+      }
     }
     for (int64_t r = 0; r < t.rows; ++r) {
-      splits.emit(s.state, r, t.b * dims_.heads_q + t.head(r, dims_), t.query_row(r, dims_), split);
+      splits.emit(s.state, r, t.b * dims_.heads_q + t.head(r, dims_), t.query_row(r), split);
     }
   }
 
@@ -121,9 +149,13 @@ class DecodeForward {
   void key_block(const TaskRows& t, int64_t k0, int64_t cols, int64_t key_end, Scratch& s) const {
     const int64_t D = dims_.head_dim, Dv = dims_.value_dim, rows = t.rows, b = t.b, h_kv = t.h_kv;
     const scalar_t* k_block = k_.row(b, h_kv, k0);
-    const scalar_t* v_block = v_.row(b, h_kv, k0);
+    const bool* kept = dims_.hidden_keys(b, k0, cols);
+    const Operand<scalar_t> values = kept
+                                         ? s.guard.without_hidden_non_finite_rows(
+                                               {v_.row(b, h_kv, k0), v_.row_stride}, cols, Dv, kept)
+                                         : Operand<scalar_t>{v_.row(b, h_kv, k0), v_.row_stride};
     StreamAhead stream;
-    stream.values = StreamAhead::Rows::of(v_block, cols, Dv, v_.row_stride);
+    stream.values = StreamAhead::Rows::of(values.data, cols, Dv, values.ld);
     stream.next_keys = StreamAhead::Rows::of(
         k_.row(b, h_kv, k0 + cols), std::min(kKeyBlock, key_end - k0 - cols), D, k_.row_stride);
     // S = Q K_j^T
@@ -138,12 +170,12 @@ class DecodeForward {
     }
     // m' = max(m, rowmax(S)); P = exp(S - m'); l = e^(m-m') l + rowsum(P); O = e^(m-m') O
     for (int64_t r = 0; r < rows; ++r) {
-      s.visible[r] = dims_.visible_in_block(t.query_row(r, dims_), k0, cols);
-      s.state.fold_row(s.scores.data() + r * cols, r, s.visible[r], cols, scale_);
+      s.visible[r] = dims_.visible_in_block(b, t.query_row(r), k0, cols);
+      s.state.fold_row(s.scores.data() + r * cols, r, s.visible[r], cols, scale_, kept);
     }
-    // O += P V_j, each row reading only the value rows it sees
-    accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), v_block,
-                               v_.row_stride, Dv, s.state.out.data(), Dv, stream);
+    // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
+    accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), values.data,
+                               values.ld, Dv, s.state.out.data(), Dv, stream);
   }
 
   const AttentionDims dims_;

@@ -19,64 +19,105 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// The problem's sizes, with what narrows causal visibility: packed sequences (varlen), where
+// batch item b is the query rows [cu_q[b], cu_q[b + 1]) and keys [cu_k[b], cu_k[b + 1]) of
+// tensors viewed as (1, heads, total rows, dim), and a key mask (batch, len_k) that hides keys
+// from every row. len_q and len_k are the longest sequence's, which size the scratch.
 struct AttentionDims {
-  int64_t batch;  // product of the leading dims
+  int64_t batch;  // product of the leading dims, or the number of packed sequences
   int64_t heads_q;
   int64_t heads_kv;
   int64_t len_q;
   int64_t len_k;
   int64_t head_dim;
   int64_t value_dim;
+  const int32_t* cu_q = nullptr;  // packed sequences: cumulative lengths (batch + 1), else null
+  const int32_t* cu_k = nullptr;
+  const bool* key_mask = nullptr;        // (batch, len_k), true where a key may be attended
+  const int32_t* kept_before = nullptr;  // (batch, len_k + 1): kept keys before each key
 
-  AttentionDims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
-      : batch(q.size(0)),
-        heads_q(q.size(1)),
-        heads_kv(k.size(1)),
-        len_q(q.size(2)),
-        len_k(k.size(2)),
-        head_dim(q.size(3)),
-        value_dim(v.size(3)) {}
+  template <typename Tensors>
+  explicit AttentionDims(const Tensors& t)
+      : batch(t.sequences.packed() ? t.sequences.cu_q.numel() - 1 : t.q.size(0)),
+        heads_q(t.q.size(1)),
+        heads_kv(t.k.size(1)),
+        len_q(t.sequences.packed() ? t.sequences.max_len_q : t.q.size(2)),
+        len_k(t.sequences.packed() ? t.sequences.max_len_k : t.k.size(2)),
+        head_dim(t.q.size(3)),
+        value_dim(t.v.size(3)) {
+    if (t.sequences.packed()) {
+      cu_q = t.sequences.cu_q.template data_ptr<int32_t>();
+      cu_k = t.sequences.cu_k.template data_ptr<int32_t>();
+    }
+    if (t.key_mask.defined()) {
+      key_mask = t.key_mask.template data_ptr<bool>();
+      kept_before = t.kept_keys_before.template data_ptr<int32_t>();
+    }
+  }
 
   // Query heads per KV head: query head h reads KV head h / group().
   int64_t group() const { return heads_q / heads_kv; }
 
-  // Visibility, causal and bottom-right aligned: query row `row` sees keys [0, key_end(row)),
-  // i.e. key j iff j <= row + (len_k - len_q).
-  int64_t key_end(int64_t row) const {
-    return std::clamp<int64_t>(row + (len_k - len_q) + 1, 0, len_k);
+  // The query rows and keys of batch item b.
+  int64_t rows_q(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : len_q; }
+  int64_t rows_k(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : len_k; }
+
+  // Causal visibility, bottom-right aligned within batch item b: query row `row` sees keys
+  // [0, key_end(b, row)), i.e. key j iff j <= row + (rows_k - rows_q), less the keys the key
+  // mask hides (see hidden_keys).
+  int64_t key_end(int64_t b, int64_t row) const {
+    return std::clamp<int64_t>(row + (rows_k(b) - rows_q(b)) + 1, 0, rows_k(b));
   }
   // The first query row that sees key `key` (every later row sees it too).
-  int64_t first_row_seeing(int64_t key) const {
-    return std::max<int64_t>(key - (len_k - len_q), 0);
+  int64_t first_row_seeing(int64_t b, int64_t key) const {
+    return std::max<int64_t>(key - (rows_k(b) - rows_q(b)), 0);
   }
-  // How many of the `cols` keys from k0 on query row `row` sees (they are a prefix).
-  int64_t visible_in_block(int64_t row, int64_t k0, int64_t cols) const {
-    return std::clamp<int64_t>(key_end(row) - k0, 0, cols);
+  // How many of the `cols` keys from k0 row `row` reaches causally (they are a prefix; the
+  // key mask may hide some of them).
+  int64_t visible_in_block(int64_t b, int64_t row, int64_t k0, int64_t cols) const {
+    return std::clamp<int64_t>(key_end(b, row) - k0, 0, cols);
+  }
+  // How many of keys [k0, k0 + cols) the key mask keeps.
+  int64_t kept_keys(int64_t b, int64_t k0, int64_t cols) const {
+    if (!key_mask) {
+      return cols;
+    }
+    const int32_t* before = kept_before + b * (len_k + 1);
+    return before[k0 + cols] - before[k0];
+  }
+  // The key mask of keys [k0, k0 + cols) if it hides some of them (a block with holes), else
+  // null. A block the mask hides entirely is skipped (kept_keys == 0) and never asks.
+  const bool* hidden_keys(int64_t b, int64_t k0, int64_t cols) const {
+    return kept_keys(b, k0, cols) < cols ? key_mask + b * len_k + k0 : nullptr;
   }
   // Whether some row of [q0, q0 + rows) misses a key of [k0, k0 + cols): the block pair
-  // straddles the boundary, so its products carry masked zeros. Causally the first row sees the
-  // fewest keys, so it alone decides; a mask that hides keys from later rows needs `rows`.
-  bool has_masked_entries(int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
-    return visible_in_block(q0, k0, cols) < cols;
+  // straddles the causal boundary or holds keys the mask hides, so its products carry masked
+  // zeros. Causally the first row sees the fewest keys, so it alone decides.
+  bool has_masked_entries(int64_t b, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    return visible_in_block(b, q0, k0, cols) < cols || hidden_keys(b, k0, cols) != nullptr;
   }
 };
 
-// Row pointers into a (batch, head, row, col) tensor with unit stride along col.
+// Row pointers into a (batch, head, row, col) tensor with unit stride along col; for packed
+// sequences, a (1, head, total rows, col) tensor whose batch item b starts at row offsets[b].
 template <typename T>
 struct HeadRows {
   T* data;
   int64_t batch_stride;
   int64_t head_stride;
   int64_t row_stride;
+  const int32_t* offsets;
 
-  explicit HeadRows(const at::Tensor& t)
+  explicit HeadRows(const at::Tensor& t, const int32_t* row_offsets = nullptr)
       : data(static_cast<T*>(t.data_ptr())),
         batch_stride(t.stride(0)),
         head_stride(t.stride(1)),
-        row_stride(t.stride(2)) {}
+        row_stride(t.stride(2)),
+        offsets(row_offsets) {}
 
   T* row(int64_t b, int64_t h, int64_t r) const {
-    return data + b * batch_stride + h * head_stride + r * row_stride;
+    const int64_t first = offsets ? offsets[b] * row_stride : b * batch_stride;
+    return data + first + h * head_stride + r * row_stride;
   }
 };
 

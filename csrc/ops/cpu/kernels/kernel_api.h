@@ -8,17 +8,32 @@
 
 namespace causal_attention::cpu {
 
-// q, k, v, out: (batch, heads, rows, dim) with unit stride along dim; lse: contiguous
-// (batch, heads_q, len_q) in the accumulation dtype.
+// Packed sequences (varlen): int32 cumulative lengths (sequences + 1) of the query rows and
+// keys, and the longest of each. Undefined for a dense batch.
+struct PackedSequences {
+  at::Tensor cu_q, cu_k;
+  int64_t max_len_q = 0, max_len_k = 0;
+  bool packed() const { return cu_q.defined(); }
+};
+
+// q, k, v, out: (batch, heads, rows, dim) with unit stride along dim; lse: (batch, heads_q,
+// len_q) with unit stride along rows, in the accumulation dtype. Packed sequences: batch 1, the
+// rows of every sequence one after the other, lse (1, heads_q, total rows). key_mask: contiguous
+// bool (batch, len_k), kept_keys_before its int32 running count (batch, len_k + 1) from 0;
+// both undefined without a mask.
 struct ForwardTensors {
   at::Tensor q, k, v, out, lse;
   double scale;
+  at::Tensor key_mask, kept_keys_before;
+  PackedSequences sequences;
 };
 
 // As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v.
 struct BackwardTensors {
   at::Tensor grad_out, q, k, v, out, lse, dq, dk, dv;
   double scale;
+  at::Tensor key_mask, kept_keys_before;
+  PackedSequences sequences;
 };
 
 #define CAUSAL_ATTENTION_DECLARE_KERNELS(capability)    \

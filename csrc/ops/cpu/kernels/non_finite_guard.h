@@ -18,7 +18,8 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
 // The A operand of a guarded product as the kernel holds it, untransposed: values[r * ld + c],
-// where row r sees the first visible[r] columns. With `transposed`, the product multiplies by
+// where row r sees the first visible[r] columns, less the columns c with kept[c] false where
+// `kept` (the key mask of the block) is not null. With `transposed`, the product multiplies by
 // its transpose, so B's rows are indexed by r (dV += P^T dO, dK += dS^T Q); else by c
 // (O += P V, dQ += dS K).
 template <typename acc_t>
@@ -27,6 +28,9 @@ struct MaskedFactor {
   int64_t ld;
   const int64_t* visible;
   bool transposed;
+  const bool* kept;
+
+  bool sees(int64_t r, int64_t c) const { return c < visible[r] && (!kept || kept[c]); }
 };
 
 template <typename scalar_t>
@@ -46,11 +50,13 @@ class NonFiniteRowGuard {
       if (factor.transposed) {
         // Row i of B meets column i of A^T: row i of `values`, on the keys it sees.
         for (int64_t j = 0; j < factor.visible[i]; ++j) {
-          axpy(factor.values[i * factor.ld + j], bad, N, c + j * ldc);
+          if (factor.sees(i, j)) {
+            axpy(factor.values[i * factor.ld + j], bad, N, c + j * ldc);
+          }
         }
       } else {
         for (int64_t r = 0; r < M; ++r) {
-          if (i < factor.visible[r]) {
+          if (factor.sees(r, i)) {
             axpy(factor.values[r * factor.ld + i], bad, N, c + r * ldc);
           }
         }
@@ -58,18 +64,35 @@ class NonFiniteRowGuard {
     }
   }
 
+  // The value rows of a decode block whose key mask hides some keys (kept[i] false): read in
+  // place with the hidden rows' zero weights, so a hidden non-finite row is zeroed in a copy.
+  Operand<scalar_t> without_hidden_non_finite_rows(Operand<scalar_t> rows, int64_t n_rows,
+                                                   int64_t width, const bool* kept) {
+    return without_non_finite_rows(rows, n_rows, width, [&](int64_t i) { return !kept[i]; });
+  }
+
  private:
   // The B rows to pack: `rows` itself, or a copy without its non-finite rows when the pair
   // has masked entries.
   Operand<scalar_t> prepare(bool has_masked_entries, Operand<scalar_t> rows, int64_t n_rows,
                             int64_t width) {
-    bad_rows_.clear();
     if (!has_masked_entries) {
+      bad_rows_.clear();
       return rows;
     }
+    return without_non_finite_rows(rows, n_rows, width, [](int64_t) { return true; });
+  }
+
+  // `rows`, or a copy with the non-finite rows among those `considered` zeroed (listed in
+  // bad_rows_).
+  template <typename Considered>
+  Operand<scalar_t> without_non_finite_rows(Operand<scalar_t> rows, int64_t n_rows, int64_t width,
+                                            const Considered& considered) {
+    bad_rows_.clear();
     for (int64_t i = 0; i < n_rows; ++i) {
       const scalar_t* row = rows.data + i * rows.ld;
-      if (!std::all_of(row, row + width, [](scalar_t x) { return std::isfinite(float(x)); })) {
+      if (considered(i) &&
+          !std::all_of(row, row + width, [](scalar_t x) { return std::isfinite(float(x)); })) {
         bad_rows_.push_back(i);
       }
     }

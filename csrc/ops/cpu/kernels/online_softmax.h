@@ -72,6 +72,16 @@ inline acc_t exp_and_sum(acc_t* row, int64_t visible, int64_t cols, acc_t scale,
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
+// A block whose key mask hides some of its keys: row[c] = scale * row[c] where kept[c], -inf
+// where the key is hidden (c < visible). The softmax steps then run with scale 1 and give a
+// hidden key exactly zero probability, whatever its score (NaN and inf included).
+template <typename acc_t>
+inline void scale_and_hide(acc_t* row, int64_t visible, const bool* kept, acc_t scale) {
+  for (int64_t c = 0; c < visible; ++c) {
+    row[c] = kept[c] ? row[c] * scale : -std::numeric_limits<acc_t>::infinity();
+  }
+}
+
 // The online-softmax state of a set of query rows: row max, row sum and unnormalized output.
 template <typename acc_t>
 struct RowState {
@@ -87,11 +97,17 @@ struct RowState {
     std::fill_n(out.begin(), rows * value_dim, acc_t(0));
   }
 
-  // Folds one block of raw scores q.k of row r (`visible` of `cols` keys visible) into its
-  // state, and leaves the block's probabilities (relative to the new max) in `scores`:
+  // Folds one block of raw scores q.k of row r (the first `visible` of `cols` keys visible, less
+  // those `kept` hides where it is not null) into its state, and leaves the block's
+  // probabilities (relative to the new max) in `scores`:
   //   m' = max(m, rowmax(scale S)); P = exp(scale S - m'); l = e^(m - m') l + rowsum(P);
   //   O = e^(m - m') O  (the caller then adds P V).
-  void fold_row(acc_t* scores, int64_t r, int64_t visible, int64_t cols, acc_t scale) {
+  void fold_row(acc_t* scores, int64_t r, int64_t visible, int64_t cols, acc_t scale,
+                const bool* kept) {
+    if (kept) {
+      scale_and_hide(scores, visible, kept, scale);
+      scale = acc_t(1);
+    }
     const acc_t block_max = scaled_max(scores, visible, scale);
     const acc_t old_max = max[r];
     const acc_t new_max = std::isnan(block_max) ? block_max : std::max(old_max, block_max);
@@ -130,13 +146,17 @@ inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim
 
 // The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
 //   P = exp(scale * S - lse);  dS = P o (dP - delta)
-// over the `visible` first columns, zeros elsewhere (a row with lse = -inf sees nothing).
-// Returns the columns the row really sees.
+// over the `visible` first columns less the keys `kept` hides (where not null), zeros elsewhere
+// (a row with lse = -inf sees nothing). Returns the prefix of columns the row reaches.
 template <typename acc_t>
 inline int64_t softmax_gradient_row(acc_t* p, acc_t* ds, int64_t visible, int64_t cols, acc_t scale,
-                                    acc_t lse, acc_t delta) {
+                                    acc_t lse, acc_t delta, const bool* kept) {
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
     visible = 0;
+  }
+  if (kept) {
+    scale_and_hide(p, visible, kept, scale);
+    scale = acc_t(1);
   }
   exp_and_sum(p, visible, cols, scale, lse);
   using Vec = at::vec::Vectorized<acc_t>;
@@ -144,6 +164,12 @@ inline int64_t softmax_gradient_row(acc_t* p, acc_t* ds, int64_t visible, int64_
   // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
   at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds, p, ds, visible);
   std::fill(ds + visible, ds + cols, acc_t(0));
+  if (kept) {
+    // Likewise for the hidden keys, whose dP may be non-finite (0 * inf).
+    for (int64_t c = 0; c < visible; ++c) {
+      ds[c] = kept[c] ? ds[c] : acc_t(0);
+    }
+  }
   return visible;
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -23,16 +24,21 @@ class PackedKeyValues {
  public:
   static constexpr bool kPacksValues = Pack::template b_is_packed<scalar_t>();
 
-  // Packs the key blocks [0, num_blocks) of `key_block` keys of every (batch, KV head).
+  // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
+  // causally (the first blocks_of(b) of them), for every (batch, KV head); blocks the key mask
+  // hides entirely are left unpacked.
   PackedKeyValues(const AttentionDims& d, const HeadRows<const scalar_t>& k,
-                  const HeadRows<const scalar_t>& v, int64_t key_block, int64_t num_blocks)
+                  const HeadRows<const scalar_t>& v, int64_t key_block)
       : dims_(d),
         v_(v),
         key_block_(key_block),
-        num_blocks_(num_blocks),
         key_slot_(Pack::padded_k(d.head_dim) * key_block),
-        value_slot_(kPacksValues ? (key_block + 1) * d.value_dim : 0) {
-    const int64_t slots = d.batch * d.heads_kv * num_blocks;
+        value_slot_(kPacksValues ? (key_block + 1) * d.value_dim : 0),
+        first_block_(d.batch + 1, 0) {
+    for (int64_t b = 0; b < d.batch; ++b) {
+      first_block_[b + 1] = first_block_[b] + blocks_of(b);
+    }
+    const int64_t slots = d.heads_kv * first_block_[d.batch];
     const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<gemm_t>::value);
     keys_ = at::empty({slots * key_slot_}, options);
     values_ = at::empty({slots * value_slot_}, options);
@@ -40,9 +46,15 @@ class PackedKeyValues {
     gemm_t* values = values_.data_ptr<gemm_t>();
     at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
-        const int64_t b_hkv = slot / num_blocks, k0 = slot % num_blocks * key_block;
-        const int64_t b = b_hkv / d.heads_kv, h_kv = b_hkv % d.heads_kv;
-        const int64_t cols = std::min(key_block, d.len_k - k0);
+        const int64_t b =
+            std::upper_bound(first_block_.begin(), first_block_.end(), slot / d.heads_kv) -
+            first_block_.begin() - 1;
+        const int64_t within = slot - first_block_[b] * d.heads_kv;
+        const int64_t h_kv = within / blocks_of(b), k0 = within % blocks_of(b) * key_block;
+        const int64_t cols = block_width(b, k0);
+        if (d.kept_keys(b, k0, cols) == 0) {
+          continue;
+        }
         Pack::b_transposed(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
                            keys + slot * key_slot_);
         if constexpr (kPacksValues) {
@@ -54,7 +66,7 @@ class PackedKeyValues {
 
   // K_j^T for the key block starting at k0; a product may use its first columns only.
   Operand<gemm_t> keys_t(int64_t b, int64_t h_kv, int64_t k0) const {
-    return {keys_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * key_slot_, block_width(k0)};
+    return {keys_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * key_slot_, block_width(b, k0)};
   }
 
   // The first `cols` rows of V_j as the B operand of O += P V_j: packed, or the value rows
@@ -62,7 +74,7 @@ class PackedKeyValues {
   // pair its last row with the next, unseen one).
   Operand<gemm_t> values(int64_t b, int64_t h_kv, int64_t k0, int64_t cols) const {
     if constexpr (kPacksValues) {
-      if (Pack::kVnni && cols % 2 == 1 && cols < block_width(k0)) {
+      if (Pack::kVnni && cols % 2 == 1 && cols < block_width(b, k0)) {
         return {nullptr, 0};
       }
       return {values_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * value_slot_, dims_.value_dim};
@@ -72,14 +84,22 @@ class PackedKeyValues {
   }
 
  private:
-  int64_t block_width(int64_t k0) const { return std::min(key_block_, dims_.len_k - k0); }
+  // The key blocks of batch item b that its last query row reaches.
+  int64_t blocks_of(int64_t b) const {
+    return dims_.rows_q(b) == 0 ? 0 : ceil_div(dims_.key_end(b, dims_.rows_q(b) - 1), key_block_);
+  }
+  int64_t block_width(int64_t b, int64_t k0) const {
+    return std::min(key_block_, dims_.rows_k(b) - k0);
+  }
+  // Slots of batch item b: blocks_of(b) per KV head, after those of the items before it.
   int64_t slot(int64_t b, int64_t h_kv, int64_t k0) const {
-    return (b * dims_.heads_kv + h_kv) * num_blocks_ + k0 / key_block_;
+    return first_block_[b] * dims_.heads_kv + h_kv * blocks_of(b) + k0 / key_block_;
   }
 
   const AttentionDims dims_;
   const HeadRows<const scalar_t> v_;
-  const int64_t key_block_, num_blocks_, key_slot_, value_slot_;
+  const int64_t key_block_, key_slot_, value_slot_;
+  std::vector<int64_t> first_block_;  // (batch + 1): blocks per KV head before each item
   at::Tensor keys_, values_;
 };
 

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -67,6 +69,56 @@ void for_each_head_block(int64_t num_heads, int64_t num_blocks, const MakeScratc
     }
     block_gemm_release();
   });
+}
+
+// As for_each_head_block, for work items of uneven cost (packed sequences of different lengths,
+// key masks that hide whole blocks): cost(head, block) estimates an item's work, zero for an
+// item with nothing to do, which is skipped. The balanced order is cut into one range of equal
+// total cost per thread. Which task runs an item changes no sum inside it, so results still do
+// not depend on the thread count.
+template <typename Cost, typename MakeScratch, typename Fn>
+void for_each_weighted_head_block(int64_t num_heads, int64_t num_blocks, const Cost& cost,
+                                  const MakeScratch& make_scratch, const Fn& fn) {
+  const int64_t items = num_heads * num_blocks;
+  const auto item_at = [&](int64_t i) {
+    return std::pair<int64_t, int64_t>{i / num_blocks, balanced_block(i % num_blocks, num_blocks)};
+  };
+  std::vector<double> cost_before(items + 1, 0.0);
+  for (int64_t i = 0; i < items; ++i) {
+    const auto [head, block] = item_at(i);
+    cost_before[i + 1] = cost_before[i] + double(cost(head, block));
+  }
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), items);
+  const auto first_item = [&](int64_t part) {
+    const double from = cost_before[items] * double(part) / double(parts);
+    return int64_t(std::lower_bound(cost_before.begin(), cost_before.end() - 1, from) -
+                   cost_before.begin());
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = make_scratch();
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t last = part + 1 == parts ? items : first_item(part + 1);
+      for (int64_t i = first_item(part); i < last; ++i) {
+        if (cost_before[i + 1] > cost_before[i]) {
+          const auto [head, block] = item_at(i);
+          fn(head, block, scratch);
+        }
+      }
+    }
+    block_gemm_release();
+  });
+}
+
+// The kernels' schedule: dense calls take for_each_head_block (whose balanced order evens out
+// the causal cost), ragged ones (packed sequences, a key mask) weigh their items by `cost`.
+template <typename Cost, typename MakeScratch, typename Fn>
+void schedule_head_blocks(const AttentionDims& d, int64_t num_heads, int64_t num_blocks,
+                          const Cost& cost, const MakeScratch& make_scratch, const Fn& fn) {
+  if (d.cu_q || d.key_mask) {
+    for_each_weighted_head_block(num_heads, num_blocks, cost, make_scratch, fn);
+  } else {
+    for_each_head_block(num_heads, num_blocks, make_scratch, fn);
+  }
 }
 
 // Fewer work items than this and the forward splits the keys of each item into chunks computed

@@ -20,17 +20,17 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-// Where finished rows go: out (batch, heads_q, len_q, value_dim) and lse (batch * heads_q, len_q).
+// Where finished rows go: out (batch, heads_q, len_q, value_dim) and lse (batch, heads_q, len_q).
 template <typename scalar_t, typename acc_t>
 struct OutputRows {
   HeadRows<scalar_t> out;
-  acc_t* lse;
-  int64_t heads_q, len_q, value_dim;
+  HeadRows<acc_t> lse;
+  int64_t heads_q, value_dim;
 
   // Finishes query row q_row of head bh (= batch * heads_q + head).
   void finish(int64_t bh, int64_t q_row, acc_t max, acc_t sum, const acc_t* acc) const {
-    finish_row(max, sum, acc, value_dim, out.row(bh / heads_q, bh % heads_q, q_row),
-               lse + bh * len_q + q_row);
+    const int64_t b = bh / heads_q, h = bh % heads_q;
+    finish_row(max, sum, acc, value_dim, out.row(b, h, q_row), lse.row(b, h, q_row));
   }
 };
 
@@ -84,7 +84,10 @@ class KeySplits {
     at::parallel_for(0, dims_.batch * dims_.heads_q * len_q, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> acc(dims_.value_dim);
       for (int64_t item = begin; item < end; ++item) {
-        merge_row(item / len_q, item % len_q, acc.data());
+        const int64_t bh = item / len_q, r = item % len_q;
+        if (r < dims_.rows_q(bh / dims_.heads_q)) {
+          merge_row(bh, r, acc.data());
+        }
       }
     });
   }
