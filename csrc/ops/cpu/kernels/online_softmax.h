@@ -165,8 +165,10 @@ inline int64_t softmax_gradient_row(acc_t* p, acc_t* ds, int64_t visible, int64_
   at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds, p, ds, visible);
   std::fill(ds + visible, ds + cols, acc_t(0));
   if (kept) {
-    // Likewise for the hidden keys, whose dP may be non-finite (0 * inf).
+    // Likewise for the hidden keys, whose dP may be non-finite (0 * inf), as may P in a
+    // poisoned row (exp(-inf - NaN)).
     for (int64_t c = 0; c < visible; ++c) {
+      p[c] = kept[c] ? p[c] : acc_t(0);
       ds[c] = kept[c] ? ds[c] : acc_t(0);
     }
   }
