@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Benchmark of ragged batches on the CPU: key masks and packed sequences, against torch's
+scaled_dot_product_attention (SDPA) with the equivalent boolean mask and against our own unmasked
+and per-sequence calls, all timed in the same run.
+
+Sections (--only):
+  mask      key_mask of all True against the same call without a mask (the mask's overhead)
+  leftpad   a left-padded batch (real lengths L, 3L/4, L/2, L/4) with its key mask, against the
+            same sequences called one by one without padding (what the real tokens cost)
+  packed    N sequences with lengths drawn from --packed-lengths, packed for varlen_attention,
+            against SDPA on the right-padded batch with the equivalent boolean mask, and against
+            the sum of separate per-sequence calls of ours
+
+Every time is the median of torch.utils.benchmark's blocked_autorange at --threads threads;
+"fwd" is the forward, "f+b" forward and backward. Writes --out (JSON) and prints a table.
+
+    python scripts/bench_ragged.py                       # the issue's sizes (minutes)
+    python scripts/bench_ragged.py --quick --out /tmp/r.json   # seconds: every path, tiny sizes
+"""
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+import causal_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SECTIONS = ("mask", "leftpad", "packed")
+PASSES = ("fwd", "f+b")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048],
+                        help="L of the mask and leftpad sections")
+    parser.add_argument("--batch", type=int, default=4, help="B of the mask section")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--packed-count", type=int, default=8, help="sequences of a packed batch")
+    parser.add_argument("--packed-lengths", nargs=2, type=int, default=[64, 2048],
+                        metavar=("MIN", "MAX"), help="range of the packed sequences' lengths")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--min-run-time", type=float, default=1.0,
+                        help="seconds blocked_autorange spends per measurement")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and short runs: a smoke test of every path")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/ragged.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.batch, args.heads = [128], 2, 2
+        args.packed_count, args.packed_lengths, args.min_run_time = 3, [16, 200], 0.05
+    return args
+
+
+def median_seconds(fn, threads, min_run_time):
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def step(attend, tensors, pass_name):
+    """A callable running one forward (and backward) of attend(*tensors)."""
+    if pass_name == "fwd":
+        return lambda: attend(*tensors)
+    leaves = [t for t in tensors if t.requires_grad]
+
+    def forward_backward():
+        out = attend(*tensors)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    return forward_backward
+
+
+def leaf(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
+def mask_cases(args, dtype, pass_name, time):
+    """key_mask of all True against no mask."""
+    for length in args.lengths:
+        q, k, v = (leaf(args.batch, args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
+        mask = torch.ones(args.batch, length, dtype=torch.bool)
+        plain = time(step(causal_attention.attention, (q, k, v), pass_name))
+        masked = time(step(lambda q, k, v: causal_attention.attention(q, k, v, key_mask=mask),
+                           (q, k, v), pass_name))
+        yield {"case": f"B{args.batch} L{length}", "ours_masked_s": masked,
+               "ours_unmasked_s": plain, "ratio": masked / plain}
+
+
+def leftpad_cases(args, dtype, pass_name, time):
+    """A left-padded batch against its real tokens called one sequence at a time."""
+    for length in args.lengths:
+        real = [length, 3 * length // 4, length // 2, length // 4]
+        q, k, v = (leaf(len(real), args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
+        mask = torch.arange(length) >= (length - torch.tensor(real))[:, None]
+        padded = time(step(lambda q, k, v: causal_attention.attention(q, k, v, key_mask=mask),
+                           (q, k, v), pass_name))
+        alone = sum(time(step(causal_attention.attention,
+                              [leaf(1, args.heads, n, args.head_dim, dtype=dtype) for _ in "qkv"],
+                              pass_name)) for n in real)
+        yield {"case": f"L{length} real {real}", "ours_padded_s": padded,
+               "ours_separate_s": alone, "ratio": padded / alone}
+
+
+def packed_lengths(args):
+    rng = random.Random(args.seed)
+    return [rng.randint(*args.packed_lengths) for _ in range(args.packed_count)]
+
+
+def packed_cases(args, dtype, pass_name, time):
+    """varlen_attention against SDPA on the padded batch with a mask, and per-sequence calls."""
+    lengths = packed_lengths(args)
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    q, k, v = (leaf(total, args.heads, args.head_dim, dtype=dtype) for _ in "qkv")
+    packed = time(step(lambda q, k, v: causal_attention.varlen_attention(
+        q, k, v, cu, cu, longest, longest), (q, k, v), pass_name))
+    # SDPA on the right-padded batch: row i of sequence b sees keys j <= i with j < length_b.
+    padded = [leaf(len(lengths), args.heads, longest, args.head_dim, dtype=dtype) for _ in "qkv"]
+    real_keys = torch.arange(longest) < torch.tensor(lengths)[:, None]
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    attn_mask = (causal & real_keys[:, None, None, :])
+    sdpa = time(step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask),
+                     padded, pass_name))
+    separate = sum(time(step(causal_attention.attention,
+                             [leaf(1, args.heads, n, args.head_dim, dtype=dtype) for _ in "qkv"],
+                             pass_name)) for n in lengths)
+    yield {"case": f"N{len(lengths)} lengths {lengths}", "ours_packed_s": packed,
+           "sdpa_padded_masked_s": sdpa, "ours_separate_s": separate,
+           "vs_sdpa": sdpa / packed, "vs_separate": packed / separate}
+
+
+CASES = {"mask": mask_cases, "leftpad": leftpad_cases, "packed": packed_cases}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+
+    def time(fn):
+        return median_seconds(fn, args.threads, args.min_run_time)
+
+    rows = []
+    for section, dtype_name, pass_name in itertools.product(args.only, args.dtypes, args.passes):
+        for row in CASES[section](args, DTYPES[dtype_name], pass_name, time):
+            row = {"section": section, "dtype": dtype_name, "pass": pass_name, **row}
+            rows.append(row)
+            ratios = {key: round(value, 3) for key, value in row.items()
+                      if key in ("ratio", "vs_sdpa", "vs_separate")}
+            print(f"{section:8} {dtype_name:9} {pass_name:4} {row['case']:44} {ratios}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+               "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
+    args.out.write_text(json.dumps({"machine": machine, "args": vars(args) | {"out": str(args.out)},
+                                    "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
