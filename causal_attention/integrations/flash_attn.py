@@ -1,0 +1,585 @@
+"""flash-attn 2's Python functions on causal_attention's CPU op.
+
+Code written for flash-attn runs on the CPU by changing one import::
+
+    from causal_attention.integrations.flash_attn import (
+        flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+    )
+
+The three functions keep flash-attn 2's signatures (names, order, defaults) and layouts:
+``q (batch, seqlen, nheads, headdim)``, packed ``(total, nheads, headdim)`` for varlen, K/V with
+fewer heads for GQA/MQA. They serve the calls whose result the op computes exactly, and raise
+``NotImplementedError`` naming the argument and its value for any other, so a program is never
+silently computed differently than with flash-attn. Served:
+
+- the mask: bottom-right causal, which is flash-attn's ``causal=True`` (or ``causal=False`` with
+  ``window_size=(-1, 0)``, or any call with at most one query row, where both agree), with any
+  ``window_size`` that hides nothing causality keeps: ``left`` negative or at least the longest
+  key length minus one (``max_seqlen_k - 1`` for varlen), ``right`` anything with
+  ``causal=True``. Rows that see no key return zeros.
+- ``softmax_scale`` (default ``1 / sqrt(headdim)``), ``dropout_p=0``, ``softcap <= 0`` (off),
+  ``alibi_slopes=None``; ``deterministic`` and ``num_splits`` are accepted and change nothing
+  (the op is always deterministic and picks its own key splits).
+- ``return_attn_probs=True``: ``(out, softmax_lse, S_dmask)``, ``softmax_lse`` ``(batch, nheads,
+  seqlen_q)`` (varlen: ``(nheads, total_q)``), float32 (float64 for float64 inputs), and
+  ``S_dmask`` the empty tensor flash-attn itself returns when ``dropout_p=0``. The one
+  difference: a row that sees no key has ``lse = -inf`` (the log of an empty sum), where
+  flash-attn's unsplit kernel writes ``+inf``.
+- gradients through ``flash_attn_func`` and ``flash_attn_varlen_func``.
+- ``flash_attn_with_kvcache``: ``k``/``v`` written into ``k_cache``/``v_cache`` in place at
+  ``cache_seqlens`` (an int or an int32 ``(batch,)`` tensor), then every batch row attends to its
+  own keys ``cache_leftpad[b] <= j < cache_seqlens[b] + seqlen_new``, bottom-right aligned to
+  its own length; ``cache_batch_idx`` (rows of the cache), ``cache_leftpad``, ``block_table``
+  (a paged cache, its pages gathered into a copy per call) and rotary embeddings
+  (``rotary_cos``/``rotary_sin``, interleaved or not, applied to ``q`` and the new keys at
+  positions ``cache_seqlens[b] + i`` as flash-attn does) are served; ``return_softmax_lse``
+  returns ``(out, softmax_lse)``. As in flash-attn it is not differentiable (it runs under
+  ``torch.no_grad()``). With repeated ``cache_batch_idx`` entries the last row's new keys are
+  the ones left in the cache, and every row attends to the cache as left after all the writes.
+
+Refused (``NotImplementedError``): ``dropout_p != 0``, ``softcap > 0``, ``alibi_slopes``,
+non-causal attention over more than one query row, a window that bites, ``block_table`` in
+``flash_attn_varlen_func``, and ``block_table`` with ``cache_batch_idx`` or ``cache_leftpad``
+(flash-attn refuses those pairs too). flash-attn's CUDA-only limits (fp16/bf16, head
+dimension at most 256, a multiple of 8, page sizes a multiple of 256) do not apply: float32 and
+float64 work, and ``v`` may have a head dimension of its own. Bad types raise ``TypeError``,
+bad shapes and values ``ValueError``, each naming the argument.
+"""
+
+import math
+import operator
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ..ops import attention, attention_forward, varlen_attention, varlen_attention_forward
+
+_PREFIX = "causal_attention.integrations.flash_attn"
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's ``flash_attn_func``: ``q (batch, seqlen_q, nheads, headdim)``, ``k
+    (batch, seqlen_k, nheads_k, headdim)``, ``v (batch, seqlen_k, nheads_k, headdim_v)`` ->
+    ``out (batch, seqlen_q, nheads, headdim_v)``, contiguous, differentiable; with
+    ``return_attn_probs=True``, ``(out, softmax_lse (batch, nheads, seqlen_q), S_dmask)``.
+    Causal, bottom-right aligned; see the module docstring for what is served."""
+    fn = f"{_PREFIX}.flash_attn_func"
+    _check_batched(fn, q, k, v)
+    _check_scores_unmodified(fn, dropout_p, softcap, alibi_slopes)
+    _check_mask_is_causal(fn, causal, window_size, q.size(1), k.size(1), "seqlen_k - 1")
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    if return_attn_probs:
+        out, lse = attention_forward(qh, kh, vh, _resolve_scale(softmax_scale, q))
+        return out.transpose(1, 2).contiguous(), lse, _no_dropout_mask(q)
+    return attention(qh, kh, vh, scale=softmax_scale).transpose(1, 2).contiguous()
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """flash-attn's ``flash_attn_varlen_func``: packed ``q (total_q, nheads, headdim)``,
+    ``k (total_k, nheads_k, headdim)``, ``v (total_k, nheads_k, headdim_v)``, int32
+    ``cu_seqlens_q``/``cu_seqlens_k`` ``(batch + 1,)`` -> ``out (total_q, nheads, headdim_v)``,
+    differentiable; with ``return_attn_probs=True``, ``(out, softmax_lse (nheads, total_q),
+    S_dmask)``. Each sequence attends causally to itself, bottom-right aligned."""
+    fn = f"{_PREFIX}.flash_attn_varlen_func"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_rank(fn, name, t, 3, "(total, nheads, headdim)")
+    _check_head_dim(fn, q)
+    if block_table is not None:
+        raise NotImplementedError(
+            f"{fn}: block_table (a paged K/V cache) is not supported here, got a "
+            f"{_describe(block_table)}; flash_attn_with_kvcache serves paged caches"
+        )
+    max_q = _as_int(fn, "max_seqlen_q", max_seqlen_q)
+    max_k = _as_int(fn, "max_seqlen_k", max_seqlen_k)
+    _check_scores_unmodified(fn, dropout_p, softcap, alibi_slopes)
+    # The op checks that every sequence fits max_seqlen_q/k, so judging the mask by the bounds
+    # is safe: a call they pass is served exactly or refused by the op.
+    _check_mask_is_causal(fn, causal, window_size, max_q, max_k, "max_seqlen_k - 1")
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+    if return_attn_probs:
+        out, lse = varlen_attention_forward(*args, _resolve_scale(softmax_scale, q))
+        return out, lse, _no_dropout_mask(q)
+    return varlen_attention(*args, scale=softmax_scale)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[int, Tensor]] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """flash-attn's ``flash_attn_with_kvcache``: ``q (batch, seqlen_q, nheads, headdim)``
+    against ``k_cache``/``v_cache`` ``(batch_cache, seqlen_cache, nheads_k, headdim[_v])`` (or
+    ``(num_blocks, page_block_size, nheads_k, headdim[_v])`` with ``block_table``), after
+    writing the new ``k``/``v`` ``(batch, seqlen_new, nheads_k, headdim[_v])`` into the cache in
+    place at ``cache_seqlens``. Returns ``out (batch, seqlen_q, nheads, headdim_v)``, or
+    ``(out, softmax_lse (batch, nheads, seqlen_q))`` with ``return_softmax_lse=True``.
+
+    Batch row ``b`` attends to its keys ``cache_leftpad[b] <= j < cache_seqlens[b] +
+    seqlen_new``, causal and bottom-right aligned to that length. Rows whose keys end at the same
+    place are computed together on a view of the cache; with one query row, every row is, its
+    length given to the op as a key mask. Everything is validated before the cache is written.
+    """
+    fn = f"{_PREFIX}.flash_attn_with_kvcache"
+    with torch.no_grad():
+        cache = _KVCacheCall(fn, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table)
+        _check_scores_unmodified(fn, 0.0, softcap, alibi_slopes)
+        longest = max((e - s for s, e in zip(cache.starts, cache.ends)), default=0)
+        _check_mask_is_causal(fn, causal, window_size, q.size(1), longest,
+                              "the longest row's key count - 1")
+        _as_int(fn, "num_splits", num_splits)
+        rotary = _Rotary.of(fn, rotary_cos, rotary_sin, rotary_interleaved, q, cache)
+        if rotary is not None:
+            q, k = rotary.apply(q, cache.seqlens), rotary.apply(k, cache.seqlens)
+        cache.append(k, v)
+        return cache.attend(q, _resolve_scale(softmax_scale, q), bool(return_softmax_lse))
+
+
+class _KVCacheCall:
+    """The validated geometry of one ``flash_attn_with_kvcache`` call: for every batch row its
+    cache row (or pages), the start and end of its keys, and where its new keys go."""
+
+    def __init__(self, fn, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                 cache_leftpad, block_table):
+        self.fn = fn
+        _check_rank(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+        _check_head_dim(fn, q)
+        self.paged = block_table is not None
+        layout = "(num_blocks, page_block_size, nheads_k, headdim)" if self.paged else \
+            "(batch_cache, seqlen_cache, nheads_k, headdim)"
+        _check_rank(fn, "k_cache", k_cache, 4, layout)
+        _check_rank(fn, "v_cache", v_cache, 4, layout)
+        batch, _, heads, dim = q.shape
+        if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.size(3) != dim:
+            raise ValueError(
+                f"{fn}: k_cache and v_cache must be {layout} with q's headdim {dim} for k_cache, "
+                f"got q.shape={tuple(q.shape)}, k_cache.shape={tuple(k_cache.shape)}, "
+                f"v_cache.shape={tuple(v_cache.shape)}"
+            )
+        heads_k = k_cache.size(2)
+        if heads_k == 0 or heads % heads_k != 0:
+            raise ValueError(
+                f"{fn}: q's nheads must be a multiple of the cache's nheads_k, got "
+                f"q.shape={tuple(q.shape)}, k_cache.shape={tuple(k_cache.shape)}"
+            )
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{fn}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+        self.q_shape = tuple(q.shape)
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.new = self._check_new_keys(k, v)
+        if self.paged:
+            for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+                if t is not None:
+                    raise NotImplementedError(
+                        f"{fn}: {name} with block_table (a paged cache) is not supported "
+                        f"(flash-attn does not support the pair either), got a {_describe(t)}"
+                    )
+            self.page = k_cache.size(1)
+            self.block_table = _check_row_indices(fn, "block_table", block_table, batch, 2)
+            capacity = self.block_table.size(1) * self.page
+        else:
+            capacity = k_cache.size(1)
+            if cache_batch_idx is None:
+                if k_cache.size(0) < batch:
+                    raise ValueError(
+                        f"{fn}: k_cache has {k_cache.size(0)} rows for q's batch of {batch}; "
+                        "pass cache_batch_idx to pick rows of a cache, or a cache as large as "
+                        f"the batch (k_cache.shape={tuple(k_cache.shape)})"
+                    )
+                self.rows = list(range(batch))
+            else:
+                idx = _check_row_indices(fn, "cache_batch_idx", cache_batch_idx, batch, 1)
+                self.rows = idx.tolist()
+                bad = [r for r in self.rows if not 0 <= r < k_cache.size(0)]
+                if bad:
+                    raise ValueError(
+                        f"{fn}: cache_batch_idx entries must lie in [0, {k_cache.size(0)}) "
+                        f"(k_cache.shape[0]), got {bad}"
+                    )
+        if cache_seqlens is None:
+            if self.new:
+                raise ValueError(
+                    f"{fn}: cache_seqlens must be given with k and v, to say where the new keys "
+                    "go; got cache_seqlens=None"
+                )
+            self.seqlens = [capacity] * batch
+        elif isinstance(cache_seqlens, Tensor):
+            self.seqlens = _check_row_indices(fn, "cache_seqlens", cache_seqlens, batch, 1).tolist()
+        elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            self.seqlens = [cache_seqlens] * batch
+        else:
+            raise TypeError(
+                f"{fn}: cache_seqlens must be an int or an int32 (batch,) tensor, got "
+                f"{_describe(cache_seqlens)}"
+            )
+        if cache_leftpad is None:
+            self.starts = [0] * batch
+        else:
+            self.starts = _check_row_indices(fn, "cache_leftpad", cache_leftpad, batch, 1).tolist()
+        self.ends = [length + self.new for length in self.seqlens]
+        for b, (start, length, end) in enumerate(zip(self.starts, self.seqlens, self.ends)):
+            if length < 0:
+                raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {length} for row {b}")
+            if not 0 <= start <= length:
+                raise ValueError(
+                    f"{fn}: row {b} needs 0 <= cache_leftpad[b] <= cache_seqlens[b], got "
+                    f"cache_leftpad[b]={start}, cache_seqlens[b]={length}"
+                )
+            if end > capacity:
+                raise ValueError(
+                    f"{fn}: row {b} does not fit the cache: cache_seqlens[b] + k.shape[1] = "
+                    f"{length} + {self.new} = {end} > {capacity}, the cache's "
+                    + ("block_table.shape[1] * page_block_size" if self.paged else "seqlen_cache")
+                )
+        if self.paged:
+            self._check_pages()
+
+    def _check_new_keys(self, k, v) -> int:
+        """Validates the new keys and values; returns how many each row has (0 without)."""
+        fn = self.fn
+        if (k is None) != (v is None):
+            raise ValueError(
+                f"{fn}: k and v go together, got k={_describe(k)} and v={_describe(v)}"
+            )
+        if k is None:
+            return 0
+        _check_rank(fn, "k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        _check_rank(fn, "v", v, 4, "(batch, seqlen_new, nheads_k, headdim_v)")
+        batch = self.q_shape[0]
+        heads_k, dim, dim_v = self.k_cache.size(2), self.k_cache.size(3), self.v_cache.size(3)
+        new = k.size(1)
+        if tuple(k.shape) != (batch, new, heads_k, dim) or \
+                tuple(v.shape) != (batch, new, heads_k, dim_v):
+            raise ValueError(
+                f"{fn}: k and v must be (batch, seqlen_new, nheads_k, headdim[_v]) = "
+                f"({batch}, seqlen_new, {heads_k}, {dim} / {dim_v}), got "
+                f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+            )
+        for name, t, c in (("k", k, self.k_cache), ("v", v, self.v_cache)):
+            if t.dtype != c.dtype:
+                raise TypeError(
+                    f"{fn}: {name} must have the cache's dtype {c.dtype}, got {t.dtype}"
+                )
+        return new
+
+    def _check_pages(self) -> None:
+        """Every page a row reads or writes must exist; the columns past them are never read."""
+        num_blocks = self.k_cache.size(0)
+        for b, end in enumerate(self.ends):
+            used = self.block_table[b, : _ceil_div(end, self.page)]
+            bad = used[(used < 0) | (used >= num_blocks)]
+            if bad.numel():
+                raise ValueError(
+                    f"{self.fn}: block_table row {b} names pages {bad.tolist()} outside "
+                    f"[0, {num_blocks}) (k_cache.shape[0]) among the "
+                    f"{used.numel()} pages its {end} keys use"
+                )
+
+    def append(self, k: Optional[Tensor], v: Optional[Tensor]) -> None:
+        """Writes row b's new keys at positions cache_seqlens[b] onwards, a row at a time, so that
+        with repeated cache rows the last row's keys are the ones left."""
+        if not self.new:
+            return
+        for b, start in enumerate(self.seqlens):
+            if self.paged:
+                positions = torch.arange(start, start + self.new)
+                pages = self.block_table[b, positions // self.page].long()
+                where = (pages, positions % self.page)
+            else:
+                where = (self.rows[b], slice(start, start + self.new))
+            self.k_cache[where] = k[b]
+            self.v_cache[where] = v[b]
+
+    def groups(self) -> List[List[int]]:
+        """Batch rows that one op call serves exactly. The op aligns each row's causal boundary to
+        the end of the keys it is given, so rows go together when their keys end at the same
+        place; a single query row sees all its keys, so then any rows go together, each cut at
+        its own end by the key mask."""
+        batch, lq = self.q_shape[:2]
+        if batch == 0:
+            return []
+        if lq <= 1:
+            return [list(range(batch))]
+        by_end: Dict[int, List[int]] = {}
+        for b, end in enumerate(self.ends):
+            by_end.setdefault(end, []).append(b)
+        return list(by_end.values())
+
+    def keys(self, rows: List[int], length: int) -> Tuple[Tensor, Tensor]:
+        """K and V of ``rows`` up to ``length``, ``(len(rows), length, nheads_k, headdim)``: a view
+        of the cache when the rows are consecutive, else a copy."""
+        if self.paged:
+            pages = self.block_table[rows, : _ceil_div(length, self.page)].long()
+            needed = torch.tensor([_ceil_div(self.ends[b], self.page) for b in rows])
+            # Columns past a row's own pages may hold anything; page 0 stands in for them, its
+            # keys hidden by the key mask.
+            pages[torch.arange(pages.size(1)) >= needed.unsqueeze(1)] = 0
+            return tuple(
+                c[pages].flatten(1, 2)[:, :length] for c in (self.k_cache, self.v_cache)
+            )
+        cache_rows = [self.rows[b] for b in rows]
+        if _consecutive(cache_rows):
+            picked = slice(cache_rows[0], cache_rows[0] + len(cache_rows))
+        else:
+            picked = torch.tensor(cache_rows)
+        return self.k_cache[picked, :length], self.v_cache[picked, :length]
+
+    def attend(self, q: Tensor, scale: float, with_lse: bool):
+        """One op call per group, on a view of the cache where its rows are consecutive; a key
+        mask only where some row's keys start past 0 or end before the group's."""
+        batch, lq, heads, _ = self.q_shape
+        groups = self.groups()
+        if len(groups) != 1:
+            out = q.new_empty(batch, lq, heads, self.v_cache.size(3))
+            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            lse = q.new_empty(batch, heads, lq, dtype=lse_dtype)
+        for rows in groups:
+            length = max(self.ends[b] for b in rows)
+            k, v = self.keys(rows, length)
+            key_mask = None
+            starts = torch.tensor([self.starts[b] for b in rows])
+            ends = torch.tensor([self.ends[b] for b in rows])
+            if bool((starts > 0).any()) or bool((ends < length).any()):
+                j = torch.arange(length)
+                key_mask = (j >= starts.unsqueeze(1)) & (j < ends.unsqueeze(1))
+            picked = slice(rows[0], rows[-1] + 1) if _consecutive(rows) else torch.tensor(rows)
+            qh, kh, vh = (t.transpose(1, 2) for t in (q[picked], k, v))
+            if with_lse:
+                o, l = attention_forward(qh, kh, vh, scale, key_mask)
+            else:
+                o, l = attention(qh, kh, vh, scale=scale, key_mask=key_mask), None
+            if len(groups) == 1:
+                out, lse = o.transpose(1, 2).contiguous(), l
+            else:
+                out[picked] = o.transpose(1, 2)
+                if with_lse:
+                    lse[picked] = l
+        return (out, lse) if with_lse else out
+
+
+class _Rotary:
+    """Rotary embeddings as flash_attn_with_kvcache applies them: the first ``rotary_dim``
+    features of ``q`` and of the new keys of row b, token i, turned by the angle whose cosine and
+    sine are row ``cache_seqlens[b] + i`` of ``rotary_cos`` / ``rotary_sin``; pairs are
+    ``(2j, 2j + 1)`` when interleaved, else ``(j, j + rotary_dim / 2)`` (GPT-NeoX)."""
+
+    def __init__(self, cos: Tensor, sin: Tensor, interleaved: bool):
+        self.cos, self.sin, self.interleaved = cos, sin, interleaved
+
+    @classmethod
+    def of(cls, fn, cos, sin, interleaved, q, cache: _KVCacheCall) -> Optional["_Rotary"]:
+        if cos is None and sin is None:
+            return None
+        if cos is None or sin is None:
+            raise ValueError(
+                f"{fn}: rotary_cos and rotary_sin go together, got rotary_cos={_describe(cos)} "
+                f"and rotary_sin={_describe(sin)}"
+            )
+        if not cache.new:
+            raise ValueError(
+                f"{fn}: rotary_cos/rotary_sin need new keys k and v to rotate (as in flash-attn), "
+                "got k=None"
+            )
+        for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+            _check_rank(fn, name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+            if not t.is_floating_point():
+                raise TypeError(f"{fn}: {name} must be a floating tensor, got {t.dtype}")
+        if cos.shape != sin.shape or 2 * cos.size(1) > q.size(3):
+            raise ValueError(
+                f"{fn}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with "
+                f"rotary_dim <= headdim {q.size(3)}, got rotary_cos.shape={tuple(cos.shape)}, "
+                f"rotary_sin.shape={tuple(sin.shape)}"
+            )
+        tokens = max(q.size(1), cache.new)
+        needed = max((length + tokens for length in cache.seqlens), default=0)
+        if cos.size(0) < needed:
+            raise ValueError(
+                f"{fn}: rotary_cos/rotary_sin have {cos.size(0)} positions; the rotated tokens "
+                f"reach position {needed - 1} (cache_seqlens[b] + max(seqlen_q, seqlen_new) - 1)"
+            )
+        return cls(cos, sin, bool(interleaved))
+
+    def apply(self, x: Tensor, seqlens: Sequence[int]) -> Tensor:
+        """``x (batch, tokens, heads, headdim)`` rotated, in float32 (float64 for float64) and
+        rounded once to its dtype."""
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        half = self.cos.size(1)
+        positions = torch.tensor(seqlens).unsqueeze(1) + torch.arange(x.size(1))
+        cos = self.cos.to(acc)[positions].unsqueeze(2)
+        sin = self.sin.to(acc)[positions].unsqueeze(2)
+        part = x[..., : 2 * half].to(acc)
+        if self.interleaved:
+            a, b = part[..., 0::2], part[..., 1::2]
+            turned = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        else:
+            a, b = part[..., :half], part[..., half:]
+            turned = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        return torch.cat((turned.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+def _check_scores_unmodified(fn: str, dropout_p, softcap, alibi_slopes) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"{fn}: dropout on the attention probabilities is not supported, got "
+            f"dropout_p={dropout_p}; pass dropout_p=0.0 (as flash-attn advises for evaluation)"
+        )
+    if softcap > 0.0:
+        raise NotImplementedError(
+            f"{fn}: softcapping is not supported, got softcap={softcap}; pass softcap=0.0"
+        )
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            f"{fn}: ALiBi is not supported, got alibi_slopes={_describe(alibi_slopes)}; "
+            "pass alibi_slopes=None"
+        )
+
+
+def _check_mask_is_causal(fn: str, causal, window_size, lq: int, lk: int, bound: str) -> None:
+    """Raises ``NotImplementedError`` unless flash-attn's mask for this call is bottom-right
+    causality. flash-attn: row i sees keys i + lk - lq - left <= j <= i + lk - lq + right, a
+    negative bound unbounded, and causal=True sets right = 0."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"{fn}: window_size must be a pair (left, right), got {_describe(window_size)}"
+        )
+    left = _as_int(fn, "window_size[0]", window_size[0])
+    right = 0 if causal else _as_int(fn, "window_size[1]", window_size[1])
+    # A single query row already sees every key under causality, so only then may the right
+    # bound be anything but 0.
+    if right != 0 and lq > 1 and lk > 0:
+        raise NotImplementedError(
+            f"{fn}: causal=False, window_size={tuple(window_size)} lets a query row see keys "
+            f"after its own (seqlen_q={lq}); only causal attention is supported: pass causal=True"
+        )
+    # The last row sees lk keys under causality, so a left bound of lk - 1 or more hides none.
+    if 0 <= left < lk - 1:
+        raise NotImplementedError(
+            f"{fn}: window_size={tuple(window_size)} is a sliding window that hides keys causality "
+            f"keeps (left={left} < {bound} = {lk - 1}); sliding windows are not supported: "
+            "pass window_size=(-1, -1)"
+        )
+
+
+def _check_batched(fn: str, q, k, v) -> None:
+    """The shapes of flash_attn_func, checked in its own layout so that errors read in it."""
+    _check_rank(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_rank(fn, "k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_rank(fn, "v", v, 4, "(batch, seqlen_k, nheads_k, headdim_v)")
+    _check_head_dim(fn, q)
+    batch, _, heads, dim = q.shape
+    if k.size(0) != batch or k.size(3) != dim or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"{fn}: expected q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, "
+            f"headdim), v (batch, seqlen_k, nheads_k, headdim_v), got q.shape={tuple(q.shape)}, "
+            f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+        )
+    if k.size(2) == 0 or heads % k.size(2) != 0:
+        raise ValueError(
+            f"{fn}: q's nheads must be a multiple of k's nheads_k, got q.shape={tuple(q.shape)}, "
+            f"k.shape={tuple(k.shape)}"
+        )
+
+
+def _check_rank(fn: str, name: str, t, dims: int, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be a tensor {layout}, got {_describe(t)}")
+    if t.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be {layout}, got {name}.shape={tuple(t.shape)}")
+
+
+def _check_head_dim(fn: str, q: Tensor) -> None:
+    if q.size(-1) <= 0:
+        raise ValueError(f"{fn}: headdim must be positive, got q.shape={tuple(q.shape)}")
+
+
+def _check_row_indices(fn: str, name: str, t, batch: int, dims: int) -> Tensor:
+    """An int32 tensor with one row (or entry) per batch row, as flash-attn requires."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be an int32 tensor, got {_describe(t)}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{fn}: {name} must have dtype torch.int32, got {t.dtype}")
+    if t.dim() != dims or t.size(0) != batch:
+        shape = "(batch,)" if dims == 1 else "(batch, max_num_blocks_per_seq)"
+        raise ValueError(
+            f"{fn}: {name} must be {shape} with q's batch {batch}, got "
+            f"{name}.shape={tuple(t.shape)}"
+        )
+    return t.cpu()
+
+
+def _as_int(fn: str, name: str, value) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int, got {_describe(value)}") from None
+
+
+def _resolve_scale(softmax_scale, q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.size(-1)) if softmax_scale is None else softmax_scale
+
+
+def _no_dropout_mask(q: Tensor) -> Tensor:
+    """What flash-attn returns as S_dmask without dropout: an empty tensor of q's dtype."""
+    return q.new_empty(0)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _consecutive(values: List[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(values, values[1:]))
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return repr(value) if value is None or isinstance(value, (int, float, bool, str)) \
+        else f"{type(value).__name__} {value!r}"

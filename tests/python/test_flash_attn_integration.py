@@ -1,0 +1,639 @@
+"""causal_attention.integrations.flash_attn: flash-attn 2's three functions in its (batch, seqlen,
+heads, headdim) and packed layouts give what SDPA gives with flash-attn's mask written out as a
+boolean mask (bottom-right causal per batch row or sequence), forward and backward, and what our
+op gives; flash_attn_with_kvcache writes the new keys into the cache in place and honours per-row
+lengths, cache rows, left padding, pages and rotary embeddings; every argument it does not serve
+is refused by name, and bad input gets a typed error naming it."""
+
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import causal_attention
+from attention_testing import dtype_params, visible_keys
+from causal_attention.integrations.flash_attn import (
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+
+FLOATS = dtype_params((torch.float64, torch.float32))
+
+
+def masked_sdpa(q, k, v, visible, scale=None):
+    """SDPA in flash-attn's layout (..., L, H, D) with an explicit boolean mask ``visible``
+    (..., Lq, Lk) (True: may attend), rows with no visible key set to zero as flash-attn does
+    (SDPA would give NaN there; the mask is opened for them only to keep its softmax finite, and
+    their zeroed output sends no gradient back)."""
+    qh, kh, vh = (t.transpose(-3, -2) for t in (q, k, v))
+    empty = ~visible.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=(visible | empty).unsqueeze(-3), scale=scale,
+        enable_gqa=qh.size(-3) != kh.size(-3),
+    )
+    return torch.where(empty.unsqueeze(-3), 0.0, out).transpose(-3, -2)
+
+
+def masked_lse(q, k, visible, scale):
+    """log-sum-exp of each row's visible scaled scores, float64, (..., H, Lq); -inf for a row
+    with no visible key."""
+    qh, kh = (t.transpose(-3, -2).double() for t in (q, k))
+    kh = kh.repeat_interleave(qh.size(-3) // kh.size(-3), dim=-3)
+    scores = (qh @ kh.transpose(-2, -1) * scale).masked_fill(~visible.unsqueeze(-3), -math.inf)
+    return torch.logsumexp(scores, -1)
+
+
+def grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+def bshd(batch, length, heads, dim, dtype, requires_grad=False):
+    return torch.randn(batch, length, heads, dim, dtype=dtype).requires_grad_(requires_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_func
+
+
+FUNC_CASES = [
+    pytest.param(2, 17, 17, 2, 2, 16, 16, id="self"),
+    pytest.param(2, 5, 23, 4, 2, 16, 16, id="gqa-Lq<Lk"),
+    pytest.param(1, 19, 6, 4, 1, 8, 8, id="mqa-Lq>Lk"),
+    pytest.param(3, 1, 40, 6, 3, 16, 8, id="decode-Dv8"),
+    pytest.param(1, 70, 70, 2, 1, 8, 8, id="two-blocks"),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("batch,lq,lk,hq,hkv,d,dv", FUNC_CASES)
+def test_flash_attn_func_matches_masked_sdpa_and_our_op(batch, lq, lk, hq, hkv, d, dv, dtype):
+    q = bshd(batch, lq, hq, d, dtype, True)
+    k = bshd(batch, lk, hkv, d, dtype, True)
+    v = bshd(batch, lk, hkv, dv, dtype, True)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (batch, lq, hq, dv) and out.is_contiguous()
+    ref = masked_sdpa(q, k, v, visible_keys(lq, lk))
+    torch.testing.assert_close(out, ref)
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(ours, theirs)
+    op = causal_attention.attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert torch.equal(out, op)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_flash_attn_func_lse_and_empty_dropout_mask(dtype):
+    q, k, v = bshd(2, 9, 4, 16, dtype), bshd(2, 6, 2, 16, dtype), bshd(2, 6, 2, 16, dtype)
+    out, lse, s_dmask = flash_attn_func(q, k, v, softmax_scale=0.3, causal=True,
+                                        return_attn_probs=True)
+    assert torch.equal(out, flash_attn_func(q, k, v, softmax_scale=0.3, causal=True))
+    assert lse.shape == (2, 4, 9)
+    torch.testing.assert_close(lse.double(), masked_lse(q, k, visible_keys(9, 6), 0.3))
+    # Rows 0-2 see no key (Lq > Lk): log of an empty sum.
+    assert torch.all(lse[:, :, :3] == -math.inf)
+    # flash-attn's S_dmask without dropout is an empty tensor of q's dtype.
+    assert s_dmask.shape == (0,) and s_dmask.dtype == dtype
+
+
+def test_flash_attn_func_scale_and_positional_arguments():
+    q, k, v = bshd(2, 11, 4, 8, torch.float64), bshd(2, 11, 2, 8, torch.float64), \
+        bshd(2, 11, 2, 8, torch.float64)
+    out = flash_attn_func(q, k, v, 0.0, 0.7, True)
+    torch.testing.assert_close(out, masked_sdpa(q, k, v, visible_keys(11, 11), scale=0.7))
+    assert torch.equal(out, flash_attn_func(q, k, v, softmax_scale=0.7, causal=True))
+
+
+# Calls whose flash-attn mask is causality itself: windows that hide nothing, and non-causal
+# calls with one query row.
+NON_BITING = [
+    pytest.param(8, 12, dict(causal=True, window_size=(-1, -1)), id="causal"),
+    pytest.param(8, 12, dict(causal=True, window_size=[-1, 0]), id="causal-(-1,0)-list"),
+    pytest.param(8, 12, dict(causal=True, window_size=(11, 0)), id="left=Lk-1"),
+    pytest.param(8, 12, dict(causal=True, window_size=(40, 3)), id="left>Lk-right-ignored"),
+    pytest.param(8, 12, dict(causal=False, window_size=(-1, 0)), id="noncausal-(-1,0)"),
+    pytest.param(8, 12, dict(causal=False, window_size=(11, 0)), id="noncausal-(Lk-1,0)"),
+    pytest.param(1, 12, dict(causal=False), id="noncausal-one-row"),
+    pytest.param(1, 12, dict(causal=False, window_size=(-1, 4)), id="noncausal-one-row-right"),
+    pytest.param(12, 5, dict(causal=True, window_size=(4, 0)), id="Lq>Lk-left=Lk-1"),
+]
+
+
+@pytest.mark.parametrize("lq,lk,kwargs", NON_BITING)
+def test_windows_that_do_not_bite_are_served(lq, lk, kwargs):
+    q, k, v = bshd(2, lq, 2, 8, torch.float64), bshd(2, lk, 2, 8, torch.float64), \
+        bshd(2, lk, 2, 8, torch.float64)
+    out = flash_attn_func(q, k, v, **kwargs)
+    torch.testing.assert_close(out, masked_sdpa(q, k, v, visible_keys(lq, lk)))
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+
+
+def test_deterministic_changes_nothing():
+    q, k, v = (bshd(1, 9, 2, 8, torch.float32) for _ in range(3))
+    assert torch.equal(
+        flash_attn_func(q, k, v, causal=True, deterministic=True),
+        flash_attn_func(q, k, v, causal=True, deterministic=False),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_varlen_func
+
+
+def packed(lengths_q, lengths_k, hq, hkv, d, dv, dtype):
+    q = torch.randn(sum(lengths_q), hq, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lengths_k), hkv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lengths_k), hkv, dv, dtype=dtype, requires_grad=True)
+    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def packed_visible(lengths_q, lengths_k):
+    """(total_q, total_k): each sequence sees itself, bottom-right causal."""
+    visible = torch.zeros(sum(lengths_q), sum(lengths_k), dtype=torch.bool)
+    row = col = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        visible[row : row + lq, col : col + lk] = visible_keys(lq, lk)
+        row, col = row + lq, col + lk
+    return visible
+
+
+VARLEN_CASES = [
+    pytest.param([5, 0, 9, 1], [5, 0, 9, 1], 2, 2, id="self-with-empty"),
+    pytest.param([2, 3, 0, 4], [6, 3, 4, 9], 4, 2, id="chunks-on-caches-gqa"),
+    pytest.param([4, 1, 3], [2, 0, 3], 4, 1, id="Lq>Lk-mqa"),
+    pytest.param([0, 0], [0, 3], 2, 2, id="no-queries"),
+    pytest.param([70, 33], [70, 40], 2, 1, id="longer"),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("lengths_q,lengths_k,hq,hkv", VARLEN_CASES)
+def test_flash_attn_varlen_func_matches_masked_sdpa_and_our_op(lengths_q, lengths_k, hq, hkv,
+                                                              dtype):
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, hq, hkv, 16, 8, dtype)
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    assert out.shape == (sum(lengths_q), hq, 8)
+    ref = masked_sdpa(q, k, v, packed_visible(lengths_q, lengths_k))
+    torch.testing.assert_close(out, ref)
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(ours, theirs)
+    op = causal_attention.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert torch.equal(out, op)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_flash_attn_varlen_func_lse(dtype):
+    lengths_q, lengths_k = [3, 0, 5, 2], [1, 2, 5, 0]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 16, 16, dtype)
+    out, lse, s_dmask = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 5, 5, softmax_scale=0.25, causal=True, return_attn_probs=True
+    )
+    assert torch.equal(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5,
+                                                   softmax_scale=0.25, causal=True))
+    assert lse.shape == (4, 10)
+    visible = packed_visible(lengths_q, lengths_k)
+    torch.testing.assert_close(lse.double(), masked_lse(q, k, visible, 0.25))
+    assert s_dmask.numel() == 0
+    # Out of graph: lse is not differentiable, out is.
+    out.sum().backward()
+    assert q.grad is not None
+
+
+def test_flash_attn_varlen_func_served_windows_and_one_row_sequences():
+    q, k, v, cu_q, cu_k = packed([1, 1, 0], [4, 6, 2], 2, 2, 8, 8, torch.float64)
+    causal = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 6, causal=True)
+    # At most one query row per sequence: non-causal is causal.
+    assert torch.equal(flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 6), causal)
+    assert torch.equal(
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 6, causal=True, window_size=(5, 0)), causal
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache
+
+
+def expected_cache(cache, new, rows, seqlens):
+    """The cache after flash-attn's append: row rows[b] gets new[b] at seqlens[b] onwards."""
+    expected = cache.clone()
+    for b, (row, start) in enumerate(zip(rows, seqlens)):
+        expected[row, start : start + new.size(1)] = new[b]
+    return expected
+
+
+def kv_visible(lq, capacity, starts, ends):
+    """(batch, Lq, capacity): row b, query i sees cache position j iff starts[b] <= j < ends[b]
+    and j <= i + ends[b] - Lq (bottom-right, aligned to the row's own length)."""
+    j = torch.arange(capacity)
+    i = torch.arange(lq).unsqueeze(1)
+    masks = [(j >= s) & (j < e) & (j <= i + e - lq) for s, e in zip(starts, ends)]
+    return torch.stack(masks) if masks else torch.zeros(0, lq, capacity, dtype=torch.bool)
+
+
+KV_CASES = [
+    # batch, lq, new, seqlens, leftpad, batch_idx (None: rows 0..B-1), cache rows
+    pytest.param(3, 2, 2, [3, 0, 7], None, None, 3, id="append-per-row-lengths"),
+    pytest.param(3, 1, 1, [5, 0, 11], None, None, 3, id="decode-append"),
+    pytest.param(4, 1, 0, [6, 1, 12, 0], None, None, 4, id="decode-no-append"),
+    pytest.param(2, 3, 3, [4, 4], None, None, 2, id="equal-lengths"),
+    pytest.param(3, 4, 4, [2, 6, 6], None, None, 3, id="chunk-two-groups"),
+    pytest.param(3, 5, 2, [1, 6, 9], None, None, 3, id="Lq>new-empty-rows"),
+    pytest.param(3, 2, 2, [5, 8, 3], [2, 0, 3], None, 3, id="leftpad"),
+    pytest.param(2, 3, 3, [6, 6], [1, 4], None, 2, id="leftpad-same-end"),
+    pytest.param(3, 1, 1, [4, 9, 2], [1, 5, 2], None, 3, id="decode-leftpad"),
+    pytest.param(3, 2, 2, [4, 7, 1], None, [4, 0, 2], 5, id="cache_batch_idx"),
+    pytest.param(2, 1, 1, [3, 6], None, [3, 1], 4, id="decode-cache_batch_idx"),
+    pytest.param(2, 2, 2, [60, 100], None, None, 2, id="longer"),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("batch,lq,new,seqlens,leftpad,batch_idx,cache_rows", KV_CASES)
+def test_kvcache_appends_in_place_and_matches_masked_sdpa(
+    batch, lq, new, seqlens, leftpad, batch_idx, cache_rows, dtype
+):
+    capacity, hq, hkv, d, dv = 112, 4, 2, 16, 8
+    k_cache = bshd(cache_rows, capacity, hkv, d, dtype)
+    v_cache = bshd(cache_rows, capacity, hkv, dv, dtype)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q = bshd(batch, lq, hq, d, dtype)
+    k, v = bshd(batch, new, hkv, d, dtype), bshd(batch, new, hkv, dv, dtype)
+    kwargs = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32), causal=True)
+    if leftpad is not None:
+        kwargs["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32)
+    if batch_idx is not None:
+        kwargs["cache_batch_idx"] = torch.tensor(batch_idx, dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True,
+                                       **kwargs)
+    assert out.shape == (batch, lq, hq, dv) and lse.shape == (batch, hq, lq)
+    rows = batch_idx if batch_idx is not None else list(range(batch))
+    if new:
+        before_k = expected_cache(before_k, k, rows, seqlens)
+        before_v = expected_cache(before_v, v, rows, seqlens)
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+    starts = leftpad if leftpad is not None else [0] * batch
+    ends = [s + new for s in seqlens]
+    visible = kv_visible(lq, capacity, starts, ends)
+    ref = masked_sdpa(q, k_cache[rows], v_cache[rows], visible)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse.double(), masked_lse(q, k_cache[rows], visible, d ** -0.5))
+    # Once written, the new keys are the cache's: the same call without them gives the same.
+    kwargs["cache_seqlens"] = torch.tensor(ends, dtype=torch.int32)
+    assert torch.equal(out, flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs))
+    # Each row is our op on that row's own keys.
+    for b in range(batch):
+        keys = slice(starts[b], ends[b])
+        row = causal_attention.attention(
+            q[b].transpose(0, 1), k_cache[rows[b], keys].transpose(0, 1),
+            v_cache[rows[b], keys].transpose(0, 1),
+        )
+        torch.testing.assert_close(out[b], row.transpose(0, 1))
+
+
+def test_kvcache_int_seqlens_and_no_seqlens():
+    k_cache, v_cache = bshd(2, 20, 2, 8, torch.float64), bshd(2, 20, 2, 8, torch.float64)
+    q, k, v = (bshd(2, 3, 2, 8, torch.float64) for _ in range(3))
+    lengths = torch.tensor([9, 9], dtype=torch.int32)
+    reference_cache = (k_cache.clone(), v_cache.clone())
+    by_tensor = flash_attn_with_kvcache(q, *reference_cache, k, v, cache_seqlens=lengths,
+                                        causal=True)
+    assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=9,
+                                               causal=True), by_tensor)
+    assert torch.equal(k_cache, reference_cache[0])
+    # Without cache_seqlens every row attends to the whole cache.
+    whole = flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+    torch.testing.assert_close(whole, masked_sdpa(q, k_cache, v_cache, visible_keys(3, 20)))
+
+
+def test_kvcache_unused_slots_never_reach_the_output():
+    """Slots past a row's length and before its left padding may hold anything (a cache made
+    with torch.empty): NaN there changes nothing."""
+    q = bshd(3, 1, 4, 16, torch.float32)
+    clean_k, clean_v = bshd(3, 50, 2, 16, torch.float32), bshd(3, 50, 2, 16, torch.float32)
+    lengths, leftpad = [10, 33, 4], [0, 7, 2]
+    dirty_k, dirty_v = clean_k.clone(), clean_v.clone()
+    for b, (s, e) in enumerate(zip(leftpad, lengths)):
+        for cache in (dirty_k, dirty_v):
+            cache[b, :s] = math.nan
+            cache[b, e:] = math.nan
+    kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                  cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=True)
+    dirty = flash_attn_with_kvcache(q, dirty_k, dirty_v, **kwargs)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(dirty, flash_attn_with_kvcache(q, clean_k, clean_v, **kwargs))
+
+
+def test_kvcache_is_not_differentiable_as_in_flash_attn():
+    q = bshd(1, 1, 2, 8, torch.float32, requires_grad=True)
+    k_cache, v_cache = bshd(1, 6, 2, 8, torch.float32), bshd(1, 6, 2, 8, torch.float32)
+    assert not flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4).requires_grad
+
+
+def rotate_reference(x, cos, sin, positions, interleaved):
+    """Rotary embedding as complex multiplication, float64: the pair (x_a, x_b) is x_a + i x_b
+    times cos + i sin; pairs (2j, 2j+1) interleaved, else (j, j + rotary_dim / 2)."""
+    half = cos.size(1)
+    part = x.double()[..., : 2 * half]
+    if interleaved:
+        pairs = part.unflatten(-1, (half, 2))
+    else:
+        pairs = torch.stack((part[..., :half], part[..., half:]), dim=-1)
+    angle = torch.complex(cos.double()[positions], sin.double()[positions]).unsqueeze(2)
+    turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * angle)
+    turned = turned.flatten(-2) if interleaved else torch.cat((turned[..., 0], turned[..., 1]), -1)
+    return torch.cat((turned, x.double()[..., 2 * half :]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize("lq,new", [(1, 1), (3, 3), (4, 2)])
+def test_kvcache_rotary_turns_q_and_new_keys_at_their_positions(lq, new, interleaved, dtype):
+    batch, capacity, hq, hkv, d, rotary_dim = 3, 24, 4, 2, 16, 8
+    theta = torch.rand(capacity, rotary_dim // 2, dtype=torch.float64) * 6
+    cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)
+    k_cache, v_cache = bshd(batch, capacity, hkv, d, dtype), bshd(batch, capacity, hkv, d, dtype)
+    q, k, v = bshd(batch, lq, hq, d, dtype), bshd(batch, new, hkv, d, dtype), \
+        bshd(batch, new, hkv, d, dtype)
+    seqlens, leftpad = [5, 0, 11], [2, 0, 4]
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cos, sin, torch.tensor(seqlens, dtype=torch.int32),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=True,
+        rotary_interleaved=interleaved,
+    )
+    # Token i of row b is at position cache_seqlens[b] + i (flash-attn's rule, left padding and
+    # all), for q as for the new keys; values are not rotated.
+    positions = torch.tensor(seqlens).unsqueeze(1) + torch.arange(max(lq, new))
+    k_rot = rotate_reference(k, cos, sin, positions[:, :new], interleaved).to(dtype)
+    q_rot = rotate_reference(q, cos, sin, positions[:, :lq], interleaved).to(dtype)
+    rows = list(range(batch))
+    expected_k = expected_cache(before_k, k_rot, rows, seqlens)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=4 * torch.finfo(dtype).eps)
+    assert torch.equal(v_cache, expected_cache(before_v, v, rows, seqlens))
+    ends = [s + new for s in seqlens]
+    ref = masked_sdpa(q_rot, expected_k, v_cache, kv_visible(lq, capacity, leftpad, ends))
+    torch.testing.assert_close(out, ref)
+
+
+def paged_copy(k_cache, v_cache, page, spare_pages=3):
+    """A paged cache holding ``k_cache``/``v_cache`` (batch, capacity, H, D): pages shuffled, the
+    spare ones NaN, and a block table whose rows end in a column naming no page."""
+    batch, capacity = k_cache.shape[:2]
+    per_row = capacity // page
+    total = batch * per_row + spare_pages
+    order = torch.randperm(total)
+    table = torch.full((batch, per_row + 1), 10**6, dtype=torch.int32)
+    table[:, :per_row] = order[: batch * per_row].view(batch, per_row)
+    paged = []
+    for cache in (k_cache, v_cache):
+        pages = cache.new_full((total, page) + tuple(cache.shape[2:]), math.nan)
+        pages[table[:, :per_row].long()] = cache.unflatten(1, (per_row, page))
+        paged.append(pages)
+    return paged[0], paged[1], table
+
+
+def unpage(pages, table, capacity):
+    return pages[table[:, : capacity // pages.size(1)].long()].flatten(1, 2)
+
+
+@pytest.mark.parametrize("lq,new", [(1, 1), (2, 2), (1, 0)])
+def test_kvcache_block_table_is_the_contiguous_cache(lq, new):
+    batch, capacity, page = 3, 32, 8
+    k_cache, v_cache = bshd(batch, capacity, 2, 16, torch.float64), \
+        bshd(batch, capacity, 2, 16, torch.float64)
+    k_pages, v_pages, table = paged_copy(k_cache, v_cache, page)
+    q = bshd(batch, lq, 4, 16, torch.float64)
+    k, v = bshd(batch, new, 2, 16, torch.float64), bshd(batch, new, 2, 16, torch.float64)
+    lengths = torch.tensor([7, 16, 30 - new], dtype=torch.int32)  # ends inside and at pages
+    # Columns past the pages a row uses are not read: flash-attn leaves them unspecified.
+    used = table.clone()
+    for b, end in enumerate((lengths + new).tolist()):
+        used[b, -(-end // page) :] = 10**6
+    paged = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lengths,
+                                    block_table=used, causal=True)
+    contiguous = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                         causal=True)
+    torch.testing.assert_close(paged, contiguous, rtol=0, atol=1e-13)
+    assert torch.isfinite(paged).all()
+    assert torch.equal(unpage(k_pages, table, capacity), k_cache)
+    assert torch.equal(unpage(v_pages, table, capacity), v_cache)
+
+
+def test_kvcache_positional_arguments_follow_flash_attn_signature():
+    k_cache, v_cache = bshd(2, 12, 2, 8, torch.float64), bshd(2, 12, 2, 8, torch.float64)
+    q, k, v = (bshd(2, 1, 2, 8, torch.float64) for _ in range(3))
+    lengths = torch.tensor([3, 5], dtype=torch.int32)
+    by_keyword = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k=k, v=v,
+                                         cache_seqlens=lengths, causal=True)
+    by_position = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, None, lengths, None,
+                                          None, None, None, True)
+    assert torch.equal(by_keyword, by_position)
+
+
+# ---------------------------------------------------------------------------------------------
+# Signatures, refusals and bad input
+
+
+def parameters(fn):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+REQUIRED = inspect.Parameter.empty
+
+
+def test_signatures_are_flash_attn_2s():
+    """Names, order and defaults of flash-attn 2's flash_attn_interface."""
+    scores = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+              ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+              ("deterministic", False), ("return_attn_probs", False)]
+    assert parameters(flash_attn_func) == [("q", REQUIRED), ("k", REQUIRED), ("v", REQUIRED)] + \
+        scores
+    assert parameters(flash_attn_varlen_func) == [
+        (name, REQUIRED) for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
+                                      "max_seqlen_q", "max_seqlen_k")
+    ] + scores + [("block_table", None)]
+    assert parameters(flash_attn_with_kvcache) == [
+        ("q", REQUIRED), ("k_cache", REQUIRED), ("v_cache", REQUIRED), ("k", None), ("v", None),
+        ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+        ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
+        ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+        ("return_softmax_lse", False),
+    ]
+
+
+def func_call(lq=8, lk=8, **kwargs):
+    q, k, v = bshd(2, lq, 4, 8, torch.float32), bshd(2, lk, 2, 8, torch.float32), \
+        bshd(2, lk, 2, 8, torch.float32)
+    return lambda: flash_attn_func(q, k, v, **kwargs)
+
+
+def varlen_call(**kwargs):
+    q, k, v, cu_q, cu_k = packed([3, 5], [3, 5], 2, 2, 8, 8, torch.float32)
+    return lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, **kwargs)
+
+
+def kv_arguments(lq=2, new=2):
+    k_cache, v_cache = bshd(2, 16, 2, 8, torch.float32), bshd(2, 16, 2, 8, torch.float32)
+    q = bshd(2, lq, 4, 8, torch.float32)
+    k, v = bshd(2, new, 2, 8, torch.float32), bshd(2, new, 2, 8, torch.float32)
+    return q, k_cache, v_cache, k, v
+
+
+def kv_call(**kwargs):
+    q, k_cache, v_cache, k, v = kv_arguments()
+    defaults = dict(k=k, v=v, cache_seqlens=torch.tensor([4, 9], dtype=torch.int32), causal=True)
+    return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, **{**defaults, **kwargs})
+
+
+ONE_HEAD = torch.ones(4)
+REFUSED = [
+    pytest.param(func_call(causal=True, dropout_p=0.1), "dropout_p=0.1", id="func-dropout"),
+    pytest.param(func_call(causal=True, softcap=30.0), "softcap=30.0", id="func-softcap"),
+    pytest.param(func_call(causal=True, alibi_slopes=ONE_HEAD), "alibi_slopes", id="func-alibi"),
+    pytest.param(func_call(), "causal=False", id="func-default-noncausal"),
+    pytest.param(func_call(causal=False, window_size=(-1, 2)),
+                 r"causal=False, window_size=\(-1, 2\)", id="func-right-window"),
+    pytest.param(func_call(causal=True, window_size=(3, 0)), r"window_size=\(3, 0\)",
+                 id="func-left-window"),
+    pytest.param(func_call(lk=12, causal=True, window_size=(10, -1)), r"window_size=\(10, -1\)",
+                 id="func-left-window-Lk-2"),
+    pytest.param(varlen_call(causal=True, block_table=torch.zeros(2, 1, dtype=torch.int32)),
+                 "block_table", id="varlen-block_table"),
+    pytest.param(varlen_call(causal=True, dropout_p=0.5), "dropout_p=0.5", id="varlen-dropout"),
+    pytest.param(varlen_call(), "causal=False", id="varlen-noncausal"),
+    pytest.param(varlen_call(causal=True, window_size=(2, 0)), "window_size", id="varlen-window"),
+    pytest.param(varlen_call(causal=True, softcap=1.0), "softcap", id="varlen-softcap"),
+    pytest.param(varlen_call(causal=True, alibi_slopes=torch.ones(2)), "alibi_slopes",
+                 id="varlen-alibi"),
+    pytest.param(kv_call(causal=False), "causal=False", id="kv-noncausal"),
+    pytest.param(kv_call(window_size=(4, 0)), r"window_size=\(4, 0\)", id="kv-window"),
+    pytest.param(kv_call(softcap=50.0), "softcap=50.0", id="kv-softcap"),
+    pytest.param(kv_call(alibi_slopes=ONE_HEAD), "alibi_slopes", id="kv-alibi"),
+    pytest.param(
+        kv_call(block_table=torch.zeros(2, 2, dtype=torch.int32),
+                cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
+        "cache_batch_idx", id="kv-paged-batch_idx",
+    ),
+    pytest.param(
+        kv_call(block_table=torch.zeros(2, 2, dtype=torch.int32),
+                cache_leftpad=torch.tensor([0, 1], dtype=torch.int32)),
+        "cache_leftpad", id="kv-paged-leftpad",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,named", REFUSED)
+def test_unserved_arguments_are_refused_by_name(call, named):
+    with pytest.raises(NotImplementedError, match=named):
+        call()
+
+
+def test_refused_and_failed_calls_leave_the_cache_untouched():
+    q, k_cache, v_cache, k, v = kv_arguments()
+    saved = k_cache.clone(), v_cache.clone()
+    lengths = torch.tensor([4, 9], dtype=torch.int32)
+    with pytest.raises(NotImplementedError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)  # non-causal
+    with pytest.raises(ValueError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=15, causal=True)
+    with pytest.raises(ValueError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, torch.ones(3, 2), torch.ones(3, 2),
+                                cache_seqlens=lengths, causal=True)  # too few rotary positions
+    assert torch.equal(k_cache, saved[0]) and torch.equal(v_cache, saved[1])
+
+
+def bad_kv(**kwargs):
+    q, k_cache, v_cache, k, v = kv_arguments()
+    arguments = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                     cache_seqlens=torch.tensor([4, 9], dtype=torch.int32), causal=True)
+    arguments.update(kwargs)
+    return lambda: flash_attn_with_kvcache(**arguments)
+
+
+F32 = torch.float32
+BAD = [
+    pytest.param(lambda: flash_attn_func([1.0], None, None, causal=True), TypeError, "q",
+                 id="func-q-not-tensor"),
+    pytest.param(lambda: flash_attn_func(torch.ones(4, 2, 8), torch.ones(4, 2, 8),
+                                         torch.ones(4, 2, 8), causal=True),
+                 ValueError, r"q must be \(batch, seqlen_q, nheads, headdim\)", id="func-3d"),
+    pytest.param(lambda: flash_attn_func(bshd(2, 4, 2, 8, F32), bshd(3, 4, 2, 8, F32),
+                                         bshd(3, 4, 2, 8, F32), causal=True),
+                 ValueError, r"k.shape=\(3, 4, 2, 8\)", id="func-batch"),
+    pytest.param(lambda: flash_attn_func(bshd(1, 4, 2, 8, F32), bshd(1, 4, 2, 4, F32),
+                                         bshd(1, 4, 2, 4, F32), causal=True),
+                 ValueError, "headdim", id="func-headdim"),
+    pytest.param(lambda: flash_attn_func(bshd(1, 4, 3, 8, F32), bshd(1, 4, 2, 8, F32),
+                                         bshd(1, 4, 2, 8, F32), causal=True),
+                 ValueError, "multiple of k's nheads_k", id="func-heads"),
+    pytest.param(lambda: flash_attn_func(bshd(1, 4, 2, 8, F32), bshd(1, 4, 2, 8, F32),
+                                         bshd(1, 4, 2, 8, torch.float64), causal=True),
+                 TypeError, "dtype", id="func-dtype"),
+    pytest.param(func_call(causal=True, window_size=(-1,)), TypeError, "window_size",
+                 id="func-window-length"),
+    pytest.param(func_call(causal=True, window_size=(-1.5, 0)), TypeError, r"window_size\[0\]",
+                 id="func-window-float"),
+    pytest.param(lambda: flash_attn_varlen_func(*packed([3], [3], 2, 2, 8, 8, F32), None, 3,
+                                                causal=True),
+                 TypeError, "max_seqlen_q must be an int", id="varlen-max-none"),
+    pytest.param(lambda: flash_attn_varlen_func(*packed([3], [3], 2, 2, 8, 8, F32)[:3],
+                                                torch.tensor([0, 3]), torch.tensor([0, 3]),
+                                                3, 3, causal=True),
+                 TypeError, "cu_seqlens_q", id="varlen-cu-int64"),
+    pytest.param(lambda: flash_attn_varlen_func(torch.ones(2, 3, 2, 8), None, None, None, None,
+                                                1, 1, causal=True),
+                 ValueError, r"q must be \(total, nheads, headdim\)", id="varlen-4d"),
+    pytest.param(bad_kv(cache_seqlens=torch.tensor([4, 9])), TypeError,
+                 "cache_seqlens must have dtype torch.int32", id="kv-seqlens-int64"),
+    pytest.param(bad_kv(cache_seqlens=torch.tensor([4, 9, 1], dtype=torch.int32)), ValueError,
+                 r"cache_seqlens.shape=\(3,\)", id="kv-seqlens-shape"),
+    pytest.param(bad_kv(cache_seqlens=4.0), TypeError, "cache_seqlens", id="kv-seqlens-float"),
+    pytest.param(bad_kv(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
+                 "cache_seqlens must be >= 0", id="kv-seqlens-negative"),
+    pytest.param(bad_kv(cache_seqlens=torch.tensor([4, 15], dtype=torch.int32)), ValueError,
+                 "does not fit the cache", id="kv-overflow"),
+    pytest.param(bad_kv(v=None), ValueError, "k and v go together", id="kv-k-without-v"),
+    pytest.param(bad_kv(cache_seqlens=None), ValueError, "cache_seqlens must be given",
+                 id="kv-k-without-seqlens"),
+    pytest.param(bad_kv(k=bshd(2, 2, 2, 8, torch.float64)), TypeError, "k must have the cache's",
+                 id="kv-k-dtype"),
+    pytest.param(bad_kv(q=bshd(2, 2, 4, 8, torch.float64)), TypeError, "k_cache must have q's",
+                 id="kv-q-dtype"),
+    pytest.param(bad_kv(k=bshd(2, 2, 1, 8, F32)), ValueError, r"k.shape=\(2, 2, 1, 8\)",
+                 id="kv-k-shape"),
+    pytest.param(bad_kv(k_cache=bshd(2, 16, 2, 4, F32)), ValueError, "k_cache and v_cache",
+                 id="kv-cache-headdim"),
+    pytest.param(bad_kv(k_cache=bshd(1, 16, 2, 8, F32), v_cache=bshd(1, 16, 2, 8, F32)),
+                 ValueError, "cache_batch_idx", id="kv-cache-too-few-rows"),
+    pytest.param(bad_kv(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), ValueError,
+                 "cache_batch_idx entries", id="kv-batch_idx-range"),
+    pytest.param(bad_kv(cache_leftpad=torch.tensor([5, 0], dtype=torch.int32)), ValueError,
+                 "cache_leftpad", id="kv-leftpad-past-length"),
+    pytest.param(bad_kv(rotary_cos=torch.ones(16, 4), rotary_sin=torch.ones(16, 4), k=None,
+                        v=None), ValueError, "need new keys", id="kv-rotary-without-k"),
+    pytest.param(bad_kv(rotary_cos=torch.ones(16, 4)), ValueError, "go together",
+                 id="kv-rotary-cos-only"),
+    pytest.param(bad_kv(rotary_cos=torch.ones(16, 5), rotary_sin=torch.ones(16, 5)), ValueError,
+                 "rotary_dim <= headdim", id="kv-rotary-too-wide"),
+    pytest.param(bad_kv(rotary_cos=torch.ones(16, 4, dtype=torch.int32),
+                        rotary_sin=torch.ones(16, 4, dtype=torch.int32)),
+                 TypeError, "rotary_cos must be a floating", id="kv-rotary-int"),
+    pytest.param(bad_kv(block_table=torch.tensor([[9, 0], [1, 0]], dtype=torch.int32)),
+                 ValueError, r"block_table row 0 names pages \[9\]", id="kv-page-range"),
+    pytest.param(bad_kv(num_splits=1.5), TypeError, "num_splits", id="kv-num_splits"),
+]
+
+
+@pytest.mark.parametrize("call,error,named", BAD)
+def test_bad_input_gets_a_typed_error_naming_it(call, error, named):
+    with pytest.raises(error, match=named):
+        call()
+
