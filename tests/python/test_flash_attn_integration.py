@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import causal_attention
 from attention_testing import dtype_params, visible_keys
+from nn_testing import ROOT
 from causal_attention.integrations.flash_attn import (
     flash_attn_func,
     flash_attn_varlen_func,
@@ -637,3 +638,14 @@ def test_bad_input_gets_a_typed_error_naming_it(call, error, named):
     with pytest.raises(error, match=named):
         call()
 
+
+def test_readme_example_runs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### flash-attn's functions", 1)[1].split("\n### ", 1)[0]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    names = {}
+    exec(block, names)
+    assert names["out"].shape == (2, 9, 8, 64)
+    # Row 1 had 4 keys cached: the 9 new ones went in after them.
+    assert torch.equal(names["k_cache"][1, 4:13], names["k"][1])
+    assert not names["k_cache"][1, 13:].any()
