@@ -5,19 +5,32 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="causal_attention")
 
 It serves what the op computes exactly: causal self-attention (GQA included, K/V heads read in
-place), with or without transformers' KV cache, and masks that hide nothing causality does not
-already hide. Anything else — padding, packed sequences, a sliding window that bites, a static
-cache's unused slots, attention dropout, non-causal or cross-attention, softcapping, attention
-sinks, position biases — raises an error naming it, so a model is never silently computed
-differently than with ``attn_implementation="sdpa"``.
+place), with or without transformers' KV cache (dynamic or static), and
+
+- padded batches, left or right padding (``generate`` on a left-padded batch included): the 4-D
+  mask transformers builds is read back into causality and a per-key mask, which the op takes as
+  ``key_mask`` (a static cache's unused slots, hidden from every query, are cut off); query
+  rows that are padding themselves see no key and return zeros;
+- packed sequences (padding-free training, ``DataCollatorWithFlattening``): from the
+  ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs, from the block-diagonal mask transformers builds
+  out of restarting ``position_ids``, or, when it builds no mask (it does not while a cache is in
+  use), from the restarting ``position_ids`` themselves, as ``flash_attention_2`` does; these go
+  to :func:`causal_attention.varlen_attention`.
+
+Every mask is verified to be exactly one of these before it is used. Anything else — a sliding
+window that bites, a bidirectional or custom mask, a bias in a float mask, attention dropout,
+non-causal or cross-attention, softcapping, attention sinks, position biases — raises an error
+naming it, so a model is never silently computed otherwise than with ``"sdpa"`` (or, for
+packed sequences without a mask, ``"flash_attention_2"``).
 """
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..ops import attention
+from ..ops import attention, varlen_attention
 
 NAME = "causal_attention"
 
@@ -30,8 +43,31 @@ def register() -> None:
     AttentionInterface.register(NAME, attention_forward)
     # Without a mask function of its own, transformers builds no mask at all for a backend, and
     # padding would silently go unmasked. SDPA's returns None whenever causality alone suffices
-    # and a 4-D boolean mask otherwise, which attention_forward then checks.
+    # and a 4-D boolean mask otherwise (padding, or packed sequences found in position_ids),
+    # which read_mask then takes apart.
     AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Packed sequences in FlashAttention's varlen layout over the flattened ``(B * L)`` rows:
+    int32 cumulative lengths ``(N + 1,)`` from 0, and the longest lengths."""
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """What a mask asks of the op: keys ``[0, key_length)`` (the rest are hidden from every
+    query), hidden among them beyond causality where ``key_mask (B, key_length)`` is False
+    (``None``: none hidden); or, instead, ``sequences``, packed in the flattened batch."""
+
+    key_length: int
+    key_mask: Optional[Tensor] = None
+    sequences: Optional[Sequences] = None
 
 
 def attention_forward(
@@ -47,6 +83,39 @@ def attention_forward(
 ) -> Tuple[Tensor, None]:
     """transformers' attention-function contract: ``query (B, Hq, Lq, D)``, ``key (B, Hkv, Lk,
     D)``, ``value (B, Hkv, Lk, Dv)`` -> ``(output (B, Lq, Hq, Dv), None)``; no weights, as SDPA."""
+    check_supported(module, dropout, is_causal, kwargs)
+    batch, lq, lk = query.size(0), query.size(2), key.size(2)
+    explicit = sequences_from_kwargs(kwargs, batch, lq, lk, query.device)
+    if attention_mask is not None:
+        layout = read_mask(as_boolean_mask(attention_mask, batch, lq, lk), lq, lk)
+        if explicit is not None:
+            check_same_sequences(layout, explicit, batch, lq, lk)
+    else:
+        position_ids = kwargs.get("position_ids")
+        sequences = explicit or sequences_from_position_ids(position_ids, batch, lq, lk)
+        if sequences is not None:
+            layout = MaskLayout(lk, sequences=sequences)
+        elif 1 < lq < lk:
+            # No mask means SDPA's is_causal, top-left aligned: transformers passes this only for
+            # the prefill of an empty static cache, whose keys past Lq are unused slots. Our op
+            # aligns bottom-right, so the slots are cut off, as transformers' SDPA backend does.
+            layout = MaskLayout(lq)
+        else:
+            layout = MaskLayout(lk)
+        # A mask would carry a sliding window; without one only the kwarg says it, and the op
+        # has no window: refuse it where it would hide a key.
+        check_window_does_not_bite(kwargs.get("sliding_window"), layout)
+    if layout.sequences is not None:
+        return packed_attention(query, key, value, layout.sequences, scaling), None
+    key, value = key[:, :, : layout.key_length], value[:, :, : layout.key_length]
+    out = attention(query, key, value, scale=scaling, key_mask=layout.key_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_supported(
+    module: nn.Module, dropout: float, is_causal: Optional[bool], kwargs: Dict[str, Any]
+) -> None:
+    """Raises ``NotImplementedError`` for what the op does not compute."""
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not is_causal:
         raise NotImplementedError(
@@ -61,35 +130,216 @@ def attention_forward(
     for name in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{NAME}: {name} is not supported")
-    lq, lk = query.size(2), key.size(2)
-    if attention_mask is None and 1 < lq < lk:
-        # No mask means SDPA's is_causal, top-left aligned: transformers passes this only for the
-        # prefill of an empty static cache, whose keys past Lq are unused slots. Our op aligns
-        # bottom-right, so the slots are cut off, as transformers' SDPA backend does.
-        key, value = key[:, :, :lq], value[:, :, :lq]
-    elif attention_mask is not None:
-        check_mask_is_causal(attention_mask, lq, lk)
-    out = attention(query, key, value, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
 
 
-def check_mask_is_causal(mask: Tensor, lq: int, lk: int) -> None:
-    """Raises ``ValueError`` unless ``mask (..., Lq, Lk)`` (boolean: True attends; float: 0
-    attends, a very negative value masks) allows exactly what bottom-right causality allows."""
-    if mask.dim() != 4 or mask.shape[-2:] != (lq, lk):
+def packed_attention(
+    query: Tensor, key: Tensor, value: Tensor, sequences: Sequences, scale: Optional[float]
+) -> Tensor:
+    """``(B, H, L, D)`` tensors whose flattened ``B * L`` rows hold packed sequences ->
+    transformers' ``(B, L, Hq, Dv)``."""
+    batch, lq = query.size(0), query.size(2)
+
+    def rows(t: Tensor) -> Tensor:
+        return t.transpose(1, 2).reshape(-1, t.size(1), t.size(3))
+
+    out = varlen_attention(
+        rows(query),
+        rows(key),
+        rows(value),
+        sequences.cu_seqlens_q,
+        sequences.cu_seqlens_k,
+        sequences.max_seqlen_q,
+        sequences.max_seqlen_k,
+        scale=scale,
+    )
+    return out.view(batch, lq, out.size(1), out.size(2))
+
+
+def as_boolean_mask(mask: Tensor, batch: int, lq: int, lk: int) -> Tensor:
+    """``mask (B or 1, 1 or H, Lq, Lk)`` as a boolean ``(B, 1 or H, Lq, Lk)``, True where a key
+    is attended. A float mask must be additive 0 / very negative: anything else is a bias."""
+    if mask.dim() != 4 or mask.shape[-2:] != (lq, lk) or mask.size(0) not in (1, batch):
         raise ValueError(
-            f"{NAME}: attention_mask must be (B, 1 or H, Lq, Lk) = (B, *, {lq}, {lk}), got "
-            f"attention_mask.shape={list(mask.shape)}"
+            f"{NAME}: attention_mask must be (B, 1 or H, Lq, Lk) = ({batch}, *, {lq}, {lk}), "
+            f"got attention_mask.shape={list(mask.shape)}"
         )
-    allowed = torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril(lk - lq)
-    if mask.dtype == torch.bool:
-        matches = mask == allowed
+    if mask.dtype != torch.bool:
+        attended = mask == 0
+        if not bool((attended | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            raise ValueError(
+                f"{NAME}: attention_mask adds a bias to the scores (a float mask with values "
+                "other than 0 and a very negative number, e.g. ALiBi), which the op cannot add"
+            )
+        mask = attended
+    return mask.expand(batch, -1, -1, -1)
+
+
+def causal(lq: int, lk: int, device: torch.device) -> Tensor:
+    """``(Lq, Lk)``: True where bottom-right causality lets query ``i`` see key ``j``."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
+
+
+def read_mask(mask: Tensor, lq: int, lk: int) -> MaskLayout:
+    """The layout of a boolean ``mask (B, 1 or H, Lq, Lk)``: causal with a per-key mask
+    (padding, a static cache's unused slots), or block-diagonal causal (packed sequences).
+    Raises ``ValueError``, saying how the mask differs, when it is neither."""
+    if lq == 0:
+        return MaskLayout(lk)
+    layout = read_key_mask(mask, lq, lk)
+    if layout is None:
+        layout = read_packed_sequences(mask, lq, lk)
+    if layout is not None:
+        return layout
+    if bool((mask & ~causal(lq, lk, mask.device)).any()):
+        how = "lets a query see keys after it (a bidirectional, prefix or custom mask)"
     else:
-        matches = torch.where(allowed, mask == 0, mask <= torch.finfo(mask.dtype).min / 2)
-    if not bool(matches.all()):
+        how = (
+            "hides more than padding and packed sequences do (e.g. a sliding window shorter "
+            "than the sequence, or a custom mask)"
+        )
+    raise ValueError(
+        f"{NAME}: attention_mask {how}; the op computes causal attention with a per-key mask "
+        "or over packed sequences only, so this mask cannot be honoured. Use "
+        "attn_implementation='sdpa' for it"
+    )
+
+
+def read_key_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
+    """``mask[b, :, i, j] == causal(i, j) & key_ok[b, j]`` over the first ``key_length`` keys
+    and False after them, or ``None``. Two key lengths are tried: the keys up to the last one
+    any query sees (a static cache's unused slots sit past it; cut off, they cost nothing, and
+    causality aligns bottom-right on the keys that are left), then all the keys."""
+    visible = mask.any(dim=(0, 1, 2)).nonzero()
+    last_seen = int(visible[-1]) + 1 if visible.numel() else 0
+    for key_length in dict.fromkeys((last_seen, lk)):
+        # The last query sees every key causality allows, so its row is the key mask.
+        key_ok = mask[:, 0, -1, :key_length]
+        expected = causal(lq, key_length, mask.device) & key_ok[:, None, None, :]
+        used = mask[..., :key_length]
+        if torch.equal(used, expected.expand_as(used)) and not bool(mask[..., key_length:].any()):
+            return MaskLayout(key_length, None if bool(key_ok.all()) else key_ok)
+    return None
+
+
+def read_packed_sequences(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
+    """``mask[b, :, i, j] == (j <= i) & (i and j are in the same sequence of row b)``, or
+    ``None``: what transformers builds from ``position_ids`` that restart."""
+    if lq != lk:
+        return None
+    # In such a mask each query's first visible key is its sequence's first token.
+    first = mask[:, 0].to(torch.uint8).argmax(dim=-1)
+    starts = first == torch.arange(lq, device=mask.device)
+    if not torch.equal(mask, block_causal(starts).expand_as(mask)):
+        return None
+    return MaskLayout(lk, sequences=sequences_from_starts(starts))
+
+
+def block_causal(starts: Tensor) -> Tensor:
+    """``(B, 1, L, L)`` block-diagonal causal mask of the sequences starting where ``starts (B,
+    L)`` is True."""
+    sequence = starts.cumsum(dim=-1)
+    same = sequence[:, :, None] == sequence[:, None, :]
+    length = starts.size(-1)
+    return (same & causal(length, length, starts.device)).unsqueeze(1)
+
+
+def sequences_from_starts(starts: Tensor) -> Sequences:
+    """The sequences of ``starts (B, L)`` (True at each sequence's first token, always at 0),
+    over the flattened ``B * L`` rows (query and key sequences alike)."""
+    first_rows = starts.reshape(-1).nonzero().squeeze(1)
+    end = torch.tensor([starts.numel()], device=starts.device)
+    cu_seqlens = torch.cat([first_rows, end]).to(torch.int32)
+    longest = int(cu_seqlens.diff().max())
+    return Sequences(cu_seqlens, cu_seqlens, longest, longest)
+
+
+def sequences_from_position_ids(
+    position_ids: Optional[Tensor], batch: int, lq: int, lk: int
+) -> Optional[Sequences]:
+    """The packed sequences that ``position_ids (B or 1, L)`` mark by restarting (a step other
+    than +1, as transformers' ``find_packed_sequence_indices`` reads them), or ``None`` when no
+    row restarts."""
+    # Position ids of another shape (multimodal rotary sections, prefix tokens) are not the
+    # query rows' own; SDPA ignores them, and so does this.
+    if position_ids is None or position_ids.dim() != 2 or lq < 2:
+        return None
+    if position_ids.size(-1) != lq or position_ids.size(0) not in (1, batch):
+        return None
+    restarts = position_ids.expand(batch, -1).diff(dim=-1) != 1
+    if not bool(restarts.any()):
+        return None
+    if lk != lq:
         raise ValueError(
-            f"{NAME}: attention_mask masks more than causality does (padding, packed sequences, "
-            "a sliding window or a static cache's unused slots); the op computes causal "
-            "attention only, so this mask cannot be honoured. Pass unpadded batches (an "
-            "attention_mask of ones, or none) or use attn_implementation='sdpa'"
+            f"{NAME}: position_ids restart (packed sequences) in queries that follow {lk - lq} "
+            "cached keys; packed sequences are served without a cache only (use_cache=False), "
+            "or with the cache holding exactly these rows"
+        )
+    first = torch.ones(batch, 1, dtype=torch.bool, device=restarts.device)
+    return sequences_from_starts(torch.cat([first, restarts], dim=-1))
+
+
+def sequences_from_kwargs(
+    kwargs: Dict[str, Any], batch: int, lq: int, lk: int, device: torch.device
+) -> Optional[Sequences]:
+    """The packed sequences of FlashAttention's kwargs (``DataCollatorWithFlattening(
+    return_flash_attn_kwargs=True)``), over the flattened ``B * L`` rows, or ``None``."""
+    given = {name: kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k")}
+    if all(cu is None for cu in given.values()):
+        return None
+    cumulative = []
+    for (name, cu), rows in zip(given.items(), (batch * lq, batch * lk)):
+        if cu is None:
+            raise ValueError(
+                f"{NAME}: packed sequences need both cu_seq_lens_q and cu_seq_lens_k, got "
+                f"{name}=None"
+            )
+        cu = torch.as_tensor(cu, device=device)
+        if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point() or int(cu[-1]) != rows:
+            raise ValueError(
+                f"{NAME}: {name} must be integer cumulative lengths (N + 1,) ending at the "
+                f"{rows} rows of the flattened batch (batch * length), got {name}={cu.tolist()}"
+            )
+        cumulative.append(cu.to(torch.int32))
+    # Lengths the kwargs leave out are read from the cumulative lengths; the op checks given ones.
+    longest = [
+        int(cu.diff().max()) if kwargs.get(name) is None else int(kwargs[name])
+        for name, cu in zip(("max_length_q", "max_length_k"), cumulative)
+    ]
+    return Sequences(*cumulative, *longest)
+
+
+def check_same_sequences(
+    layout: MaskLayout, given: Sequences, batch: int, lq: int, lk: int
+) -> None:
+    """Raises ``ValueError`` unless the mask's layout is the packed sequences of the kwargs (a
+    causal mask is one sequence per batch row)."""
+    found = layout.sequences
+    if found is None and layout.key_mask is None and layout.key_length == lk == lq:
+        rows = torch.arange(batch + 1, dtype=torch.int32, device=given.cu_seqlens_q.device) * lq
+        found = Sequences(rows, rows, lq, lq)
+    same = found is not None and all(
+        torch.equal(a.to(b.device), b)
+        for a, b in (
+            (found.cu_seqlens_q, given.cu_seqlens_q),
+            (found.cu_seqlens_k, given.cu_seqlens_k),
+        )
+    )
+    if not same:
+        raise ValueError(
+            f"{NAME}: attention_mask and cu_seq_lens_q/cu_seq_lens_k describe different "
+            f"sequences (cu_seq_lens_q={given.cu_seqlens_q.tolist()}); pass one of them, or "
+            "both for the same packing"
+        )
+
+
+def check_window_does_not_bite(sliding_window: Optional[int], layout: MaskLayout) -> None:
+    """Raises ``NotImplementedError`` when a ``sliding_window`` (a query sees itself and the
+    ``sliding_window - 1`` keys before it) would hide a key the layout shows."""
+    if sliding_window is None:
+        return
+    span = layout.key_length if layout.sequences is None else layout.sequences.max_seqlen_k
+    if span > sliding_window:
+        raise NotImplementedError(
+            f"{NAME}: a sliding window is not supported, got sliding_window={sliding_window} "
+            f"over {span} keys; use attn_implementation='sdpa'"
         )

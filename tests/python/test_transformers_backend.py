@@ -1,27 +1,42 @@
 """causal_attention as a transformers attention backend: a small GPT-2 and a small Llama with
 grouped-query attention, built from configs with random weights, give the same logits, gradients
-and greedy generations with attn_implementation="causal_attention" as with "sdpa"; masks that
-hide nothing beyond causality run; padding and attention dropout are refused by name."""
+and greedy generations with attn_implementation="causal_attention" as with "sdpa" — unpadded,
+left- and right-padded batches, generation on a left-padded batch with a dynamic or static
+cache — and packed sequences give what each sequence gives alone; masks it cannot honour (a
+sliding window that bites, bidirectional masks, biases) and attention dropout are refused by
+name."""
 
 import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    DynamicCache,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 import causal_attention.integrations.transformers as backend
+from attention_testing import visible_keys
 
 VOCAB = 128
 SHARED = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
 NO_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, **SHARED,
+)
 CONFIGS = {
     "gpt2": GPT2Config(n_positions=64, n_embd=64, n_layer=2, n_head=4, **NO_DROPOUT, **SHARED),
-    "llama-gqa": LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, **SHARED,
-    ),
+    "llama-gqa": LlamaConfig(**LLAMA),
 }
+# Lengths of the sequences packed into one row; the 1 is a sequence with no next-token target.
+PACKED_LENGTHS = (5, 3, 7, 1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,12 +44,13 @@ def registered():
     backend.register()
 
 
-def model_pair(name):
+def model_pair(name, config=None):
     """The same random weights with our backend and with SDPA (each its own config copy: the
     attention implementation is recorded in the config)."""
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[name]), attn_implementation="sdpa")
+    config = config if config is not None else CONFIGS[name]
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
     ours = AutoModelForCausalLM.from_config(
-        copy.deepcopy(CONFIGS[name]), attn_implementation="causal_attention"
+        copy.deepcopy(config), attn_implementation="causal_attention"
     )
     ours.load_state_dict(ref.state_dict())
     assert ours.config._attn_implementation == "causal_attention"
@@ -46,33 +62,71 @@ def tokens(batch=2, length=12):
     return torch.randint(3, VOCAB, (batch, length))  # avoids the bos/eos ids
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_logits_and_gradients_match_sdpa(name, monkeypatch):
-    ours, ref = model_pair(name)
-    seen_kv_heads = []
-    op = backend.attention
+def kv_heads(name):
+    config = CONFIGS[name]
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
-    def spy(q, k, v, *, scale=None):
-        seen_kv_heads.append(k.size(1))
-        return op(q, k, v, scale=scale)
 
-    monkeypatch.setattr(backend, "attention", spy)
-    ids = tokens()
-    out, ref_out = ours(ids, labels=ids), ref(ids, labels=ids)
-    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-5)
-    out.loss.backward()
-    ref_out.loss.backward()
+def assert_same_gradients(ours, ref):
     ref_params = dict(ref.named_parameters())
     for param_name, p in ours.named_parameters():
         torch.testing.assert_close(
             p.grad, ref_params[param_name].grad, atol=1e-6, rtol=1e-4, msg=param_name
         )
-    # Every layer went through our op, GQA's K/V heads unrepeated.
-    config = CONFIGS[name]
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    assert seen_kv_heads == [kv_heads] * config.num_hidden_layers
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Records the key_mask and K/V head count of every call of the op by the backend."""
+    calls = []
+    op = backend.attention
+
+    def spy(q, k, v, *, scale=None, key_mask=None):
+        calls.append(dict(kv_heads=k.size(1), key_mask=key_mask, keys=k.size(2)))
+        return op(q, k, v, scale=scale, key_mask=key_mask)
+
+    monkeypatch.setattr(backend, "attention", spy)
+    return calls
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """Records the cumulative lengths and K/V head count of every packed call by the backend."""
+    calls = []
+    op = backend.varlen_attention
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
+        calls.append(dict(kv_heads=k.size(1), cu_q=cu_q.tolist(), cu_k=cu_k.tolist()))
+        return op(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
+
+    monkeypatch.setattr(backend, "varlen_attention", spy)
+    return calls
+
+
+@pytest.fixture
+def read_masks(monkeypatch):
+    """Records the layout the backend reads from every mask it is given."""
+    layouts = []
+    read = backend.read_mask
+    monkeypatch.setattr(backend, "read_mask", lambda *a: layouts.append(read(*a)) or layouts[-1])
+    return layouts
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_and_gradients_match_sdpa(name, op_calls):
+    ours, ref = model_pair(name)
+    ids = tokens()
+    out, ref_out = ours(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    ref_out.loss.backward()
+    assert_same_gradients(ours, ref)
+    # Every layer went through our op, GQA's K/V heads unrepeated, with no key mask.
+    layers = CONFIGS[name].num_hidden_layers
+    assert [c["kv_heads"] for c in op_calls] == [kv_heads(name)] * layers
+    assert all(c["key_mask"] is None for c in op_calls)
     if name == "llama-gqa":
-        assert kv_heads < config.num_attention_heads
+        assert kv_heads(name) < CONFIGS[name].num_attention_heads
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -88,35 +142,153 @@ def test_greedy_generation_with_kv_cache_matches_sdpa(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_chunked_prefill_through_a_cache_matches_sdpa(name, monkeypatch):
+def test_chunked_prefill_through_a_cache_matches_sdpa(name, read_masks):
     # The second chunk's queries follow cached keys: transformers passes a 4-D causal mask,
-    # bottom-right aligned, which the backend checks and accepts.
+    # bottom-right aligned, which the backend reads as causality alone.
     ours, ref = model_pair(name)
-    checked = []
-    check = backend.check_mask_is_causal
-    monkeypatch.setattr(backend, "check_mask_is_causal", lambda *a: checked.append(check(*a)))
     ids = tokens()
     cache = DynamicCache(config=ours.config)
     with torch.no_grad():
         first = ours(ids[:, :5], cache=cache, use_cache=True).logits
-        assert not checked  # no mask: causality alone suffices
+        assert not read_masks  # no mask: causality alone suffices
         second = ours(ids[:, 5:], cache=cache, use_cache=True).logits
-        assert len(checked) == ours.config.num_hidden_layers
+        assert len(read_masks) == ours.config.num_hidden_layers
+        assert all(
+            layout == backend.MaskLayout(ids.size(1)) for layout in read_masks
+        ), read_masks
         chunked = torch.cat([first, second], 1)
         torch.testing.assert_close(chunked, ref(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def padding_mask(ids, side):
+    """transformers' attention_mask for ``ids`` with its first rows padded on ``side`` (3 and
+    1 pad tokens) and its last row unpadded."""
+    mask = torch.ones_like(ids)
+    for row, pads in ((0, 3), (1, 1)):
+        if side == "left":
+            mask[row, :pads] = 0
+        else:
+            mask[row, -pads:] = 0
+    return mask
+
+
+def real_targets(ids, mask):
+    """Labels whose loss (transformers shifts them by one) counts only predictions made at a
+    real position of a real next token."""
+    real = mask.bool()
+    keep = real.clone()
+    keep[:, 1:] &= real[:, :-1]
+    keep[:, 0] = False
+    return ids.masked_fill(~keep, -100)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_mask_without_padding_runs_and_padding_is_refused(name):
+def test_padded_batch_matches_sdpa_at_real_positions(name, side, op_calls):
     ours, ref = model_pair(name)
-    ids = tokens()
+    ids = tokens(batch=3)
+    mask = padding_mask(ids, side)
+    labels = real_targets(ids, mask)
+    out = ours(ids, attention_mask=mask, labels=labels)
+    ref_out = ref(ids, attention_mask=mask, labels=labels)
+    # A query at a pad position sees no key, so ours gives zeros there and SDPA whatever its
+    # fully masked rows give: only real positions are compared, and the loss reads only them.
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], ref_out.logits[real], atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    ref_out.loss.backward()
+    assert_same_gradients(ours, ref)
+    # The key mask the op got is exactly the padding, in every layer.
+    assert len(op_calls) == CONFIGS[name].num_hidden_layers
+    for call in op_calls:
+        assert torch.equal(call["key_mask"], real)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_generation_on_a_left_padded_batch_matches_sdpa(name, cache, op_calls):
+    ours, ref = model_pair(name)
+    ids = tokens(batch=3, length=6)
+    mask = padding_mask(ids, "left")
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    kwargs.update(return_dict_in_generate=True, output_logits=True, cache_implementation=cache)
+    got, expected = ours.generate(ids, **kwargs), ref.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    # Every step's logits are at the last position, real in every row of a left-padded batch.
+    for step_logits, ref_logits in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(step_logits, ref_logits, atol=1e-5, rtol=1e-5)
+    # Each step hid the pad tokens from the op; a static cache's unused slots were cut off.
+    layers = CONFIGS[name].num_hidden_layers
+    assert len(op_calls) == layers * kwargs["max_new_tokens"]
+    for step in range(kwargs["max_new_tokens"]):
+        keys = ids.size(1) + step
+        for call in op_calls[step * layers : (step + 1) * layers]:
+            assert call["keys"] == keys
+            padded = torch.cat([mask, torch.ones(3, step, dtype=mask.dtype)], 1).bool()
+            assert torch.equal(call["key_mask"], padded)
+
+
+def packed_batch(mode, lengths=PACKED_LENGTHS):
+    """The sequences and the model kwargs that pack them in one row, the way ``mode`` says."""
+    sequences = [tokens(batch=1, length=n)[0] for n in lengths]
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=mode == "flash-kwargs")
+    batch = collate([{"input_ids": s.tolist()} for s in sequences])
+    # With a cache (use_cache's default) transformers builds no mask from position_ids.
+    batch["use_cache"] = False if mode == "mask" else None
+    return sequences, batch
+
+
+@pytest.mark.parametrize("mode", ["flash-kwargs", "position-ids", "mask"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_packed_sequences_match_each_sequence_alone(name, mode, varlen_calls, read_masks):
+    ours, ref = model_pair(name)
+    # Padding-free training; the configs have no dropout.
+    ours.train()
+    ref.train()
+    sequences, batch = packed_batch(mode)
+    out = ours(**batch)
+    alone = [ref(s[None], labels=s[None]) for s in sequences]
+    torch.testing.assert_close(
+        out.logits[0], torch.cat([a.logits[0] for a in alone]), atol=1e-5, rtol=1e-5
+    )
+    # The packed loss is the mean over every sequence's targets (none for a 1-token one).
+    targets = [len(s) - 1 for s in sequences]
+    ref_loss = sum(a.loss * n for a, n in zip(alone, targets) if n) / sum(targets)
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-5)
+    out.loss.backward()
+    ref_loss.backward()
+    assert_same_gradients(ours, ref)
+    # Every layer ran packed, on these sequences, K/V heads unrepeated; only "mask" had a mask.
+    cu = torch.tensor([0, *PACKED_LENGTHS]).cumsum(0).tolist()
+    layers = CONFIGS[name].num_hidden_layers
+    assert varlen_calls == [dict(kv_heads=kv_heads(name), cu_q=cu, cu_k=cu)] * layers
+    assert len(read_masks) == (layers if mode == "mask" else 0)
+
+
+@pytest.mark.parametrize("use_cache", [False, None], ids=["mask", "position-ids"])
+def test_packed_rows_of_a_batch_match_each_sequence_alone(use_cache, varlen_calls):
+    # Two rows, each packing two sequences: the op sees them flattened, one after the other.
+    ours, ref = model_pair("llama-gqa")
+    rows = [(5, 3), (2, 6)]
+    sequences = [[tokens(batch=1, length=n) for n in row] for row in rows]
+    ids = torch.cat([torch.cat(row, 1) for row in sequences])
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
     with torch.no_grad():
-        unpadded = ours(ids, attention_mask=torch.ones_like(ids)).logits
-        torch.testing.assert_close(unpadded, ref(ids).logits, atol=1e-5, rtol=1e-5)
-        padded = torch.ones_like(ids)
-        padded[0, :3] = 0  # left padding of the first sequence
-        with pytest.raises(ValueError, match="attention_mask masks more than causality.*padding"):
-            ours(ids, attention_mask=padded)
+        logits = ours(ids, position_ids=position_ids, use_cache=use_cache).logits
+        for b, row in enumerate(sequences):
+            alone = torch.cat([ref(s).logits for s in row], 1)[0]
+            torch.testing.assert_close(logits[b], alone, atol=1e-5, rtol=1e-5)
+    assert varlen_calls[0]["cu_q"] == [0, 5, 8, 10, 16]
+
+
+def test_sliding_window_that_bites_is_refused_and_one_that_does_not_runs():
+    config = MistralConfig(**LLAMA, sliding_window=4)
+    ours, ref = model_pair("mistral", config)
+    with torch.no_grad():
+        short = tokens(length=4)  # every query sees at most 4 keys: the window hides none
+        torch.testing.assert_close(ours(short).logits, ref(short).logits, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="attention_mask hides more.*sliding window"):
+            ours(tokens(length=8))
 
 
 def test_attention_dropout_in_training_is_refused():
@@ -130,43 +302,132 @@ def test_attention_dropout_in_training_is_refused():
     model(tokens())  # no dropout in eval
 
 
-def test_mask_check_accepts_exactly_bottom_right_causal_masks():
+def test_read_mask_takes_apart_exactly_causal_padded_and_packed_masks():
     lq, lk = 3, 5
-    causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq).expand(2, 1, lq, lk)
-    backend.check_mask_is_causal(causal, lq, lk)
+    causal = visible_keys(lq, lk).expand(2, 1, lq, lk)
+    assert backend.read_mask(causal, lq, lk) == backend.MaskLayout(lk)
     additive = torch.zeros(2, 1, lq, lk).masked_fill(~causal, torch.finfo(torch.float32).min)
-    backend.check_mask_is_causal(additive, lq, lk)
-    padded = causal.clone()
-    padded[1, :, :, 0] = False
-    top_left = torch.ones(lq, lk, dtype=torch.bool).tril().expand(2, 1, lq, lk)
-    biased = additive + 0.5  # e.g. ALiBi: a bias the op cannot add
-    for mask in (padded, top_left, biased):
-        with pytest.raises(ValueError, match="attention_mask"):
-            backend.check_mask_is_causal(mask, lq, lk)
-    with pytest.raises(ValueError, match=r"attention_mask.shape=\[2, 1, 3, 5\]"):
-        backend.check_mask_is_causal(causal, lq, lk + 1)
+    assert backend.read_mask(backend.as_boolean_mask(additive, 2, lq, lk), lq, lk).key_mask is None
+    key_ok = torch.tensor([[False, True, True, True, True], [True, True, False, True, True]])
+    layout = backend.read_mask(causal & key_ok[:, None, None, :], lq, lk)
+    assert layout.key_length == lk and torch.equal(layout.key_mask, key_ok)
+    # A static cache's unused slots: keys no query sees are cut off, causality realigned.
+    slots = torch.cat([visible_keys(lq, 4), torch.zeros(lq, 3, dtype=torch.bool)], 1)
+    assert backend.read_mask(slots.expand(2, 1, lq, 7), lq, 7) == backend.MaskLayout(4)
+    # Packed sequences of lengths 2 and 3 in one row.
+    starts = torch.tensor([[True, False, True, False, False]])
+    layout = backend.read_mask(backend.block_causal(starts), 5, 5)
+    assert layout.sequences.cu_seqlens_q.tolist() == [0, 2, 5]
+    assert layout.sequences.max_seqlen_q == 3
 
 
 @pytest.mark.parametrize(
-    "lq, lk, with_mask",
-    [(6, 6, False), (1, 6, False), (3, 7, False), (3, 7, True), (6, 6, True)],
-    ids=["prefill", "decode", "static-cache-prefill", "chunk-after-cache", "causal-mask"],
+    "mask, match",
+    [
+        (
+            sdpa_mask(
+                batch_size=1, q_length=5, kv_length=5, allow_is_causal_skip=False,
+                mask_function=sliding_window_causal_mask_function(2),
+            )[0, 0],
+            "hides more than padding and packed sequences do",
+        ),
+        (torch.ones(5, 5, dtype=torch.bool), "lets a query see keys after it"),
+    ],
+    ids=["sliding-window", "bidirectional"],
 )
-def test_attention_function_matches_transformers_sdpa_function(lq, lk, with_mask):
-    # Called as transformers calls it: GQA heads, and the mask (or None) transformers passes.
-    class Attention(torch.nn.Module):
-        is_causal = True
-        num_key_value_groups = 2
+def test_read_mask_names_what_it_cannot_honour(mask, match):
+    with pytest.raises(ValueError, match=f"attention_mask {match}"):
+        backend.read_mask(mask.expand(2, 1, 5, 5), 5, 5)
 
+
+def test_biases_and_bad_shapes_are_refused():
+    causal = visible_keys(3, 5).expand(2, 1, 3, 5)
+    biased = torch.zeros(2, 1, 3, 5).masked_fill(~causal, torch.finfo(torch.float32).min) + 0.5
+    with pytest.raises(ValueError, match="attention_mask adds a bias"):
+        backend.as_boolean_mask(biased, 2, 3, 5)
+    with pytest.raises(ValueError, match=r"attention_mask.shape=\[2, 1, 3, 5\]"):
+        backend.as_boolean_mask(causal, 2, 3, 6)
+
+
+class Attention(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def transformers_mask(lq, lk, cached, filled, pads):
+    """The mask transformers builds (sdpa_mask) for ``lq`` queries after ``cached`` keys, in a
+    cache of ``lk`` slots of which ``filled`` are written, row ``b`` left-padded by
+    ``pads[b]``."""
+    attention_mask = torch.zeros(len(pads), lk, dtype=torch.bool)
+    for row, pad in enumerate(pads):
+        attention_mask[row, pad:filled] = True
+    return sdpa_mask(
+        batch_size=len(pads), q_length=lq, kv_length=lk, q_offset=cached,
+        attention_mask=attention_mask, allow_is_causal_skip=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "lq, lk, mask",
+    [
+        (6, 6, None),
+        (1, 6, None),
+        (3, 7, None),
+        (3, 7, transformers_mask(3, 7, cached=4, filled=7, pads=[0, 0])),
+        (6, 6, transformers_mask(6, 6, cached=0, filled=6, pads=[0, 0])),
+        (6, 6, transformers_mask(6, 6, cached=0, filled=6, pads=[2, 0])),
+        (1, 6, transformers_mask(1, 6, cached=5, filled=6, pads=[3, 1])),
+        (3, 9, transformers_mask(3, 9, cached=2, filled=5, pads=[1, 0])),
+    ],
+    ids=[
+        "prefill", "decode", "static-cache-prefill", "chunk-after-cache", "causal-mask",
+        "left-padded", "decode-padded", "static-cache-slots-padded",
+    ],
+)
+def test_attention_function_matches_transformers_sdpa_function(lq, lk, mask):
+    # Called as transformers calls it: GQA heads, and the mask (or None) transformers passes.
     q = torch.randn(2, 4, lq, 8)
     k, v = torch.randn(2, 2, 2, lk, 8).unbind(0)
-    mask = None
-    if with_mask:
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq).expand(2, 1, lq, lk)
     out, weights = backend.attention_forward(Attention(), q, k, v, mask, scaling=0.3)
     expected, _ = sdpa_attention_forward(Attention(), q, k, v, mask, scaling=0.3)
     assert weights is None and out.shape == (2, lq, 4, 8)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    # Queries that see no key (a pad query) give zeros in ours, whatever they give in SDPA.
+    sees = torch.ones(2, lq, dtype=torch.bool) if mask is None else mask[:, 0].any(-1)
+    torch.testing.assert_close(out[sees], expected[sees], atol=1e-6, rtol=1e-5)
+    assert not out[~sees].any()
+
+
+def packed_kwargs(cu):
+    cu = torch.tensor(cu, dtype=torch.int32)
+    longest = int(cu.diff().max())
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+
+
+def test_attention_function_on_flash_kwargs_matches_each_sequence_alone():
+    q = torch.randn(1, 4, 9, 8)
+    k, v = torch.randn(2, 1, 2, 9, 8).unbind(0)
+    out, _ = backend.attention_forward(Attention(), q, k, v, None, **packed_kwargs([0, 4, 9]))
+    for start, end in ((0, 4), (4, 9)):
+        piece = (t[:, :, start:end] for t in (q, k, v))
+        expected, _ = sdpa_attention_forward(Attention(), *piece, None, scaling=None)
+        torch.testing.assert_close(out[:, start:end], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_inconsistent_or_bad_packing_kwargs_are_refused():
+    q = torch.randn(1, 2, 5, 8)
+    two_sequences = backend.block_causal(torch.tensor([[True, False, True, False, False]]))
+    with pytest.raises(ValueError, match="describe different sequences"):
+        backend.attention_forward(Attention(), q, q, q, two_sequences, **packed_kwargs([0, 3, 5]))
+    # Agreeing mask and kwargs run.
+    backend.attention_forward(Attention(), q, q, q, two_sequences, **packed_kwargs([0, 2, 5]))
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q must be .* got cu_seq_lens_q=\[0, 4\]"):
+        backend.attention_forward(Attention(), q, q, q, None, **packed_kwargs([0, 4]))
+    with pytest.raises(ValueError, match="got cu_seq_lens_k=None"):
+        backend.attention_forward(Attention(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 5]))
+    with pytest.raises(NotImplementedError, match="sliding_window=2 over 3 keys"):
+        backend.attention_forward(
+            Attention(), q, q, q, None, sliding_window=2, **packed_kwargs([0, 2, 5])
+        )
 
 
 def test_non_causal_attention_is_refused():
