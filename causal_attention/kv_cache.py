@@ -1,16 +1,22 @@
 """The KV cache of :class:`causal_attention.CausalSelfAttention`, for incremental decoding."""
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 
 class KVCache:
-    """Preallocated keys ``(B, Hkv, max_len, D)`` and values ``(B, Hkv, max_len, Dv)``, and how
-    many positions they hold. Made by :meth:`CausalSelfAttention.make_cache`; pass it as
-    ``forward(x, cache=cache)``. New positions are written in place: decoding a position costs no
-    reallocation and no copy of the cached ones. ``reset()`` empties it for a new sequence.
+    """Preallocated keys ``(B, Hkv, max_len, D)`` and values ``(B, Hkv, max_len, Dv)``, the key
+    mask ``(B, max_len)`` of the cached positions, and how many positions they hold. Made by
+    :meth:`CausalSelfAttention.make_cache`; pass it as ``forward(x, cache=cache)``. New positions
+    are written in place: decoding a position costs no reallocation and no copy of the cached
+    ones. ``reset()`` empties it for a new sequence.
+
+    The key mask remembers, per sequence, which cached positions are real tokens (True) and which
+    are padding (False), so that a left-padded prompt's padding stays hidden in every later
+    decoding step. Until some append passes a ``key_mask``, every position is real and
+    :meth:`append` hands out no mask, so the attention runs exactly as without one.
 
     The class compiles under TorchScript, so a scripted module decodes with it too.
     """
@@ -41,10 +47,15 @@ class KVCache:
             )
         self.key_storage = key_storage
         self.value_storage = value_storage
+        self.mask_storage = torch.ones(
+            [key_storage.size(0), key_storage.size(2)], dtype=torch.bool, device=key_storage.device
+        )
         # A tensor, not an int: when a scripted module is called from Python, TorchScript passes
         # it a copy of this object whose int attributes do not flow back, but whose tensors are
         # shared, so only a tensor length stays right across calls.
         self._length = torch.zeros((), dtype=torch.long)
+        # Whether an append since the last reset passed a key mask; a tensor for the same reason.
+        self._has_key_mask = torch.zeros((), dtype=torch.bool)
 
     @property
     def length(self) -> int:
@@ -69,19 +80,31 @@ class KVCache:
         """The cached values, a view ``(B, Hkv, length, Dv)`` of the storage."""
         return self.value_storage[:, :, : self.length]
 
+    @property
+    def key_mask(self) -> Optional[Tensor]:
+        """The key mask of the cached positions, a view ``(B, length)`` of the storage (True for
+        real tokens), or None while no append has passed one (every position is real)."""
+        if not bool(self._has_key_mask):
+            return None
+        return self.mask_storage[:, : self.length]
+
     def reset(self) -> None:
-        """Forgets the cached positions, keeping the storage."""
+        """Forgets the cached positions and their key mask, keeping the storage."""
         self._length.zero_()
+        self._has_key_mask.zero_()
         # Drops the autograd history of a sequence decoded under autograd, so that the next one
         # does not keep its graph alive. In place, for the same reason _length is a tensor.
         self.key_storage.detach_()
         self.value_storage.detach_()
 
-    def append(self, keys: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
-        """Writes ``keys (B, Hkv, L, D)`` and ``values (B, Hkv, L, Dv)`` after the cached
-        positions and returns all cached keys and values, the new ones included: views of the
-        storage, or copies when autograd records (so that backward works through a decoded
-        sequence, whose later appends overwrite the storage in place).
+    def append(
+        self, keys: Tensor, values: Tensor, key_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Writes ``keys (B, Hkv, L, D)``, ``values (B, Hkv, L, Dv)`` and their ``key_mask``
+        (bool ``(B, L)``, True for real tokens; None: all real) after the cached positions, and
+        returns all cached keys, values and key mask (see :attr:`key_mask`), the new ones
+        included: views of the storage, or copies when autograd records (so that backward works
+        through a decoded sequence, whose later appends overwrite the storage in place).
 
         Raises ``ValueError`` (shapes, device, overflowing ``max_len``) or ``TypeError`` (dtype),
         leaving the cache unchanged.
@@ -110,6 +133,8 @@ class KVCache:
                 f"{self.key_storage.device}, got keys.device={keys.device}, "
                 f"values.device={values.device}"
             )
+        if key_mask is not None:
+            self._check_key_mask(key_mask, keys)
         start = self.length
         end = start + keys.size(2)
         if end > self.max_len:
@@ -119,10 +144,42 @@ class KVCache:
             )
         self.key_storage[:, :, start:end].copy_(keys)
         self.value_storage[:, :, start:end].copy_(values)
+        # Written on every append, a None mask included: a later masked step attends with the
+        # mask of every cached position, and storage from before a reset must not leak into it.
+        if key_mask is None:
+            self.mask_storage[:, start:end].fill_(True)
+        else:
+            self.mask_storage[:, start:end].copy_(key_mask)
+            self._has_key_mask.fill_(True)
         self._length.fill_(end)
+        cached_mask = self.key_mask
         if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
-            return self.keys.clone(), self.values.clone()
-        return self.keys, self.values
+            # The mask too: ops that save it for backward must not see a later reset's writes.
+            if cached_mask is not None:
+                cached_mask = cached_mask.clone()
+            return self.keys.clone(), self.values.clone(), cached_mask
+        return self.keys, self.values, cached_mask
+
+    def _check_key_mask(self, key_mask: Tensor, keys: Tensor) -> None:
+        if key_mask.dtype != torch.bool:
+            raise TypeError(
+                "KVCache: key_mask must be a bool tensor (True for real tokens), got "
+                f"key_mask.dtype={key_mask.dtype}"
+            )
+        if not (
+            key_mask.dim() == 2
+            and key_mask.size(0) == keys.size(0)
+            and key_mask.size(1) == keys.size(2)
+        ):
+            raise ValueError(
+                f"KVCache: key_mask must be (B, L)={[keys.size(0), keys.size(2)]} of the new "
+                f"keys, got key_mask.shape={list(key_mask.shape)}"
+            )
+        if key_mask.device != self.mask_storage.device:
+            raise ValueError(
+                f"KVCache: key_mask must be on the cache's device {self.mask_storage.device}, "
+                f"got key_mask.device={key_mask.device}"
+            )
 
 
 def _fits(added: Tensor, storage: Tensor) -> bool:

@@ -100,16 +100,32 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(num_heads * value_head_dim, embed_dim, bias=bias, **factory)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, cache: Optional[KVCache] = None, need_weights: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        cache: Optional[KVCache] = None,
+        need_weights: bool = False,
+        key_mask: Optional[Tensor] = None,
+    ):
         """Attends ``x (B, L, E)`` causally and returns ``(B, L, E)``.
 
         With ``cache``, ``x`` holds the positions after the cached ones: their keys and values
         are appended to the cache, and the queries attend to all of it.
 
+        ``key_mask``, bool ``(B, L)`` for the ``L`` positions of ``x`` (True for real tokens,
+        False for padding: transformers' ``attention_mask`` as ``.bool()``), hides the padding
+        from every query. With a cache it is stored next to the new keys, and every call attends
+        with the mask of all cached positions, so a left-padded prompt's padding stays hidden
+        through prefill and every decoding step; a call without one adds real positions. Outputs
+        at padding positions are not meaningful (a query that sees no key attends to nothing and
+        gives ``c_proj``'s bias): ignore them, as transformers does. Pass it by name: it comes
+        after ``need_weights`` only because TorchScript compiles no keyword-only arguments.
+
         With ``need_weights=True``, returns ``(output, weights)``, the attention probabilities
-        ``(B, Hq, L, cached + L)``, materialized (O(L²) memory) for inspection. A TorchScript
-        function has a single return type, so a scripted module's ``forward`` returns the output
-        only and raises for ``need_weights=True``: call ``forward_with_weights`` there.
+        ``(B, Hq, L, cached + L)``, materialized (O(L²) memory) for inspection; under a key mask
+        they are 0 at hidden keys, and a row that sees no key is all 0. A TorchScript function
+        has a single return type, so a scripted module's ``forward`` returns the output only and
+        raises for ``need_weights=True``: call ``forward_with_weights`` there.
         """
         if need_weights:
             # The else is needed: TorchScript compiles only the branch that is_scripting() picks,
@@ -117,21 +133,24 @@ class CausalSelfAttention(nn.Module):
             if torch.jit.is_scripting():
                 raise RuntimeError(
                     "CausalSelfAttention: a scripted forward returns the output only; call "
-                    "forward_with_weights(x, cache) for the attention weights"
+                    "forward_with_weights(x, cache, key_mask) for the attention weights"
                 )
             else:
-                return self.forward_with_weights(x, cache)
-        q, k, v = self._project_heads(x, cache)
-        return self._project_output(_attention(q, k, v))
+                return self.forward_with_weights(x, cache, key_mask)
+        q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
+        return self._project_output(_attention(q, k, v, key_mask=mask))
 
     @torch.jit.export
     def forward_with_weights(
-        self, x: Tensor, cache: Optional[KVCache] = None
+        self, x: Tensor, cache: Optional[KVCache] = None, key_mask: Optional[Tensor] = None
     ) -> Tuple[Tensor, Tensor]:
-        """``forward(x, cache, need_weights=True)``: the output and the attention probabilities
-        ``(B, Hq, L, cached + L)``; also on a scripted module."""
-        q, k, v = self._project_heads(x, cache)
-        return self._project_output(_attention(q, k, v)), _attention_weights(q, k, v)
+        """``forward(x, cache, need_weights=True, key_mask=key_mask)``: the output and the
+        attention probabilities ``(B, Hq, L, cached + L)``; also on a scripted module."""
+        q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
+        return (
+            self._project_output(_attention(q, k, v, key_mask=mask)),
+            _attention_weights(q, k, v, key_mask=mask),
+        )
 
     @torch.jit.export
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -153,7 +172,16 @@ class CausalSelfAttention(nn.Module):
         self, x: Tensor, cache: Optional[KVCache]
     ) -> Tuple[Tensor, Tensor, Tensor]:
         """Queries ``(B, Hq, L, D)``, keys ``(B, Hkv, *, D)`` and values ``(B, Hkv, *, Dv)``, the
-        keys and values including the cache's."""
+        keys and values including the cache's, for subclasses that attend without a key mask
+        (models.SDPASelfAttention); the new positions enter the cache as real tokens."""
+        q, k, v, _ = self._project_heads_and_mask(x, cache, None)
+        return q, k, v
+
+    def _project_heads_and_mask(
+        self, x: Tensor, cache: Optional[KVCache], key_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """``_project_heads``, and the key mask to attend with: ``key_mask`` itself without a
+        cache, the cache's mask of every cached position with one (None if nothing is hidden)."""
         if x.dim() != 3 or x.size(2) != self.embed_dim:
             raise ValueError(
                 f"CausalSelfAttention: x must be (B, L, E) with E=embed_dim={self.embed_dim}, "
@@ -165,6 +193,10 @@ class CausalSelfAttention(nn.Module):
                 f"{self.c_attn.weight.dtype}, got x.dtype={x.dtype}"
             )
         batch, length = x.size(0), x.size(1)
+        if key_mask is not None:
+            # Checked here, before anything enters the cache, and named after x: with a cache,
+            # the op would only see the mask of every cached position.
+            _check_key_mask(key_mask, x)
         q, k, v = self.c_attn(x).split(
             [
                 self.num_heads * self.head_dim,
@@ -178,8 +210,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, length, self.num_kv_heads, self.value_head_dim).transpose(1, 2)
         if cache is not None:
-            k, v = cache.append(k, v)
-        return q, k, v
+            k, v, cached_mask = cache.append(k, v, key_mask)
+            return q, k, v, cached_mask
+        return q, k, v, key_mask
 
     def _project_output(self, attended: Tensor) -> Tensor:
         merged = attended.transpose(1, 2).flatten(2)  # (B, L, Hq * Dv)
@@ -207,4 +240,29 @@ class CausalSelfAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"value_head_dim={self.value_head_dim}"
+        )
+
+
+def _check_key_mask(key_mask: Tensor, x: Tensor) -> None:
+    if not isinstance(key_mask, Tensor):
+        raise TypeError(
+            "CausalSelfAttention: key_mask must be a bool tensor (B, L) or None, got "
+            f"{type(key_mask).__name__}"
+        )
+    if key_mask.dtype != torch.bool:
+        raise TypeError(
+            "CausalSelfAttention: key_mask must be a bool tensor (True for real tokens; "
+            f"convert an attention_mask with .bool()), got key_mask.dtype={key_mask.dtype}"
+        )
+    if not (
+        key_mask.dim() == 2 and key_mask.size(0) == x.size(0) and key_mask.size(1) == x.size(1)
+    ):
+        raise ValueError(
+            f"CausalSelfAttention: key_mask must be (B, L)={[x.size(0), x.size(1)]} of x, got "
+            f"key_mask.shape={list(key_mask.shape)} for x.shape={list(x.shape)}"
+        )
+    if key_mask.device != x.device:
+        raise ValueError(
+            f"CausalSelfAttention: key_mask must be on x's device {x.device}, got "
+            f"key_mask.device={key_mask.device}"
         )

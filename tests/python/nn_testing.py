@@ -1,10 +1,10 @@
 """Shared helpers for the tests of causal_attention.CausalSelfAttention: module configurations,
-a nanoGPT-style reference module, forward + backward runs, and quiet TorchScript."""
+a nanoGPT-style reference module, key masks, forward + backward runs, and quiet TorchScript."""
 
 import importlib.util
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -51,26 +51,40 @@ class NanoGPTAttention(nn.Module):
             mask = torch.tril(torch.ones(block_size, block_size))
             self.register_buffer("bias", mask.view(1, 1, block_size, block_size))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, key_mask: Optional[Tensor] = None) -> Tensor:
+        """With ``key_mask`` (bool (B, L), True for real tokens), SDPA gets the causal mask and
+        the key mask as one boolean ``attn_mask``; a row that sees no key gives zeros there, as
+        in our op."""
         batch, length, _ = x.shape
         q, k, v = self.c_attn(x).split(self.widths, dim=2)
         q = q.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, length, self.num_kv_heads, self.value_head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        enable_gqa = self.num_kv_heads != self.num_heads
+        if key_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+        else:
+            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            visible = causal & key_mask[:, None, None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=enable_gqa)
         return self.c_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
+def left_padded_key_mask(lengths: Sequence[int], total: int) -> Tensor:
+    """Bool ``(len(lengths), total)``: row ``b`` is False (padding) but for its last
+    ``lengths[b]`` positions, as a tokenizer's left padding."""
+    positions = torch.arange(total)
+    return positions[None, :] >= total - torch.tensor(lengths)[:, None]
+
+
 def forward_backward(
-    module: nn.Module, x: Tensor, grad_out: Tensor
+    module: nn.Module, x: Tensor, grad_out: Tensor, **kwargs: Any
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """The module's output on ``x`` and the gradients, under ``grad_out``, of the input
-    (key ``"x"``) and of every parameter (keys ``"param.<name>"``)."""
+    """The module's output on ``x`` (and ``kwargs``) and the gradients, under ``grad_out``, of
+    the input (key ``"x"``) and of every parameter (keys ``"param.<name>"``)."""
     module.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
-    out = module(x)
+    out = module(x, **kwargs)
     out.backward(grad_out)
     grads = {"x": x.grad}
     grads.update({f"param.{name}": p.grad for name, p in module.named_parameters()})

@@ -1,21 +1,24 @@
 """KV-cache decoding with causal_attention.CausalSelfAttention: token by token and in chunks it
-equals the full-sequence forward; every misuse raises a typed error and leaves the cache as it
-was; reset and reuse work."""
+equals the full-sequence forward; with a key mask, a left-padded batch of prompts decodes as each
+prompt alone, unpadded; every misuse raises a typed error and leaves the cache as it was; reset
+and reuse work."""
 
 import pytest
 import torch
 
 from causal_attention import CausalSelfAttention, KVCache
-from nn_testing import CONFIGS
+from nn_testing import CONFIGS, left_padded_key_mask
 
 LENGTH = 11
 
 
-def decode(module, x, cache, chunks):
-    """Feeds x (B, L, E) through the module chunk by chunk; returns the concatenated outputs."""
+def decode(module, x, cache, chunks, key_mask=None):
+    """Feeds x (B, L, E) through the module chunk by chunk, each chunk with its slice of
+    ``key_mask`` (B, L) if given; returns the concatenated outputs."""
     outputs, start = [], 0
     for size in chunks:
-        outputs.append(module(x[:, start : start + size], cache=cache))
+        step_mask = None if key_mask is None else key_mask[:, start : start + size]
+        outputs.append(module(x[:, start : start + size], cache=cache, key_mask=step_mask))
         start += size
     assert start == x.size(1)
     return torch.cat(outputs, dim=1)
@@ -81,12 +84,20 @@ def test_decoding_backpropagates_into_the_parameters():
 
 
 def assert_unchanged_after(error, match, fn, cache):
-    before = (cache.length, cache.key_storage.clone(), cache.value_storage.clone())
+    before = (
+        cache.length,
+        cache.key_storage.clone(),
+        cache.value_storage.clone(),
+        cache.mask_storage.clone(),
+        cache.key_mask is None,
+    )
     with pytest.raises(error, match=match):
         fn()
     assert cache.length == before[0]
     assert torch.equal(cache.key_storage, before[1])
     assert torch.equal(cache.value_storage, before[2])
+    assert torch.equal(cache.mask_storage, before[3])
+    assert (cache.key_mask is None) == before[4]
 
 
 def test_cache_misuse_raises_and_leaves_the_cache_unchanged():
@@ -130,6 +141,180 @@ def test_cache_misuse_raises_and_leaves_the_cache_unchanged():
     # The cache stays usable after every refused call.
     module(torch.randn(2, 2, 32), cache=cache)
     assert cache.length == 5
+
+
+PROMPT_LENGTHS = [7, 3, 5]
+PROMPT = max(PROMPT_LENGTHS)
+
+
+def left_padded_batch(embed_dim, new_tokens):
+    """Prompts of PROMPT_LENGTHS, each followed by ``new_tokens`` decoded positions, left-padded
+    to one batch: the sequences (unpadded, one per prompt), the batch (B, PROMPT + new_tokens,
+    E) and its key mask. The padding holds random values, so that any leak of it shows."""
+    sequences = [torch.randn(1, n + new_tokens, embed_dim) for n in PROMPT_LENGTHS]
+    x = torch.randn(len(PROMPT_LENGTHS), PROMPT + new_tokens, embed_dim)
+    for row, sequence in enumerate(sequences):
+        x[row, x.size(1) - sequence.size(1) :] = sequence[0]
+    key_mask = torch.cat(
+        [
+            left_padded_key_mask(PROMPT_LENGTHS, PROMPT),
+            torch.ones(len(PROMPT_LENGTHS), new_tokens, dtype=torch.bool),
+        ],
+        dim=1,
+    )
+    return sequences, x, key_mask
+
+
+@pytest.mark.parametrize("decode_mask", ["none", "all-true"])
+@pytest.mark.parametrize("steps", [[1, 1, 1, 1], [2, 1, 1]], ids=["tokens", "chunks"])
+@pytest.mark.parametrize("config", CONFIGS)
+def test_left_padded_prompts_decode_like_each_prompt_alone(config, steps, decode_mask):
+    module = CausalSelfAttention(**config).eval()
+    new_tokens = sum(steps)
+    sequences, x, key_mask = left_padded_batch(config["embed_dim"], new_tokens)
+    cache = module.make_cache(len(sequences), PROMPT + new_tokens + 2)
+    with torch.no_grad():
+        outputs = [module(x[:, :PROMPT], cache=cache, key_mask=key_mask[:, :PROMPT])]
+        start = PROMPT
+        for size in steps:
+            # The decoded positions are real: a step passes no mask or an all-True one.
+            step_mask = None if decode_mask == "none" else key_mask[:, start : start + size]
+            outputs.append(module(x[:, start : start + size], cache=cache, key_mask=step_mask))
+            start += size
+        batched = torch.cat(outputs, dim=1)
+        alone = [module(sequence) for sequence in sequences]
+    for row, expected in enumerate(alone):
+        real = batched[row, key_mask[row]]
+        torch.testing.assert_close(real, expected[0], atol=1e-5, rtol=1e-5, msg=f"row {row}")
+    assert torch.equal(cache.key_mask, key_mask)
+
+
+def test_positions_hidden_in_any_step_stay_hidden_in_every_later_one():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 11, 32)
+    key_mask = torch.ones(2, 11, dtype=torch.bool)
+    key_mask[0, [0, 1, 5, 6]] = False  # left padding, then padding in the third step
+    key_mask[1, [4, 9]] = False
+    chunks = [4, 1, 2, 1, 3]
+    cache = module.make_cache(2, 11)
+    with torch.no_grad():
+        decoded = decode(module, x, cache, chunks, key_mask)
+        for row in range(2):
+            # The sequence with its hidden positions removed, in one full forward.
+            expected = module(x[row : row + 1, key_mask[row]])[0]
+            torch.testing.assert_close(decoded[row, key_mask[row]], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cache.key_mask, key_mask)
+        # A step without a mask after masked ones still attends with the cached mask.
+        cache.reset()
+        decode(module, x[:, :10], cache, [10], key_mask[:, :10])
+        last = module(x[:, 10:], cache=cache)
+        for row in range(2):
+            expected = module(x[row : row + 1, key_mask[row]])[0, -1]
+            torch.testing.assert_close(last[row, 0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_of_a_decoding_step_hide_the_padding():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2)
+    sequences, x, key_mask = left_padded_batch(32, new_tokens=1)
+    cache = module.make_cache(len(sequences), PROMPT + 1)
+    with torch.no_grad():
+        module(x[:, :PROMPT], cache=cache, key_mask=key_mask[:, :PROMPT])
+        out, weights = module(x[:, PROMPT:], cache=cache, need_weights=True)
+        assert weights.shape == (len(sequences), 4, 1, PROMPT + 1)
+        for row, sequence in enumerate(sequences):
+            expected_out, expected_weights = module(sequence, need_weights=True)
+            torch.testing.assert_close(out[row, 0], expected_out[0, -1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                weights[row, :, :, key_mask[row]],
+                expected_weights[0, :, -1:],
+                atol=1e-6,
+                rtol=1e-5,
+            )
+            assert torch.count_nonzero(weights[row, :, :, ~key_mask[row]]) == 0
+
+
+def test_reset_forgets_the_key_mask():
+    module = CausalSelfAttention(32, 4)
+    x = torch.randn(2, 6, 32)
+    cache = module.make_cache(2, 6)
+    key_mask = left_padded_key_mask([2, 6], 6)
+    with torch.no_grad():
+        module(x, cache=cache, key_mask=key_mask)
+        assert torch.equal(cache.key_mask, key_mask)
+        cache.reset()
+        assert cache.key_mask is None
+        decoded = decode(module, x, cache, [3, 3])
+        assert cache.key_mask is None
+        torch.testing.assert_close(decoded, module(x), atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_with_a_key_mask_backpropagates_even_after_reuse():
+    module = CausalSelfAttention(16, 2, dtype=torch.float64)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    key_mask = left_padded_key_mask([6, 3], 6)
+    grad_out = torch.randn(x.shape, dtype=torch.float64) * key_mask[..., None]
+    (module(x, key_mask=key_mask) * grad_out).sum().backward()
+    full_grad = module.c_attn.weight.grad.clone()
+    module.zero_grad()
+    cache = module.make_cache(2, 6)
+    decoded = decode(module, x, cache, [4, 2], key_mask)
+    # The cache serves another sequence, with another mask, before this one's backward runs.
+    cache.reset()
+    decode(module, x, cache, [6], ~key_mask | torch.eye(2, 6, dtype=torch.bool))
+    (decoded * grad_out).sum().backward()
+    torch.testing.assert_close(module.c_attn.weight.grad, full_grad)
+
+
+def test_bad_key_mask_raises_and_leaves_the_cache_unchanged():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2)
+    cache = module.make_cache(2, 6)
+    module(torch.randn(2, 3, 32), cache=cache, key_mask=left_padded_key_mask([1, 3], 3))
+    step = torch.randn(2, 1, 32)
+    assert_unchanged_after(
+        TypeError,
+        r"key_mask must be a bool tensor.*key_mask\.dtype=torch\.int64",
+        lambda: module(step, cache=cache, key_mask=torch.ones(2, 1, dtype=torch.long)),
+        cache,
+    )
+    # The mask of the new positions, not of the whole cache.
+    assert_unchanged_after(
+        ValueError,
+        r"key_mask must be \(B, L\)=\[2, 1\] of x, got key_mask\.shape=\[2, 4\]",
+        lambda: module(step, cache=cache, key_mask=torch.ones(2, 4, dtype=torch.bool)),
+        cache,
+    )
+    assert_unchanged_after(
+        ValueError,
+        "key_mask must be on x's device",
+        lambda: module(step, cache=cache, key_mask=torch.ones(2, 1, dtype=torch.bool).to("meta")),
+        cache,
+    )
+    assert_unchanged_after(
+        ValueError,
+        "cannot append 4 positions",
+        lambda: module(
+            torch.randn(2, 4, 32), cache=cache, key_mask=torch.zeros(2, 4, dtype=torch.bool)
+        ),
+        cache,
+    )
+    # KVCache.append checks the mask itself too, for callers other than the module.
+    keys, values = torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8)
+    assert_unchanged_after(
+        TypeError,
+        r"KVCache: key_mask must be a bool tensor.*torch\.float32",
+        lambda: cache.append(keys, values, torch.ones(2, 1)),
+        cache,
+    )
+    assert_unchanged_after(
+        ValueError,
+        r"KVCache: key_mask must be \(B, L\)=\[2, 1\] of the new keys, got "
+        r"key_mask\.shape=\[1, 2\]",
+        lambda: cache.append(keys, values, torch.ones(1, 2, dtype=torch.bool)),
+        cache,
+    )
+    module(step, cache=cache)  # still usable
+    assert cache.length == 4
+    assert torch.equal(cache.key_mask, torch.tensor([[False, False, True, True], [True] * 4]))
 
 
 @pytest.mark.parametrize("batch_size, max_len", [(0, 4), (2, 0), (-1, 3)])

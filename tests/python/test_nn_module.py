@@ -1,6 +1,6 @@
 """causal_attention.CausalSelfAttention: equal to nn.MultiheadAttention with a causal mask and to a
-nanoGPT-style reference, in output and in every gradient; nanoGPT checkpoints load strictly; bad
-options and inputs raise typed errors."""
+nanoGPT-style reference, in output and in every gradient, with and without a key mask; nanoGPT
+checkpoints load strictly; bad options and inputs raise typed errors."""
 
 import pytest
 import torch
@@ -8,7 +8,13 @@ from torch import nn
 
 from attention_testing import dtype_params
 from causal_attention import CausalSelfAttention
-from nn_testing import CONFIGS, NanoGPTAttention, assert_close_to_reference, forward_backward
+from nn_testing import (
+    CONFIGS,
+    NanoGPTAttention,
+    assert_close_to_reference,
+    forward_backward,
+    left_padded_key_mask,
+)
 
 SMALL = dict(embed_dim=32, num_heads=4)
 
@@ -85,6 +91,111 @@ def test_matches_multihead_attention(dtype, bias):
     with torch.no_grad():
         _, weights = ours(x, need_weights=True)
         torch.testing.assert_close(weights, reference.weights(x), **tolerance)
+
+
+def padding_and_holes(length: int) -> torch.Tensor:
+    """Bool (3, length): left padding; right padding with hidden positions in between (the
+    first rows see no key); every position real."""
+    mask = torch.ones(3, length, dtype=torch.bool)
+    mask[0, :13] = False
+    mask[1, :3] = False
+    mask[1, 20:25] = False
+    mask[1, -9:] = False
+    return mask
+
+
+@pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32, torch.bfloat16)))
+@pytest.mark.parametrize("config", CONFIGS)
+def test_key_mask_matches_nanogpt_reference_with_the_mask(config, dtype):
+    ours = CausalSelfAttention(**config, dtype=dtype)
+    ref = NanoGPTAttention(config).to(dtype)
+    ref64 = NanoGPTAttention(config).double()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    ref64.load_state_dict(ours.state_dict(), strict=True)
+    key_mask = padding_and_holes(70)
+    x = torch.randn(3, 70, config["embed_dim"]).to(dtype)
+    grad_out = torch.randn(x.shape).to(dtype)
+
+    out, grads = forward_backward(ours, x, grad_out, key_mask=key_mask)
+    ref_out, ref_grads = forward_backward(ref, x, grad_out, key_mask=key_mask)
+    out64, grads64 = forward_backward(ref64, x.double(), grad_out.double(), key_mask=key_mask)
+
+    # The mask must matter, or this test would be the unmasked one again.
+    unmasked64 = ref64(x.double())
+    assert (out64 - unmasked64)[~key_mask].abs().max() > 1e-2
+    assert set(grads) == set(ref_grads) == set(grads64)
+    if dtype == torch.float64:
+        torch.testing.assert_close(out, out64)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads64[name], msg=name)
+    else:
+        assert_close_to_reference(out, ref_out, out64, "output")
+        for name in grads:
+            assert_close_to_reference(grads[name], ref_grads[name], grads64[name], name)
+
+
+@pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32)))
+def test_key_mask_matches_multihead_attention_key_padding_mask_at_real_positions(dtype):
+    embed_dim, num_heads, length = 32, 4, 19
+    ours = CausalSelfAttention(embed_dim, num_heads, dtype=dtype)
+    mha = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True, dtype=dtype)
+    mha.load_state_dict(
+        {
+            "in_proj_weight": ours.c_attn.weight,
+            "in_proj_bias": ours.c_attn.bias,
+            "out_proj.weight": ours.c_proj.weight,
+            "out_proj.bias": ours.c_proj.bias,
+        },
+        strict=True,
+    )
+    causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+    key_mask = left_padded_key_mask([19, 7, 12], length)
+    key_mask[2, 10] = False  # a hole among real tokens, too
+    x = torch.randn(3, length, embed_dim, dtype=dtype)
+    with torch.no_grad():
+        out, weights = ours(x, need_weights=True, key_mask=key_mask)
+        # MultiheadAttention's key_padding_mask is True where a key is hidden; its rows that see
+        # no key are NaN, so only the real positions compare (every real query sees itself).
+        ref_out, ref_weights = mha(
+            x, x, x, attn_mask=causal, key_padding_mask=~key_mask, average_attn_weights=False
+        )
+    tolerance = {} if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[key_mask], ref_out[key_mask], **tolerance)
+    real_rows = key_mask[:, None, :].expand(-1, num_heads, -1)
+    torch.testing.assert_close(weights[real_rows], ref_weights[real_rows], **tolerance)
+    # Hidden keys get no weight, and a row that sees no key (the padding before the first real
+    # token) none at all.
+    assert torch.count_nonzero(weights.transpose(1, 3)[~key_mask]) == 0
+    assert torch.count_nonzero(weights[1, :, :12]) == 0
+
+
+def test_an_all_true_key_mask_changes_nothing():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            module(x, key_mask=torch.ones(2, 9, dtype=torch.bool)), module(x)
+        )
+
+
+def test_bad_key_mask_raises_typed_errors_naming_it():
+    module = CausalSelfAttention(32, 4)
+    x = torch.randn(2, 5, 32)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"must be a bool tensor.*key_mask\.dtype=torch\.int64"):
+        module(x, key_mask=mask.long())
+    with pytest.raises(TypeError, match="key_mask must be a bool tensor.*got list"):
+        module(x, key_mask=[[True] * 5] * 2)
+    with pytest.raises(
+        ValueError, match=r"key_mask must be \(B, L\)=\[2, 5\] of x, got key_mask\.shape=\[2, 4\]"
+    ):
+        module(x, key_mask=mask[:, :4])
+    with pytest.raises(ValueError, match=r"key_mask\.shape=\[5\]"):
+        module(x, key_mask=mask[0])
+    with pytest.raises(ValueError, match=r"key_mask must be on x's device cpu.*meta"):
+        module(x, key_mask=mask.to("meta"))
+    with pytest.raises(ValueError, match=r"key_mask must be \(B, L\)"):
+        module.forward_with_weights(x, None, mask[:1])
 
 
 def test_loads_nanogpt_checkpoint_strictly_and_ignores_its_mask_buffer():

@@ -1,5 +1,6 @@
 """CausalSelfAttention and TinyGPT under TorchScript and torch.export: the scripted module (with
-and without a KV cache) and the exported programs run and match eager, and
+and without a KV cache, with and without a key mask) and the exported programs run and match
+eager, and
 scripts/export_torchscript_model.py writes a model that reproduces its expected outputs and
 gradients when loaded back."""
 
@@ -18,6 +19,7 @@ from nn_testing import (
     IGNORE_TORCHSCRIPT_DEPRECATION,
     ROOT,
     forward_backward,
+    left_padded_key_mask,
     load_script_module,
 )
 
@@ -77,6 +79,55 @@ def test_scripted_module_decodes_with_a_cache():
             assert cache.length == 0
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_scripted_module_takes_a_key_mask(config):
+    module = CausalSelfAttention(**config)
+    scripted = reload(torch.jit.script(module))
+    x = torch.randn(3, 9, config["embed_dim"])
+    key_mask = left_padded_key_mask([9, 4, 6], 9)
+    grad_out = torch.randn(x.shape)
+    out, grads = forward_backward(module, x, grad_out, key_mask=key_mask)
+    scripted_out, scripted_grads = forward_backward(scripted, x, grad_out, key_mask=key_mask)
+    torch.testing.assert_close(scripted_out, out)
+    for name in grads:
+        torch.testing.assert_close(scripted_grads[name], grads[name], msg=name)
+    with torch.no_grad():
+        assert (out - module(x)).abs().max() > 1e-3, "the mask must matter here"
+        for scripted_value, value in zip(
+            scripted.forward_with_weights(x, None, key_mask),
+            module(x, need_weights=True, key_mask=key_mask),
+        ):
+            torch.testing.assert_close(scripted_value, value)
+    with pytest.raises(torch.jit.Error, match=r"ValueError: .*key_mask must be \(B, L\)=\[3, 9\]"):
+        scripted(x, key_mask=key_mask[:, 1:])
+    # TorchScript prints a dtype as its number, so the message names the argument only.
+    with pytest.raises(torch.jit.Error, match="TypeError: .*key_mask must be a bool tensor"):
+        scripted(x, key_mask=key_mask.float())
+
+
+def test_scripted_module_decodes_left_padded_prompts():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2).eval()
+    scripted = torch.jit.script(module)
+    x = torch.randn(2, 8, 32)
+    key_mask = left_padded_key_mask([2, 5], 5)
+    with torch.no_grad():
+        outputs = {}
+        for name, runner, cache in (
+            ("eager", module, module.make_cache(2, 8)),
+            ("scripted", scripted, scripted.make_cache(2, 8)),
+            ("scripted, eager cache", scripted, module.make_cache(2, 8)),
+        ):
+            steps = [runner(x[:, :5], cache, False, key_mask)]
+            steps += [runner(x[:, i : i + 1], cache) for i in range(5, 8)]
+            outputs[name] = torch.cat(steps, dim=1)
+            assert cache.length == 8
+            assert torch.equal(cache.key_mask[:, :5], key_mask), name
+        alone = module(x[:1, 3:])  # row 0: its 3 padding positions removed
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, outputs["eager"], msg=name)
+    torch.testing.assert_close(outputs["eager"][:1, 3:], alone, atol=1e-5, rtol=1e-5)
+
+
 def test_scripted_tiny_gpt_matches_eager_forward_and_backward():
     model = TinyGPT()
     scripted = reload(torch.jit.script(model))
@@ -108,6 +159,28 @@ def test_exported_module_matches_eager_at_any_length(need_weights):
         torch.testing.assert_close(
             exported.module()(x, need_weights=need_weights), module(x, need_weights=need_weights)
         )
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["output", "with-weights"])
+def test_exported_module_takes_a_key_mask_at_any_length(need_weights):
+    module = CausalSelfAttention(32, 4, num_kv_heads=2).eval()
+    length = torch.export.Dim("length", min=2, max=128)
+    exported = torch.export.export(
+        module,
+        (torch.randn(2, 9, 32),),
+        {"need_weights": need_weights, "key_mask": left_padded_key_mask([9, 4], 9)},
+        dynamic_shapes={"x": {1: length}, "need_weights": None, "key_mask": {1: length}},
+    )
+    assert any(
+        node.target is torch.ops.causal_attention.attention.default
+        and node.kwargs.get("key_mask") is not None
+        for node in exported.graph.nodes
+    )
+    for size in (9, 70):
+        x = torch.randn(2, size, 32)
+        key_mask = left_padded_key_mask([size - 3, size // 2], size)
+        kwargs = dict(need_weights=need_weights, key_mask=key_mask)
+        torch.testing.assert_close(exported.module()(x, **kwargs), module(x, **kwargs))
 
 
 def test_exported_tiny_gpt_matches_eager():
