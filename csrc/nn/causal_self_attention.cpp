@@ -41,6 +41,20 @@ CausalSelfAttentionOptions resolve(CausalSelfAttentionOptions options) {
   return options.num_kv_heads(num_kv_heads).head_dim(head_dim).value_head_dim(value_head_dim);
 }
 
+void check_key_mask(const at::Tensor& key_mask, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(key_mask.defined(), kModule,
+                   ": key_mask must be a defined bool tensor (B, L) or nullopt");
+  TORCH_CHECK_TYPE(key_mask.scalar_type() == at::kBool, kModule,
+                   ": key_mask must be a bool tensor (true for real tokens), got key_mask.dtype=",
+                   key_mask.scalar_type());
+  TORCH_CHECK_VALUE(
+      key_mask.dim() == 2 && key_mask.size(0) == x.size(0) && key_mask.size(1) == x.size(1),
+      kModule, ": key_mask must be (B, L)=", x.sizes().slice(0, 2),
+      " of x, got key_mask.shape=", key_mask.sizes(), " for x.shape=", x.sizes());
+  TORCH_CHECK_VALUE(key_mask.device() == x.device(), kModule, ": key_mask must be on x's device ",
+                    x.device(), ", got key_mask.device=", key_mask.device());
+}
+
 }  // namespace
 
 CausalSelfAttentionOptions::CausalSelfAttentionOptions(int64_t embed_dim, int64_t num_heads)
@@ -67,14 +81,19 @@ void CausalSelfAttentionImpl::reset() {
   resid_dropout = register_module("resid_dropout", torch::nn::Dropout(options.dropout()));
 }
 
-CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(const at::Tensor& x,
-                                                                      KVCache* cache) {
+CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(
+    const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask) {
   TORCH_CHECK_VALUE(x.dim() == 3 && x.size(2) == options.embed_dim(), kModule,
                     ": x must be (B, L, E) with E=embed_dim=", options.embed_dim(),
                     ", got x.shape=", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == c_attn->weight.scalar_type(), kModule,
                    ": x must have the parameters' dtype ", c_attn->weight.scalar_type(),
                    ", got x.dtype=", x.scalar_type());
+  if (key_mask.has_value()) {
+    // Checked here, before anything enters the cache, and named after x: with a cache, the op
+    // would only see the mask of every cached position.
+    check_key_mask(*key_mask, x);
+  }
   const int64_t batch = x.size(0);
   const int64_t len = x.size(1);
   const int64_t num_heads = options.num_heads();
@@ -88,9 +107,9 @@ CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(const at::
   const std::vector<at::Tensor> qkv = c_attn(x).split_with_sizes(
       {num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * value_head_dim}, -1);
   Heads heads{split_heads(qkv[0], num_heads, head_dim), split_heads(qkv[1], num_kv_heads, head_dim),
-              split_heads(qkv[2], num_kv_heads, value_head_dim)};
+              split_heads(qkv[2], num_kv_heads, value_head_dim), key_mask};
   if (cache != nullptr) {
-    std::tie(heads.k, heads.v) = cache->append(heads.k, heads.v);
+    std::tie(heads.k, heads.v, heads.key_mask) = cache->append(heads.k, heads.v, key_mask);
   }
   return heads;
 }
@@ -100,16 +119,17 @@ at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
   return resid_dropout(c_proj(merged));
 }
 
-at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache) {
-  const Heads heads = project_heads(x, cache);
-  return project_output(attention(heads.q, heads.k, heads.v));
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache,
+                                            const std::optional<at::Tensor>& key_mask) {
+  const Heads heads = project_heads(x, cache, key_mask);
+  return project_output(attention(heads.q, heads.k, heads.v, std::nullopt, heads.key_mask));
 }
 
 std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights(
-    const at::Tensor& x, KVCache* cache) {
-  const Heads heads = project_heads(x, cache);
-  return {project_output(attention(heads.q, heads.k, heads.v)),
-          attention_weights(heads.q, heads.k, heads.v)};
+    const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask) {
+  const Heads heads = project_heads(x, cache, key_mask);
+  return {project_output(attention(heads.q, heads.k, heads.v, std::nullopt, heads.key_mask)),
+          attention_weights(heads.q, heads.k, heads.v, std::nullopt, heads.key_mask)};
 }
 
 KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {

@@ -3,7 +3,10 @@
 #include "causal_attention/nn.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/Exception.h>
+
+#include <utility>
 
 namespace causal_attention::nn {
 
@@ -26,6 +29,8 @@ KVCache::KVCache(at::Tensor key_storage, at::Tensor value_storage)
                     "KVCache: key and value storage must be on the same device, got "
                     "key_storage.device=",
                     key_storage_.device(), ", value_storage.device=", value_storage_.device());
+  mask_storage_ = at::ones({key_storage_.size(0), key_storage_.size(2)},
+                           key_storage_.options().dtype(at::kBool));
 }
 
 at::Tensor KVCache::keys() const {
@@ -36,16 +41,24 @@ at::Tensor KVCache::values() const {
   return value_storage_.narrow(2, 0, length_);
 }
 
+std::optional<at::Tensor> KVCache::key_mask() const {
+  if (!has_key_mask_) {
+    return std::nullopt;
+  }
+  return mask_storage_.narrow(1, 0, length_);
+}
+
 void KVCache::reset() {
   length_ = 0;
+  has_key_mask_ = false;
   // Drops the autograd history of a sequence decoded under autograd, so that the next one does
   // not keep its graph alive.
   key_storage_.detach_();
   value_storage_.detach_();
 }
 
-std::pair<at::Tensor, at::Tensor> KVCache::append(const at::Tensor& keys,
-                                                  const at::Tensor& values) {
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> KVCache::append(
+    const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& key_mask) {
   const auto fits = [](const at::Tensor& added, const at::Tensor& storage) {
     return added.dim() == 4 && added.size(0) == storage.size(0) &&
            added.size(1) == storage.size(1) && added.size(3) == storage.size(3);
@@ -67,16 +80,43 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(const at::Tensor& keys,
       "KVCache: the new keys and values must be on the cache's device ", key_storage_.device(),
       ", got keys.device=", keys.device(), ", values.device=", values.device());
   const int64_t added = keys.size(2);
+  if (key_mask.has_value()) {
+    const at::Tensor& mask = *key_mask;
+    TORCH_CHECK_TYPE(mask.defined(), "KVCache: key_mask must be a defined bool tensor or nullopt");
+    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool,
+                     "KVCache: key_mask must be a bool tensor (true for real tokens), got "
+                     "key_mask.dtype=",
+                     mask.scalar_type());
+    TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == keys.size(0) && mask.size(1) == added,
+                      "KVCache: key_mask must be (B, L)=", at::IntArrayRef({keys.size(0), added}),
+                      " of the new keys, got key_mask.shape=", mask.sizes());
+    TORCH_CHECK_VALUE(mask.device() == mask_storage_.device(),
+                      "KVCache: key_mask must be on the cache's device ", mask_storage_.device(),
+                      ", got key_mask.device=", mask.device());
+  }
   TORCH_CHECK_VALUE(length_ + added <= max_len(), "KVCache: cannot append ", added,
                     " positions to a cache holding ", length_, " of max_len=", max_len(),
                     "; reset() it or make a larger cache");
   key_storage_.narrow(2, length_, added).copy_(keys);
   value_storage_.narrow(2, length_, added).copy_(values);
-  length_ += added;
-  if (at::GradMode::is_enabled() && (keys.requires_grad() || values.requires_grad())) {
-    return {this->keys().clone(), this->values().clone()};
+  // Written on every append, a nullopt mask included: a later masked step attends with the mask
+  // of every cached position, and storage from before a reset must not leak into it.
+  if (key_mask.has_value()) {
+    mask_storage_.narrow(1, length_, added).copy_(*key_mask);
+    has_key_mask_ = true;
+  } else {
+    mask_storage_.narrow(1, length_, added).fill_(true);
   }
-  return {this->keys(), this->values()};
+  length_ += added;
+  std::optional<at::Tensor> cached_mask = this->key_mask();
+  if (at::GradMode::is_enabled() && (keys.requires_grad() || values.requires_grad())) {
+    // The mask too: ops that save it for backward must not see a later reset's writes.
+    if (cached_mask.has_value()) {
+      cached_mask = cached_mask->clone();
+    }
+    return {this->keys().clone(), this->values().clone(), cached_mask};
+  }
+  return {this->keys(), this->values(), cached_mask};
 }
 
 }  // namespace causal_attention::nn

@@ -1,7 +1,8 @@
 // causal_attention::nn: CausalSelfAttention equals torch::nn::MultiheadAttention with a causal
 // mask and a nanoGPT-style reference on its own parameters, in output and every gradient, across
-// GQA, Dv != D, no bias and three dtypes; KV-cache decoding equals the full forward and every
-// misuse throws a typed error; attention_weights equals a naive softmax.
+// GQA, Dv != D, no bias, three dtypes and with a key mask; KV-cache decoding equals the full
+// forward, a left-padded batch of prompts decodes as each prompt alone, and every misuse throws a
+// typed error; attention_weights equals a naive softmax.
 #include "causal_attention/nn.h"
 
 #include "attention_test_utils.h"
@@ -19,8 +20,11 @@ using nn::CausalSelfAttention;
 using nn::CausalSelfAttentionOptions;
 using nn::KVCache;
 
-// nanoGPT's computation, with SDPA, on the parameters of `module`.
-at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x) {
+// nanoGPT's computation, with SDPA, on the parameters of `module`. With key_mask (B, L), SDPA gets
+// causality and the key mask as one boolean attn_mask (a row that sees no key gives zeros there,
+// as in our op).
+at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x,
+                             const std::optional<at::Tensor>& key_mask = std::nullopt) {
   namespace F = torch::nn::functional;
   const CausalSelfAttentionOptions& o = module->options;
   const int64_t batch = x.size(0), len = x.size(1);
@@ -31,10 +35,15 @@ at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x) {
   const auto split_heads = [&](const at::Tensor& t, int64_t h, int64_t d) {
     return t.reshape({batch, len, h, d}).transpose(1, 2);
   };
+  std::optional<at::Tensor> visible;
+  if (key_mask.has_value()) {
+    visible = bottom_right_mask(len, len).logical_and(key_mask->view({batch, 1, 1, len}));
+  }
   const at::Tensor y = at::scaled_dot_product_attention(
       split_heads(qkv[0], heads, dim), split_heads(qkv[1], kv_heads, dim),
-      split_heads(qkv[2], kv_heads, value_dim), /*attn_mask=*/{}, /*dropout_p=*/0.0,
-      /*is_causal=*/true, /*scale=*/std::nullopt, /*enable_gqa=*/heads != kv_heads);
+      split_heads(qkv[2], kv_heads, value_dim), visible, /*dropout_p=*/0.0,
+      /*is_causal=*/!visible.has_value(), /*scale=*/std::nullopt,
+      /*enable_gqa=*/heads != kv_heads);
   return F::linear(y.transpose(1, 2).reshape({batch, len, heads * value_dim}),
                    module->c_proj->weight, module->c_proj->bias);
 }
@@ -67,14 +76,33 @@ std::vector<ModuleConfig> module_configs() {
   };
 }
 
+// Bool (2, len): the first row left-padded by 13; the second right-padded by 9 with hidden
+// positions in between, its first rows seeing no key.
+at::Tensor padding_and_holes(int64_t len) {
+  at::Tensor mask = torch::ones({2, len}, torch::kBool);
+  mask[0].narrow(0, 0, 13).fill_(false);
+  mask[1].narrow(0, 0, 3).fill_(false);
+  mask[1].narrow(0, 20, 5).fill_(false);
+  mask[1].narrow(0, len - 9, 9).fill_(false);
+  return mask;
+}
+
 class AgainstNanoGptReference : public ::testing::TestWithParam<ModuleConfig> {};
 
 // In float64 tightly; in float32 and bfloat16 at most twice as far from the float64 answer as
-// the reference computed in the same dtype. The dtypes share one test (one process under ctest).
+// the reference computed in the same dtype; without and with a key mask. The dtypes share one
+// test (one process under ctest).
 TEST_P(AgainstNanoGptReference, OutputAndEveryGradientInEachDtype) {
   const CausalSelfAttentionOptions& options = GetParam().options;
-  for (const at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
-    SCOPED_TRACE(c10::toString(dtype));
+  for (const auto& [dtype, key_mask] :
+       std::vector<std::pair<at::ScalarType, std::optional<at::Tensor>>>{
+           {at::kDouble, std::nullopt},
+           {at::kFloat, std::nullopt},
+           {at::kBFloat16, std::nullopt},
+           {at::kDouble, padding_and_holes(70)},
+           {at::kFloat, padding_and_holes(70)},
+           {at::kBFloat16, padding_and_holes(70)}}) {
+    SCOPED_TRACE(std::string(c10::toString(dtype)) + (key_mask ? ", key mask" : ""));
     CausalSelfAttention module(options);
     module->to(dtype);
     auto module64 = std::dynamic_pointer_cast<nn::CausalSelfAttentionImpl>(module->clone());
@@ -83,14 +111,19 @@ TEST_P(AgainstNanoGptReference, OutputAndEveryGradientInEachDtype) {
 
     const at::Tensor x = torch::randn({2, 70, options.embed_dim()}, at::kDouble).to(dtype);
     const at::Tensor grad_out = torch::randn(x.sizes(), at::kDouble).to(dtype);
-    const auto ours = output_and_grads([&](const at::Tensor& t) { return module(t); }, x, grad_out,
-                                       module->parameters());
-    const auto same_dtype =
-        output_and_grads([&](const at::Tensor& t) { return nanogpt_reference(module, t); }, x,
+    const auto ours =
+        output_and_grads([&](const at::Tensor& t) { return module(t, nullptr, key_mask); }, x,
                          grad_out, module->parameters());
-    const auto exact =
-        output_and_grads([&](const at::Tensor& t) { return nanogpt_reference(reference64, t); },
-                         x.to(at::kDouble), grad_out.to(at::kDouble), reference64->parameters());
+    const auto same_dtype = output_and_grads(
+        [&](const at::Tensor& t) { return nanogpt_reference(module, t, key_mask); }, x, grad_out,
+        module->parameters());
+    const auto exact = output_and_grads(
+        [&](const at::Tensor& t) { return nanogpt_reference(reference64, t, key_mask); },
+        x.to(at::kDouble), grad_out.to(at::kDouble), reference64->parameters());
+    if (key_mask.has_value() && dtype == at::kDouble) {
+      // The mask must matter, or this would be the unmasked case again.
+      EXPECT_GT(max_abs_diff(exact[0], nanogpt_reference(reference64, x.to(at::kDouble))), 1e-2);
+    }
 
     ASSERT_EQ(ours.size(), 2 + module->parameters().size());
     EXPECT_EQ(ours[0].scalar_type(), dtype);
@@ -304,10 +337,17 @@ void expect_cache_unchanged_after_error(Fn fn, KVCache& cache,
                                         std::initializer_list<const char*> needles) {
   const int64_t length = cache.length();
   const at::Tensor keys = cache.keys().clone(), values = cache.values().clone();
+  const std::optional<at::Tensor> key_mask = cache.key_mask();
+  const std::optional<at::Tensor> saved_mask =
+      key_mask ? std::optional<at::Tensor>(key_mask->clone()) : std::nullopt;
   expect_error<E>(fn, needles);
   EXPECT_EQ(cache.length(), length);
   EXPECT_TRUE(cache.keys().equal(keys));
   EXPECT_TRUE(cache.values().equal(values));
+  ASSERT_EQ(cache.key_mask().has_value(), saved_mask.has_value());
+  if (saved_mask) {
+    EXPECT_TRUE(cache.key_mask()->equal(*saved_mask));
+  }
 }
 
 TEST(KVCache, MisuseThrowsAndLeavesTheCacheUnchanged) {
@@ -348,6 +388,124 @@ TEST(KVCache, MisuseThrowsAndLeavesTheCacheUnchanged) {
 
   module(torch::randn({2, 2, 32}), &cache);  // still usable
   EXPECT_EQ(cache.length(), 5);
+}
+
+// Prompts of 7, 3 and 5 positions, left-padded to one batch (the padding random, so that a leak
+// shows), then 4 decoded positions: prefill with the key mask, decoding steps without one (the
+// last one with the weights). At every real position each row equals its prompt run alone.
+TEST(KVCache, LeftPaddedPromptsDecodeLikeEachPromptAlone) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(24, 4).num_kv_heads(2).value_head_dim(5));
+  const std::vector<int64_t> prompt_lengths{7, 3, 5};
+  const int64_t prompt = 7, new_tokens = 4, batch = 3;
+  std::vector<at::Tensor> sequences;
+  at::Tensor x = torch::randn({batch, prompt + new_tokens, 24});
+  at::Tensor key_mask = torch::ones({batch, prompt + new_tokens}, torch::kBool);
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t padding = prompt - prompt_lengths[row];
+    sequences.push_back(torch::randn({1, prompt_lengths[row] + new_tokens, 24}));
+    x[row].narrow(0, padding, prompt_lengths[row] + new_tokens).copy_(sequences.back()[0]);
+    key_mask[row].narrow(0, 0, padding).fill_(false);
+  }
+  torch::NoGradGuard no_grad;
+  KVCache cache = module->make_cache(batch, prompt + new_tokens);
+  std::vector<at::Tensor> outputs{
+      module(x.narrow(1, 0, prompt), &cache, key_mask.narrow(1, 0, prompt))};
+  outputs.push_back(module(x.narrow(1, prompt, 2), &cache));
+  outputs.push_back(module(x.narrow(1, prompt + 2, 1), &cache));
+  const auto [last, weights] = module->forward_with_weights(x.narrow(1, prompt + 3, 1), &cache);
+  outputs.push_back(last);
+  const at::Tensor batched = torch::cat(outputs, 1);
+  ASSERT_TRUE(cache.key_mask().has_value());
+  EXPECT_TRUE(cache.key_mask()->equal(key_mask));
+  EXPECT_EQ(weights.sizes(), at::IntArrayRef({batch, 4, 1, prompt + new_tokens}));
+  for (int64_t row = 0; row < batch; ++row) {
+    SCOPED_TRACE("row " + std::to_string(row));
+    const int64_t padding = prompt - prompt_lengths[row];
+    const auto [alone, alone_weights] = module->forward_with_weights(sequences[row]);
+    EXPECT_LE(max_abs_diff(batched[row].narrow(0, padding, alone.size(1)), alone[0]), 1e-5);
+    EXPECT_LE(max_abs_diff(weights[row].narrow(-1, padding, alone.size(1)),
+                           alone_weights[0].narrow(1, alone.size(1) - 1, 1)),
+              1e-5);
+    EXPECT_EQ(weights[row].narrow(-1, 0, padding).count_nonzero().item<int64_t>(), 0);
+  }
+}
+
+TEST(KVCache, ResetForgetsTheKeyMask) {
+  CausalSelfAttention module(32, 4);
+  const at::Tensor x = torch::randn({2, 6, 32});
+  at::Tensor key_mask = torch::ones({2, 6}, torch::kBool);
+  key_mask[0].narrow(0, 0, 4).fill_(false);
+  torch::NoGradGuard no_grad;
+  KVCache cache = module->make_cache(2, 6);
+  module(x, &cache, key_mask);
+  ASSERT_TRUE(cache.key_mask().has_value());
+  EXPECT_TRUE(cache.key_mask()->equal(key_mask));
+  cache.reset();
+  EXPECT_FALSE(cache.key_mask().has_value());
+  EXPECT_LE(max_abs_diff(decode(module, x, cache, {3, 3}), module(x)), 1e-5);
+  EXPECT_FALSE(cache.key_mask().has_value());
+}
+
+TEST(KVCache, BadKeyMaskThrowsAndLeavesTheCacheUnchanged) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(32, 4).num_kv_heads(2));
+  KVCache cache = module->make_cache(2, 6);
+  at::Tensor prefill_mask = torch::ones({2, 3}, torch::kBool);
+  prefill_mask[0][0] = false;
+  module(torch::randn({2, 3, 32}), &cache, prefill_mask);
+  const at::Tensor step = torch::randn({2, 1, 32});
+  expect_cache_unchanged_after_error<c10::TypeError>(
+      [&] {
+        module(step, &cache, torch::ones({2, 1}, torch::kLong));
+      },
+      cache, {"key_mask must be a bool tensor", "key_mask.dtype=Long"});
+  expect_cache_unchanged_after_error<c10::TypeError>([&] { module(step, &cache, at::Tensor()); },
+                                                     cache,
+                                                     {"key_mask must be a defined bool tensor"});
+  // The mask of the new positions, not of the whole cache.
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        module(step, &cache, torch::ones({2, 4}, torch::kBool));
+      },
+      cache, {"key_mask must be (B, L)=[2, 1] of x", "key_mask.shape=[2, 4]"});
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        module(step, &cache, torch::ones({2, 1}, torch::kBool).to(at::kMeta));
+      },
+      cache, {"key_mask must be on x's device cpu", "key_mask.device=meta"});
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        module(torch::randn({2, 4, 32}), &cache, torch::zeros({2, 4}, torch::kBool));
+      },
+      cache, {"cannot append 4 positions"});
+  // KVCache::append checks the mask itself too, for callers other than the module.
+  const at::Tensor keys = torch::zeros({2, 2, 1, 8}), values = torch::zeros({2, 2, 1, 8});
+  expect_cache_unchanged_after_error<c10::TypeError>(
+      [&] {
+        cache.append(keys, values, torch::ones({2, 1}));
+      },
+      cache, {"KVCache: key_mask must be a bool tensor", "key_mask.dtype=Float"});
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] {
+        cache.append(keys, values, torch::ones({1, 2}, torch::kBool));
+      },
+      cache, {"KVCache: key_mask must be (B, L)=[2, 1] of the new keys", "key_mask.shape=[1, 2]"});
+  module(step, &cache);  // still usable
+  EXPECT_EQ(cache.length(), 4);
+  ASSERT_TRUE(cache.key_mask().has_value());
+  EXPECT_TRUE(
+      cache.key_mask()->equal(torch::cat({prefill_mask, torch::ones({2, 1}, torch::kBool)}, 1)));
+}
+
+TEST(CausalSelfAttention, BadKeyMaskWithoutACacheThrowsNamingIt) {
+  CausalSelfAttention module(32, 4);
+  const at::Tensor x = torch::randn({2, 5, 32});
+  expect_error<c10::ValueError>([&] { module(x, nullptr, torch::ones({5}, torch::kBool)); },
+                                {"key_mask must be (B, L)=[2, 5] of x", "key_mask.shape=[5]"});
+  expect_error<c10::TypeError>(
+      [&] {
+        module->forward_with_weights(x, nullptr, torch::ones({2, 5}, torch::kInt));
+      },
+      {"key_mask must be a bool tensor", "key_mask.dtype=Int"});
 }
 
 TEST(KVCache, BadSizesAndStorageThrow) {

@@ -16,15 +16,21 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
-#include <utility>
 
 namespace causal_attention::nn {
 
 // Preallocated keys (B, Hkv, max_len, D) and values (B, Hkv, max_len, Dv) for incremental
-// decoding, and how many positions they hold. Made by CausalSelfAttention::make_cache.
+// decoding, the key mask (B, max_len) of the cached positions, and how many positions they hold.
+// Made by CausalSelfAttention::make_cache.
+//
+// The key mask remembers, per sequence, which cached positions are real tokens (true) and which
+// are padding (false), so that a left-padded prompt's padding stays hidden in every later
+// decoding step. Until some append passes a key mask every position is real, and the cache hands
+// out no mask, so the attention runs exactly as without one.
 class KVCache {
  public:
-  // Takes the storage; both must be 4-D with equal (B, Hkv, max_len), dtype and device.
+  // Takes the storage; both must be 4-D with equal (B, Hkv, max_len), dtype and device. The key
+  // mask storage is allocated here.
   KVCache(at::Tensor key_storage, at::Tensor value_storage);
 
   int64_t length() const { return length_; }
@@ -34,21 +40,30 @@ class KVCache {
   // The cached positions: views (B, Hkv, length, D) and (B, Hkv, length, Dv) of the storage.
   at::Tensor keys() const;
   at::Tensor values() const;
+  // The key mask of the cached positions, a bool view (B, length) of the storage (true for real
+  // tokens), or nullopt while no append has passed one (every position is real).
+  std::optional<at::Tensor> key_mask() const;
 
-  // Forgets the cached positions, keeping the storage, so that the cache can serve a new sequence.
+  // Forgets the cached positions and their key mask, keeping the storage, so that the cache can
+  // serve a new sequence.
   void reset();
 
-  // Writes keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) after the cached positions and returns
-  // all cached positions, the new ones included: views of the storage, or copies when autograd
-  // records (so that backward works through a decoded sequence, whose later appends overwrite
-  // the storage in place). Throws, leaving the cache unchanged, if they do not match the storage
-  // or would overflow max_len.
-  std::pair<at::Tensor, at::Tensor> append(const at::Tensor& keys, const at::Tensor& values);
+  // Writes keys (B, Hkv, L, D), values (B, Hkv, L, Dv) and their key_mask (bool (B, L), true for
+  // real tokens; nullopt: all real) after the cached positions and returns all cached keys,
+  // values and key mask (as key_mask() does), the new ones included: views of the storage, or
+  // copies when autograd records (so that backward works through a decoded sequence, whose later
+  // appends overwrite the storage in place). Throws, leaving the cache unchanged, if they do not
+  // match the storage or would overflow max_len.
+  std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> append(
+      const at::Tensor& keys, const at::Tensor& values,
+      const std::optional<at::Tensor>& key_mask = std::nullopt);
 
  private:
   at::Tensor key_storage_;
   at::Tensor value_storage_;
+  at::Tensor mask_storage_;  // bool (B, max_len)
   int64_t length_ = 0;
+  bool has_key_mask_ = false;  // whether an append since the last reset passed a key mask
 };
 
 struct CausalSelfAttentionOptions {
@@ -84,12 +99,24 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
 
   // With a cache, x holds the positions after the cached ones: their keys and values are
   // appended, and the queries attend to the whole cache (bottom-right causal alignment).
-  at::Tensor forward(const at::Tensor& x, KVCache* cache = nullptr);
+  //
+  // key_mask, bool (B, L) for the L positions of x (true for real tokens, false for padding:
+  // transformers' attention_mask as bool), hides the padding from every query. With a cache it
+  // is stored next to the new keys, and every call attends with the mask of all cached
+  // positions, so a left-padded prompt's padding stays hidden through prefill and every decoding
+  // step; a call without one adds real positions. Outputs at padding positions are not
+  // meaningful (a query that sees no key gives c_proj's bias). A bad key_mask throws
+  // c10::TypeError (undefined, not bool) or c10::ValueError (shape, device) before the cache
+  // changes.
+  at::Tensor forward(const at::Tensor& x, KVCache* cache = nullptr,
+                     const std::optional<at::Tensor>& key_mask = std::nullopt);
 
   // forward's output and the attention probabilities (B, num_heads, L, cached + L); the latter
-  // are materialized, O(L^2) memory, for inspection only.
-  std::tuple<at::Tensor, at::Tensor> forward_with_weights(const at::Tensor& x,
-                                                          KVCache* cache = nullptr);
+  // are materialized, O(L^2) memory, for inspection only. Under a key mask they are 0 at hidden
+  // keys, and a row that sees no key is all 0.
+  std::tuple<at::Tensor, at::Tensor> forward_with_weights(
+      const at::Tensor& x, KVCache* cache = nullptr,
+      const std::optional<at::Tensor>& key_mask = std::nullopt);
 
   // An empty cache for batch_size sequences of up to max_len positions, in the dtype and on the
   // device of the parameters.
@@ -104,8 +131,11 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
  private:
   struct Heads {
     at::Tensor q, k, v;  // (B, H, L, D) views of c_attn's output; k and v include the cache
+    // What to attend with: key_mask without a cache, the cache's mask with one.
+    std::optional<at::Tensor> key_mask;
   };
-  Heads project_heads(const at::Tensor& x, KVCache* cache);
+  Heads project_heads(const at::Tensor& x, KVCache* cache,
+                      const std::optional<at::Tensor>& key_mask);
   at::Tensor project_output(const at::Tensor& attended);
 };
 
