@@ -444,6 +444,14 @@ TEST(KVCache, ResetForgetsTheKeyMask) {
   EXPECT_FALSE(cache.key_mask().has_value());
   EXPECT_LE(max_abs_diff(decode(module, x, cache, {3, 3}), module(x)), 1e-5);
   EXPECT_FALSE(cache.key_mask().has_value());
+  // Positions appended without a mask are real even where the last sequence had padding: a
+  // masked step after them must not find that sequence's mask in the storage.
+  cache.reset();
+  const at::Tensor unmasked = module(x.narrow(1, 0, 3), &cache);
+  const at::Tensor masked = module(x.narrow(1, 3, 3), &cache, torch::ones({2, 3}, torch::kBool));
+  ASSERT_TRUE(cache.key_mask().has_value());
+  EXPECT_TRUE(cache.key_mask()->all().item<bool>());
+  EXPECT_LE(max_abs_diff(torch::cat({unmasked, masked}, 1), module(x)), 1e-5);
 }
 
 TEST(KVCache, BadKeyMaskThrowsAndLeavesTheCacheUnchanged) {

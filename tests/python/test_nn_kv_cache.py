@@ -246,6 +246,15 @@ def test_reset_forgets_the_key_mask():
         decoded = decode(module, x, cache, [3, 3])
         assert cache.key_mask is None
         torch.testing.assert_close(decoded, module(x), atol=1e-5, rtol=1e-5)
+        # Positions appended without a mask are real even where the last sequence had padding:
+        # a masked step after them must not find that sequence's mask in the storage.
+        cache.reset()
+        unmasked = decode(module, x[:, :3], cache, [3])
+        masked = module(x[:, 3:], cache=cache, key_mask=torch.ones(2, 3, dtype=torch.bool))
+        assert torch.equal(cache.key_mask, torch.ones(2, 6, dtype=torch.bool))
+        torch.testing.assert_close(
+            torch.cat([unmasked, masked], dim=1), module(x), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_decoding_with_a_key_mask_backpropagates_even_after_reuse():
