@@ -26,13 +26,16 @@ from hypothesis import strategies as st
 import causal_attention
 from attention_testing import (
     DTYPES,
-    UNIT_ROUNDOFF,
     abs_magnitudes,
     accumulation_roundoff,
+    assert_close_to_reference,
     default_scale,
     empty_rows,
     expand_kv_heads,
     float64_reference,
+    logit_and_sum_error,
+    logit_l1,
+    roundoff_tolerance,
     to64,
     with_layout,
 )
@@ -173,40 +176,23 @@ def make_inputs(call: Call, requires_grad: bool):
     return [t.detach().requires_grad_(requires_grad) for t in tensors[:3]] + tensors[3:]
 
 
-# --- error bound ---------------------------------------------------------------------------
-#
-# For each result X, |X - X_ref| <= tolerance * max(X|abs), where X|abs is X's reference formula
-# with every factor replaced by its absolute value (attention_testing.abs_magnitudes), and
-# tolerance is a sum of three relative errors: rounding to the dtype (8 u_io); the logits' error
-# (8 u_acc sqrt(D) L1, L1 the largest sum of |scale * q_d * k_d|), which perturbs the softmax
-# weights relatively by as much; and float32 (float64) accumulation over the sums' lengths
-# (2 u_acc n: linear, as sums of equal terms, e.g. from stride-0 inputs, round alike). On these
-# examples the largest error is below 1/4 of the bound.
+# --- error bound: attention_testing.roundoff_tolerance ---------------------------------------
 
 
 def _logit_l1(call: Call, q, k) -> float:
-    """The largest sum of |scale * q_d * k_d| over (query, key) pairs (0 without any)."""
-    heads_q = call.heads[0] if call.heads else 1
-    products = to64(q).abs() @ expand_kv_heads(to64(k).abs(), heads_q).transpose(-2, -1)
-    return products.amax().item() * abs(call.resolved_scale) if products.numel() else 0.0
+    return logit_l1(q, k, call.resolved_scale)
+
+
+def _sum_length(call: Call) -> int:
+    return call.lq + call.lk + call.d + call.dv
 
 
 def _logit_and_sum_error(call: Call, l1: float) -> float:
-    u_acc = accumulation_roundoff(call.dtype)
-    return u_acc * (8 * math.sqrt(call.d) * l1 + 2 * (call.lq + call.lk + call.d + call.dv))
+    return logit_and_sum_error(call.dtype, call.d, _sum_length(call), l1)
 
 
 def _tolerance(call: Call, l1: float) -> float:
-    return 8 * UNIT_ROUNDOFF[call.dtype] + _logit_and_sum_error(call, l1)
-
-
-def _assert_close(name, actual, expected, peak, tolerance):
-    assert torch.isfinite(actual).all(), f"{name} has non-finite values"
-    if actual.numel() == 0:
-        return
-    error = (to64(actual) - expected).abs().max().item()
-    bound = tolerance * peak + 1e-300
-    assert error <= bound, f"{name}: max error {error:.3e} > bound {bound:.3e} (peak {peak:.3e})"
+    return roundoff_tolerance(call.dtype, call.d, _sum_length(call), l1)
 
 
 def _check_output(call: Call, inputs, out, grad_out=None):
@@ -219,7 +205,7 @@ def _check_output(call: Call, inputs, out, grad_out=None):
     assume(max(peaks.values()) < torch.finfo(call.dtype).max / 2)
     l1 = _logit_l1(call, *inputs[:2])
     tolerance = _tolerance(call, l1)
-    _assert_close("out", out, ref.out, peaks["out"], tolerance)
+    assert_close_to_reference("out", out, ref.out, peaks["out"], tolerance)
     return ref, peaks, l1, tolerance
 
 
@@ -231,15 +217,8 @@ def _check_empty_rows(call: Call, out, dq=None):
             assert torch.equal(t[..., no_key, :], torch.zeros_like(t[..., no_key, :])), name
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """The examples run on one intra-op thread: results do not depend on the thread count (see
-    test_determinism.py), and thousands of small calls with a 2-thread OpenMP region each are
-    10x slower on a busy 2-core machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+# Thousands of small calls: one intra-op thread (see conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 _FUZZ_SETTINGS = dict(
@@ -280,5 +259,5 @@ def test_gradients_match_float64(call):
     ref, peaks, _, tolerance = _check_output(call, (q, k, v), out.detach(), grad_out)
     for name, actual, expected, input_ in zip(("dq", "dk", "dv"), grads, ref.grads, (q, k, v)):
         assert actual.shape == input_.shape and actual.dtype == call.dtype, name
-        _assert_close(name, actual, expected, peaks[name], tolerance)
+        assert_close_to_reference(name, actual, expected, peaks[name], tolerance)
     _check_empty_rows(call, out.detach(), grads[0])
