@@ -1,11 +1,13 @@
 """torch.library.opcheck (schema, autograd registration, FakeTensor/Meta, AOT dispatch with
-dynamic shapes) of the three operators."""
+dynamic shapes) of the operators: attention, attention_forward and attention_backward, without
+and with a key mask, and varlen_attention, varlen_attention_forward and
+varlen_attention_backward."""
 
 import pytest
 import torch
 
 import causal_attention  # noqa: F401  (loads the ops)
-from attention_testing import Case
+from attention_testing import Case, Packed, make_key_mask
 
 OPS = torch.ops.causal_attention
 
@@ -64,3 +66,96 @@ def test_opcheck_attention_backward(case, dtype, scale):
     grad_out = torch.randn_like(out)
     args = (grad_out, q, k, v, out, lse, scale)
     _assert_all_pass(torch.library.opcheck(OPS.attention_backward.default, args))
+
+
+# --- key masks ---------------------------------------------------------------------------------
+
+# (case, dtype, scale, mask kind): holes with a whole hidden block, padding, a batch element that
+# hides every key (rows without keys), and the (Lk,) mask of 2-D inputs.
+KEY_MASK_SAMPLES = [
+    pytest.param(
+        Case(130, 130, 4, hq=2, hkv=2), torch.float64, 0.3, "holes", id="f64-hidden-block"
+    ),
+    pytest.param(
+        Case(3, 9, 4, hq=2, hkv=1, batch=(2,)), torch.float32, None, "one-all-false", id="no-keys"
+    ),
+    pytest.param(
+        Case(5, 7, 4, dv=3, hq=2, hkv=1, batch=(2, 2), layout="transposed"),
+        torch.float16,
+        0.5,
+        "right-pad",
+        id="5d-Dv3-f16-transposed",
+    ),
+    pytest.param(
+        Case(8, 8, 4, hq=4, hkv=2, batch=(2,)), torch.float32, None, "left-pad", id="gqa2"
+    ),
+    pytest.param(Case(6, 6, 4, heads=False), torch.bfloat16, None, "holes", id="2d-bf16"),
+]
+# The kernel entries see the first three.
+KEY_MASK_FEW = KEY_MASK_SAMPLES[:3]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("case,dtype,scale,kind", KEY_MASK_SAMPLES)
+def test_opcheck_attention_with_key_mask(case, dtype, scale, kind, requires_grad):
+    q, k, v = case.inputs(dtype, requires_grad=requires_grad)
+    kwargs = {"key_mask": make_key_mask(case.key_mask_shape, kind), "scale": scale}
+    _assert_all_pass(torch.library.opcheck(OPS.attention.default, (q, k, v), kwargs))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("case,dtype,scale,kind", KEY_MASK_FEW)
+def test_opcheck_attention_forward_with_key_mask(case, dtype, scale, kind, requires_grad):
+    q, k, v = case.inputs(dtype, requires_grad=requires_grad)
+    args = (q, k, v, 0.5 if scale is None else scale, make_key_mask(case.key_mask_shape, kind))
+    _assert_all_pass(torch.library.opcheck(OPS.attention_forward.default, args))
+
+
+@pytest.mark.parametrize("case,dtype,scale,kind", KEY_MASK_FEW)
+def test_opcheck_attention_backward_with_key_mask(case, dtype, scale, kind):
+    q, k, v = case.inputs(dtype)
+    scale = 0.5 if scale is None else scale
+    key_mask = make_key_mask(case.key_mask_shape, kind)
+    out, lse = OPS.attention_forward(q, k, v, scale, key_mask)
+    args = (torch.randn_like(out), q, k, v, out, lse, scale, key_mask)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_backward.default, args))
+
+
+# --- packed sequences --------------------------------------------------------------------------
+
+# (packed, dtype, scale): an empty sequence and rows without keys, GQA with Dv != D, a chunk
+# against its cache, and no sequences at all.
+VARLEN_SAMPLES = [
+    pytest.param(Packed((3, 0, 5), (3, 2, 2), 4, hq=2, hkv=2), torch.float32, None, id="mixed"),
+    pytest.param(Packed((2, 7), (9, 7), 4, dv=3, hq=4, hkv=2), torch.float64, 0.3, id="gqa2-Dv3"),
+    pytest.param(Packed((), (), 4, hq=2, hkv=1), torch.float32, None, id="no-sequences"),
+    pytest.param(Packed((1, 70), (40, 70), 4, hq=2, hkv=1), torch.bfloat16, None, id="bf16-blocks"),
+    pytest.param(Packed((4,), (4,), 4), torch.float16, 0.5, id="f16-one-sequence"),
+]
+# The kernel entries see the first three.
+VARLEN_FEW = VARLEN_SAMPLES[:3]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("packed,dtype,scale", VARLEN_SAMPLES)
+def test_opcheck_varlen_attention(packed, dtype, scale, requires_grad):
+    args = packed.inputs(dtype, requires_grad=requires_grad) + packed.lengths_args()
+    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention.default, args, {"scale": scale}))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("packed,dtype,scale", VARLEN_FEW)
+def test_opcheck_varlen_attention_forward(packed, dtype, scale, requires_grad):
+    scale = 0.5 if scale is None else scale
+    args = packed.inputs(dtype, requires_grad=requires_grad) + packed.lengths_args() + (scale,)
+    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_forward.default, args))
+
+
+@pytest.mark.parametrize("packed,dtype,scale", VARLEN_FEW)
+def test_opcheck_varlen_attention_backward(packed, dtype, scale):
+    scale = 0.5 if scale is None else scale
+    q, k, v = packed.inputs(dtype)
+    lengths = packed.lengths_args()
+    out, lse = OPS.varlen_attention_forward(q, k, v, *lengths, scale)
+    args = (torch.randn_like(out), q, k, v, out, lse) + lengths + (scale,)
+    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_backward.default, args))
