@@ -1,15 +1,21 @@
 """torch.compile of the small GPT (causal_attention.models.GPT) with fullgraph=True, static and
 dynamic=True: no graph break, and the forward and a training step (through our backward op)
-match eager. The compiled models are tiny and compiled three times in all, compilation being
-slow."""
+match eager. Then the ops with a key mask and on packed sequences (varlen_attention): compiled
+with fullgraph=True, forward and backward match eager and the graphs call our forward and
+backward ops; torch.export traces them and the exported programs match eager. Everything is tiny
+and compiled as few times as the checks allow, compilation being slow."""
 
 import pytest
 import torch
 import torch._dynamo
+from torch import nn
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.export import Dim
 
+import causal_attention
+from attention_testing import Case, Packed, make_key_mask, make_tensor
 from causal_attention.models import GPT
 from nn_testing import IGNORE_TORCHSCRIPT_DEPRECATION
 
@@ -90,3 +96,170 @@ def test_compiled_graphs_call_our_forward_and_backward_ops():
     assert "causal_attention.attention_forward.default" in targets["forward"], targets["forward"]
     assert "causal_attention.attention_backward.default" in targets["backward"], targets["backward"]
     assert not any("scaled_dot_product" in t for kind in targets.values() for t in kind)
+
+
+# --- the ops with a key mask, and on packed sequences ---------------------------------------
+
+MASKED = Case(9, 12, 8, dv=4, hq=4, hkv=2, batch=(3,))
+PACKED = Packed((4, 0, 9, 2), (4, 3, 12, 1), 8, dv=4, hq=4, hkv=2)
+_CU_Q, _CU_K, MAX_Q, MAX_K = PACKED.lengths_args()
+
+
+def masked_attention(q, k, v, key_mask):
+    return causal_attention.attention(q, k, v, key_mask=key_mask)
+
+
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    return causal_attention.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, MAX_Q, MAX_K)
+
+
+def masked_call():
+    """(function, tensors: q, k, v and the rest, grad_out) of a masked call with empty rows."""
+    q, k, v = MASKED.inputs(torch.float32, requires_grad=True)
+    key_mask = make_key_mask(MASKED.key_mask_shape, "one-all-false")
+    return masked_attention, (q, k, v, key_mask), make_tensor(MASKED.out_shape, torch.float32)
+
+
+def packed_call():
+    q, k, v = PACKED.inputs(torch.float32, requires_grad=True)
+    args = (q, k, v, _CU_Q, _CU_K)
+    return packed_attention, args, make_tensor(PACKED.out_shape, torch.float32)
+
+
+CALLS = [pytest.param(masked_call, id="key_mask"), pytest.param(packed_call, id="varlen")]
+
+
+def forward_backward(function, args, grad_out):
+    out = function(*args)
+    return (out.detach(),) + torch.autograd.grad(out, args[:3], grad_out)
+
+
+@pytest.mark.parametrize("make_call", CALLS)
+def test_compiled_op_forward_and_backward_match_eager(make_call):
+    function, args, grad_out = make_call()
+    compiled = torch.compile(function, fullgraph=True)
+    expected = forward_backward(function, args, grad_out)
+    got = forward_backward(compiled, args, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "make_call,forward,backward",
+    [
+        pytest.param(masked_call, "attention_forward", "attention_backward", id="key_mask"),
+        pytest.param(
+            packed_call, "varlen_attention_forward", "varlen_attention_backward", id="varlen"
+        ),
+    ],
+)
+def test_compiled_op_graphs_call_our_forward_and_backward_ops(make_call, forward, backward):
+    graphs = {}
+
+    def keep(kind):
+        def compiler(graph_module, example_inputs):
+            graphs[kind] = graph_module.graph
+            return make_boxed_func(graph_module.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    function, args, grad_out = make_call()
+    compiled = torch.compile(function, backend=backend, fullgraph=True)
+    got = forward_backward(compiled, args, grad_out)
+    expected = forward_backward(function, args, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert torch.equal(a, b), name  # the same kernels on the same inputs
+    targets = {kind: {str(node.target) for node in graph.nodes} for kind, graph in graphs.items()}
+    assert f"causal_attention.{forward}.default" in targets["forward"], targets["forward"]
+    assert f"causal_attention.{backward}.default" in targets["backward"], targets["backward"]
+
+
+class MaskedAttention(nn.Module):
+    def forward(self, q, k, v, key_mask):
+        return masked_attention(q, k, v, key_mask)
+
+
+class PackedAttention(nn.Module):
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+@pytest.mark.parametrize(
+    "module,make_call,op",
+    [
+        pytest.param(MaskedAttention, masked_call, "attention", id="key_mask"),
+        pytest.param(PackedAttention, packed_call, "varlen_attention", id="varlen"),
+    ],
+)
+def test_exported_op_matches_eager(module, make_call, op):
+    function, args, _ = make_call()
+    args = tuple(t.detach() for t in args)
+    exported = torch.export.export(module(), args)
+    targets = [node.target for node in exported.graph.nodes]
+    assert getattr(torch.ops.causal_attention, op).default in targets, targets
+    assert torch.equal(exported.module()(*args), function(*args))
+
+
+def test_exported_key_mask_attention_runs_at_other_shapes():
+    batch, len_q, len_k = Dim("batch", max=8), Dim("len_q", max=64), Dim("len_k", max=64)
+    _, args, _ = masked_call()
+    args = tuple(t.detach() for t in args)
+    exported = torch.export.export(
+        MaskedAttention(),
+        args,
+        dynamic_shapes=(
+            {0: batch, 2: len_q},
+            {0: batch, 2: len_k},
+            {0: batch, 2: len_k},
+            {0: batch, 1: len_k},
+        ),
+    )
+    for lq, lk, batch in ((3, 20, 2), (30, 7, 5)):
+        shape = Case(lq, lk, 8, dv=4, hq=4, hkv=2, batch=(batch,))
+        q, k, v = shape.inputs(torch.float32)
+        key_mask = make_key_mask(shape.key_mask_shape, "holes")
+        expected = masked_attention(q, k, v, key_mask)
+        assert torch.equal(exported.module()(q, k, v, key_mask), expected)
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return causal_attention.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+
+
+def test_compiled_dynamic_varlen_takes_new_packings_without_recompiling():
+    """Each training batch packs other lengths: other totals, cu_seqlens and max_seqlen."""
+    compiled = torch.compile(_varlen, fullgraph=True, dynamic=True)
+    packings = [PACKED, Packed((7, 3), (7, 30), 8, dv=4, hq=4, hkv=2)]
+    packings.append(Packed((1, 1, 1), (5, 6, 9), 8, dv=4, hq=4, hkv=2))
+    for i, packed in enumerate(packings):
+        q, k, v = packed.inputs(torch.float32, requires_grad=True)
+        args = (q, k, v) + packed.lengths_args()
+        grad_out = make_tensor(packed.out_shape, torch.float32)
+        expected = forward_backward(_varlen, args, grad_out)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = forward_backward(compiled, args, grad_out)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"{name} of packing {i}")
+
+
+def test_exported_varlen_attention_runs_at_other_packings():
+    """Dynamic totals and numbers of sequences; max_seqlen_q and max_seqlen_k stay the bounds
+    packed_attention passes (MAX_Q, MAX_K), which these packings respect."""
+    total_q, total_k = Dim("total_q", max=256), Dim("total_k", max=256)
+    entries = Dim("entries", max=33)
+    _, args, _ = packed_call()
+    args = tuple(t.detach() for t in args)
+    exported = torch.export.export(
+        PackedAttention(),
+        args,
+        dynamic_shapes=({0: total_q}, {0: total_k}, {0: total_k}, {0: entries}, {0: entries}),
+    )
+    for lengths_q, lengths_k in (((7, 3), (7, 12)), ((1,) * 5, (5, 6, 9, 1, 2))):
+        packed = Packed(lengths_q, lengths_k, 8, dv=4, hq=4, hkv=2)
+        q, k, v = packed.inputs(torch.float32)
+        cu_q, cu_k, _, _ = packed.lengths_args()
+        expected = packed_attention(q, k, v, cu_q, cu_k)
+        assert torch.equal(exported.module()(q, k, v, cu_q, cu_k), expected)
