@@ -1,5 +1,5 @@
-"""Bitwise reproducibility across thread counts and repeated calls, and proof that two threads
-really share the work."""
+"""Bitwise reproducibility across thread counts and repeated calls (with and without a key mask,
+and on packed sequences), and proof that two threads really share the work."""
 
 import json
 import os
@@ -10,7 +10,14 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import DTYPE_IDS, Case, make_tensor, run_python
+from attention_testing import (
+    DTYPE_IDS,
+    Case,
+    Packed,
+    make_key_mask,
+    make_tensor,
+    run_python,
+)
 
 # The subprocesses import the package this process imported (this checkout's, or the sanitized
 # copy scripts/sanitize.sh puts first on the path), not whatever an installed copy points to.
@@ -82,6 +89,73 @@ def test_bitwise_equal_across_repeated_calls(case, dtype, restore_num_threads):
     first = _forward_backward(inputs, grad_out, threads=2)
     for _ in range(2):
         _assert_bitwise_equal(first, _forward_backward(inputs, grad_out, threads=2))
+
+
+# --- key masks and packed sequences ---------------------------------------------------------
+
+# (case, mask kind, dtype): holes and hidden blocks over many blocks, the tiled forward with
+# padding, decoding with key splits, and the one-pass backward (float32 / float64).
+KEY_MASK_CASES = [
+    pytest.param(Case(700, 700, 64, hq=2, hkv=2), "holes", torch.float32, id="L700-holes-f32"),
+    pytest.param(
+        Case(1100, 1500, 32, hq=2, hkv=1, batch=(2,)), "left-pad", torch.bfloat16, id="tiles-bf16"
+    ),
+    pytest.param(
+        Case(16, 3000, 64, hq=4, hkv=2, batch=(2,)), "holes", torch.float32, id="decode-split"
+    ),
+    pytest.param(
+        Case(300, 300, 64, hq=8, hkv=4, batch=(2,)), "one-all-false", torch.float64, id="one-pass"
+    ),
+]
+# (packed, dtype): ragged lengths scheduled by cost, a chunk against a long cache, decoding rows
+# of many sequences, and many heads (one-pass in float32 / float64).
+VARLEN_CASES = [
+    pytest.param(
+        Packed((700, 5, 0, 300, 64), (700, 5, 9, 300, 64), 64, hq=2, hkv=1),
+        torch.float32,
+        id="ragged-f32",
+    ),
+    pytest.param(
+        Packed((1100, 40), (1500, 40), 32, hq=2, hkv=2), torch.bfloat16, id="tiles-cache-bf16"
+    ),
+    pytest.param(
+        Packed((16,) * 4, (2000, 300, 1100, 16), 64, hq=4, hkv=2), torch.float32, id="decode"
+    ),
+    pytest.param(Packed((300, 200), (300, 260), 64, hq=8, hkv=8), torch.float64, id="H8-f64"),
+]
+
+
+def _masked_forward_backward(inputs, grad_out, key_mask, threads):
+    torch.set_num_threads(threads)
+    out = causal_attention.attention(*inputs, key_mask=key_mask)
+    return (out,) + torch.autograd.grad(out, inputs, grad_out)
+
+
+def _packed_forward_backward(inputs, grad_out, lengths, threads):
+    torch.set_num_threads(threads)
+    out = causal_attention.varlen_attention(*inputs, *lengths)
+    return (out,) + torch.autograd.grad(out, inputs, grad_out)
+
+
+@pytest.mark.parametrize("case,kind,dtype", KEY_MASK_CASES)
+def test_key_mask_bitwise_equal_for_one_and_two_threads(case, kind, dtype, restore_num_threads):
+    inputs, grad_out = _inputs(case, dtype)
+    key_mask = make_key_mask(case.key_mask_shape, kind)
+    one = _masked_forward_backward(inputs, grad_out, key_mask, threads=1)
+    two = _masked_forward_backward(inputs, grad_out, key_mask, threads=2)
+    _assert_bitwise_equal(one, two)
+    _assert_bitwise_equal(two, _masked_forward_backward(inputs, grad_out, key_mask, threads=2))
+
+
+@pytest.mark.parametrize("packed,dtype", VARLEN_CASES)
+def test_varlen_bitwise_equal_for_one_and_two_threads(packed, dtype, restore_num_threads):
+    inputs = packed.inputs(dtype, requires_grad=True)
+    grad_out = make_tensor(packed.out_shape, dtype)
+    lengths = packed.lengths_args()
+    one = _packed_forward_backward(inputs, grad_out, lengths, threads=1)
+    two = _packed_forward_backward(inputs, grad_out, lengths, threads=2)
+    _assert_bitwise_equal(one, two)
+    _assert_bitwise_equal(two, _packed_forward_backward(inputs, grad_out, lengths, threads=2))
 
 
 # --- two threads share the work -------------------------------------------------------------
