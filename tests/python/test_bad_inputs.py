@@ -1,11 +1,13 @@
 """The bad-input battery, from Python: a table of malformed calls of every public function
-(attention, attention_forward, attention_backward, attention_weights, the SDPA drop-in; with and
-without inputs that require grad). Each must raise exactly the documented ValueError or TypeError
-with a message naming the offending argument. test_errors.py checks the messages of the common
-mistakes in detail; this table is about breadth: None in every position, exotic dtypes, devices,
-non-finite scales. Calls that never reach the op's checks (a non-tensor argument, a sparse or
-MKL-DNN tensor) are refused by torch itself; the last tests pin that down, as it is part of what a
-caller sees. scripts/sanitize.sh runs this file under ASan and UBSan.
+(attention, attention_forward, attention_backward, attention_weights, the SDPA drop-in,
+varlen_attention, varlen_attention_forward, varlen_attention_backward; with and without inputs
+that require grad, with and without a key mask). Each must raise exactly the documented
+ValueError or TypeError with a message naming the offending argument. test_errors.py checks the
+messages of the common mistakes in detail; this table is about breadth: None in every position,
+exotic dtypes, devices, non-finite scales, bad cumulative lengths. Calls that never reach the
+op's checks (a non-tensor argument, a sparse or MKL-DNN tensor) are refused by torch itself; the
+last tests pin that down, as it is part of what a caller sees. scripts/sanitize.sh runs this
+file under ASan and UBSan.
 """
 
 import math
@@ -33,17 +35,20 @@ def valid():
         "v": randn(2, 2, 6, 3),
         "out": randn(2, 4, 5, 3),
         "lse": randn(2, 4, 5),
+        "key_mask": None,  # or (2, 6) bool
     }
 
 
 def attention(scale=None, requires_grad=False, **replace):
-    """causal_attention.attention on the valid call with some of q, k, v replaced."""
+    """causal_attention.attention on the valid call with some of q, k, v, key_mask replaced."""
 
     def call():
         args = {**valid(), **replace}
         if requires_grad:
             args["q"] = args["q"].detach().requires_grad_(True)
-        return causal_attention.attention(args["q"], args["k"], args["v"], scale=scale)
+        return causal_attention.attention(
+            args["q"], args["k"], args["v"], scale=scale, key_mask=args["key_mask"]
+        )
 
     return call
 
@@ -51,7 +56,9 @@ def attention(scale=None, requires_grad=False, **replace):
 def forward(scale=0.5, **replace):
     def call():
         args = {**valid(), **replace}
-        return causal_attention.attention_forward(args["q"], args["k"], args["v"], scale)
+        return causal_attention.attention_forward(
+            args["q"], args["k"], args["v"], scale, args["key_mask"]
+        )
 
     return call
 
@@ -60,7 +67,7 @@ def backward(scale=0.5, **replace):
     def call():
         a = {**valid(), **replace}
         return causal_attention.attention_backward(
-            a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], scale
+            a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], scale, a["key_mask"]
         )
 
     return call
@@ -69,7 +76,70 @@ def backward(scale=0.5, **replace):
 def weights(**replace):
     def call():
         args = {**valid(), **replace}
-        return causal_attention.attention_weights(args["q"], args["k"], args["v"])
+        return causal_attention.attention_weights(
+            args["q"], args["k"], args["v"], key_mask=args["key_mask"]
+        )
+
+    return call
+
+
+def mask(*shape, dtype=torch.bool, device="cpu"):
+    return torch.ones(shape, dtype=dtype, device=device)
+
+
+def cu(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+# A valid packed call: q (6, 4, 8), k (7, 2, 8), v (7, 2, 3); sequences of 2 + 4 query rows and
+# 3 + 4 keys; out (6, 4, 3), lse (4, 6).
+def valid_packed():
+    return {
+        "grad_out": randn(6, 4, 3),
+        "q": randn(6, 4, 8),
+        "k": randn(7, 2, 8),
+        "v": randn(7, 2, 3),
+        "out": randn(6, 4, 3),
+        "lse": randn(4, 6),
+        "cu_seqlens_q": cu(0, 2, 6),
+        "cu_seqlens_k": cu(0, 3, 7),
+        "max_seqlen_q": 4,
+        "max_seqlen_k": 4,
+    }
+
+
+def _packed_args(a):
+    return (a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
+
+
+def varlen(scale=None, requires_grad=False, **replace):
+    def call():
+        a = {**valid_packed(), **replace}
+        if requires_grad:
+            a["q"] = a["q"].detach().requires_grad_(True)
+        return causal_attention.varlen_attention(
+            a["q"], a["k"], a["v"], *_packed_args(a), scale=scale
+        )
+
+    return call
+
+
+def varlen_forward(scale=0.5, **replace):
+    def call():
+        a = {**valid_packed(), **replace}
+        return causal_attention.varlen_attention_forward(
+            a["q"], a["k"], a["v"], *_packed_args(a), scale
+        )
+
+    return call
+
+
+def varlen_backward(scale=0.5, **replace):
+    def call():
+        a = {**valid_packed(), **replace}
+        return causal_attention.varlen_attention_backward(
+            a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], *_packed_args(a), scale
+        )
 
     return call
 
@@ -199,6 +269,92 @@ BATTERY = {
     "backward-lse-meta": Bad(
         backward(lse=randn(2, 4, 5, device="meta")), V, ["must be on q's device cpu"]
     ),
+    # Key masks: bool, (*batch, Lk), on q's device.
+    "attention-key_mask-int64": Bad(
+        attention(key_mask=mask(2, 6, dtype=torch.int64)), T, ["key_mask.dtype=Long"]
+    ),
+    "attention-grad-key_mask-float": Bad(
+        attention(requires_grad=True, key_mask=mask(2, 6, dtype=torch.float32)),
+        T,
+        ["key_mask must be a bool tensor", "key_mask.dtype=Float"],
+    ),
+    "forward-key_mask-Lk": Bad(forward(key_mask=mask(2, 5)), V, ["key_mask.shape=[2, 5]"]),
+    "backward-key_mask-heads": Bad(
+        backward(key_mask=mask(2, 4, 6)), V, ["attention_backward: key_mask must have shape"]
+    ),
+    "weights-key_mask-meta": Bad(
+        weights(key_mask=mask(2, 6, device="meta")), V, ["key_mask.device=meta"]
+    ),
+    "attention-key_mask-0d": Bad(attention(key_mask=mask()), V, ["key_mask.shape=[]"]),
+    # Packed sequences: None in every position, dtypes, ranks, devices, lengths, scales.
+    "varlen-q-None": Bad(varlen(q=None), T, ["varlen_attention: q must be a tensor"]),
+    "varlen-k-None": Bad(varlen(k=None), T, ["k must be a tensor"]),
+    "varlen-v-None": Bad(varlen(requires_grad=True, v=None), T, ["v must be a tensor"]),
+    "varlen-cu_seqlens_q-None": Bad(varlen(cu_seqlens_q=None), T, ["cu_seqlens_q must be"]),
+    "varlen-cu_seqlens_k-None": Bad(varlen(cu_seqlens_k=None), T, ["cu_seqlens_k must be"]),
+    "varlen_forward-cu_seqlens_k-None": Bad(
+        varlen_forward(cu_seqlens_k=None), T, ["varlen_attention_forward: cu_seqlens_k must be"]
+    ),
+    "varlen_backward-grad_out-None": Bad(varlen_backward(grad_out=None), T, ["grad_out must be"]),
+    "varlen_backward-out-None": Bad(varlen_backward(out=None), T, ["out must be a tensor"]),
+    "varlen_backward-lse-None": Bad(varlen_backward(lse=None), T, ["lse must be a tensor"]),
+    "varlen_backward-cu_seqlens_q-None": Bad(
+        varlen_backward(cu_seqlens_q=None), T, ["cu_seqlens_q must be a tensor"]
+    ),
+    "varlen-cu-int64": Bad(
+        varlen(cu_seqlens_q=cu(0, 2, 6, dtype=torch.int64)), T, ["cu_seqlens_q.dtype=Long"]
+    ),
+    "varlen-grad-cu-uint8": Bad(
+        varlen(requires_grad=True, cu_seqlens_k=cu(0, 3, 7, dtype=torch.uint8)),
+        T,
+        ["cu_seqlens_k must be int32", "cu_seqlens_k.dtype=Byte"],
+    ),
+    "varlen_backward-cu-int16": Bad(
+        varlen_backward(cu_seqlens_k=cu(0, 3, 7, dtype=torch.int16)),
+        T,
+        ["cu_seqlens_k.dtype=Short"],
+    ),
+    "varlen-q-int8": Bad(varlen(q=randn(6, 4, 8, dtype=torch.int8)), T, ["q.dtype=Char"]),
+    "varlen-grad-q-float64": Bad(
+        varlen(requires_grad=True, q=randn(6, 4, 8, dtype=torch.float64)), T, ["same dtype"]
+    ),
+    "varlen-q-rank2": Bad(varlen(q=randn(6, 8)), V, ["q must have 3 dim", "q.shape=[6, 8]"]),
+    "varlen-k-rank0": Bad(varlen_forward(k=randn()), V, ["k must have 3 dim", "k.shape=[]"]),
+    "varlen_backward-v-rank5": Bad(
+        varlen_backward(v=randn(1, 1, 7, 2, 3)), V, ["v must have 3", "v.shape=[1, 1, 7, 2, 3]"]
+    ),
+    "varlen-cu-rank2": Bad(varlen(cu_seqlens_k=cu([0, 3, 7])), V, ["cu_seqlens_k.shape=[1, 3]"]),
+    "varlen-cu-lengths-differ": Bad(varlen(cu_seqlens_k=cu(0, 7)), V, ["same length N + 1"]),
+    "varlen-cu-start": Bad(varlen(cu_seqlens_q=cu(2, 2, 6)), V, ["cu_seqlens_q[0]=2"]),
+    "varlen-grad-cu-decreasing": Bad(
+        varlen(requires_grad=True, cu_seqlens_k=cu(0, 5, 3), max_seqlen_k=7),
+        V,
+        ["cu_seqlens_k must be non-decreasing", "cu_seqlens_k[1]=5 > cu_seqlens_k[2]=3"],
+    ),
+    "varlen_forward-cu-last": Bad(
+        varlen_forward(cu_seqlens_q=cu(0, 3, 7)), V, ["last entry of cu_seqlens_q", "rows 6"]
+    ),
+    "varlen_backward-max-too-small": Bad(
+        varlen_backward(max_seqlen_k=1), V, ["more than max_seqlen_k=1"]
+    ),
+    "varlen-max-negative": Bad(varlen(max_seqlen_q=-4), V, ["max_seqlen_q=-4"]),
+    "varlen-scale-nan": Bad(varlen(scale=math.nan), V, ["scale must be finite"]),
+    "varlen_forward-scale-inf": Bad(varlen_forward(scale=math.inf), V, ["scale must be finite"]),
+    "varlen_backward-scale--inf": Bad(varlen_backward(scale=-math.inf), V, ["scale must be"]),
+    "varlen-k-meta": Bad(varlen(k=randn(7, 2, 8, device="meta")), V, ["k.device=meta"]),
+    "varlen-cu-meta": Bad(
+        varlen(cu_seqlens_k=cu(0, 3, 7).to("meta")), V, ["cu_seqlens_k.device=meta"]
+    ),
+    "varlen_backward-lse-dense": Bad(varlen_backward(lse=randn(6, 4)), V, ["lse.shape=[6, 4]"]),
+    "varlen_backward-lse-float16": Bad(
+        varlen_backward(lse=randn(4, 6, dtype=torch.float16)), T, ["lse.dtype=Half"]
+    ),
+    "varlen_backward-grad_out-Dv": Bad(
+        varlen_backward(grad_out=randn(6, 4, 8)), V, ["grad_out.shape=[6, 4, 8]"]
+    ),
+    "varlen_backward-out-meta": Bad(
+        varlen_backward(out=randn(6, 4, 3, device="meta")), V, ["must be on q's device cpu"]
+    ),
 }
 
 
@@ -217,9 +373,17 @@ def test_bad_call_raises_its_documented_type_naming_the_argument(case):
     assert not missing, f"{missing} not in {message!r}"
 
 
-@pytest.mark.parametrize("function", [attention, forward, backward, weights, sdpa])
+@pytest.mark.parametrize(
+    "function",
+    [attention, forward, backward, weights, sdpa, varlen, varlen_forward, varlen_backward],
+)
 def test_the_valid_call_the_battery_spoils_succeeds(function):
     function()()
+
+
+@pytest.mark.parametrize("function", [attention, forward, backward, weights])
+def test_the_valid_call_succeeds_with_a_key_mask(function):
+    function(key_mask=mask(2, 6))()
 
 
 # --- refused by torch before the op's checks -----------------------------------------------
