@@ -21,9 +21,10 @@ SANITIZERS="-fsanitize=address,undefined"
 # The Python subset (the whole suite would not fit CI's budget with the build): the robustness
 # files (bad inputs, numerics, faults, threads and forked DataLoader workers, and the fuzz at a
 # quarter of its examples: CAUSAL_ATTENTION_FUZZ_SCALE), then the op's and the module's
-# correctness, error, semantics, compile and determinism tests. Left out: gradcheck (float64
-# gradients are fuzzed here), and the model, training, DDP, benchmark, export, memory and
-# interop tests, which add run time but no op inputs of a new kind.
+# correctness (key masks and packed sequences included), error, semantics, compile and
+# determinism tests. Left out: gradcheck (float64 gradients are fuzzed here), and the model,
+# training, DDP, benchmark, export, memory and interop tests, which add run time but no op
+# inputs of a new kind.
 PYTHON_TESTS=(
   tests/python/test_bad_inputs.py
   tests/python/test_numerics.py
@@ -33,6 +34,8 @@ PYTHON_TESTS=(
   tests/python/test_errors.py
   tests/python/test_semantics.py
   tests/python/test_against_sdpa.py
+  tests/python/test_key_mask.py
+  tests/python/test_varlen.py
   tests/python/test_sdpa_dropin.py
   tests/python/test_opcheck.py
   tests/python/test_compile.py
