@@ -33,10 +33,16 @@ void check_dtype(const char* op, const char* name, const at::Tensor& t) {
                    ".dtype=", t.scalar_type());
 }
 
-}  // namespace
+// Where the heads and the rows (queries, keys) of q, k and v sit: (..., H, L, D) for dense
+// calls, (L, H, D) for packed sequences. Error messages name these dims.
+struct Layout {
+  int64_t heads_dim, rows_dim;
+};
+constexpr Layout kDenseLayout{-3, -2};
+constexpr Layout kPackedLayout{-2, -3};
 
-void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v) {
+void check_attention_tensors(const char* op, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, Layout layout) {
   check_defined(op, "q", q);
   check_defined(op, "k", k);
   check_defined(op, "v", v);
@@ -56,7 +62,7 @@ void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tenso
                     ": q, k and v must have the same number of dimensions, got q.shape=",
                     q.sym_sizes(), ", k.shape=", k.sym_sizes(), ", v.shape=", v.sym_sizes());
   const int64_t rank = q.dim();
-  for (int64_t d = 0; d + 3 < rank; ++d) {
+  for (int64_t d = 0; layout.heads_dim == kDenseLayout.heads_dim && d + 3 < rank; ++d) {
     TORCH_CHECK_VALUE(q.sym_size(d) == k.sym_size(d) && q.sym_size(d) == v.sym_size(d), op,
                       ": q, k and v must have equal leading (batch) dimensions, got q.shape=",
                       q.sym_sizes(), ", k.shape=", k.sym_sizes(), ", v.shape=", v.sym_sizes());
@@ -67,21 +73,27 @@ void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tenso
   TORCH_CHECK_VALUE(
       q.sym_size(-1) != 0, op,
       ": the head dimension D (last dim of q and k) must be positive, got q.shape=", q.sym_sizes());
-  TORCH_CHECK_VALUE(k.sym_size(-2) == v.sym_size(-2), op,
-                    ": k and v must have the same number of keys Lk (dim -2), got k.shape=",
-                    k.sym_sizes(), ", v.shape=", v.sym_sizes());
+  TORCH_CHECK_VALUE(k.sym_size(layout.rows_dim) == v.sym_size(layout.rows_dim), op,
+                    ": k and v must have the same number of keys Lk (dim ", layout.rows_dim,
+                    "), got k.shape=", k.sym_sizes(), ", v.shape=", v.sym_sizes());
   if (rank >= 3) {
-    const c10::SymInt heads_q = q.sym_size(-3);
-    const c10::SymInt heads_kv = k.sym_size(-3);
-    TORCH_CHECK_VALUE(v.sym_size(-3) == heads_kv, op,
-                      ": k and v must have the same number of heads (dim -3), got k.shape=",
-                      k.sym_sizes(), ", v.shape=", v.sym_sizes());
+    const c10::SymInt heads_q = q.sym_size(layout.heads_dim);
+    const c10::SymInt heads_kv = k.sym_size(layout.heads_dim);
+    TORCH_CHECK_VALUE(v.sym_size(layout.heads_dim) == heads_kv, op,
+                      ": k and v must have the same number of heads (dim ", layout.heads_dim,
+                      "), got k.shape=", k.sym_sizes(), ", v.shape=", v.sym_sizes());
     const bool divisible = heads_kv == 0 ? heads_q == 0 : heads_q % heads_kv == 0;
-    TORCH_CHECK_VALUE(divisible, op,
-                      ": the query heads Hq (q dim -3) must be a multiple of the key/value heads "
-                      "Hkv (k dim -3), got q.shape=",
-                      q.sym_sizes(), ", k.shape=", k.sym_sizes());
+    TORCH_CHECK_VALUE(divisible, op, ": the query heads Hq (q dim ", layout.heads_dim,
+                      ") must be a multiple of the key/value heads Hkv (k dim ", layout.heads_dim,
+                      "), got q.shape=", q.sym_sizes(), ", k.shape=", k.sym_sizes());
   }
+}
+
+}  // namespace
+
+void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v) {
+  check_attention_tensors(op, q, k, v, kDenseLayout);
 }
 
 void check_scale(const char* op, double scale) {
@@ -219,9 +231,7 @@ void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
   check_packed_rank(op, "q", q, "(total_q, Hq, D)");
   check_packed_rank(op, "k", k, "(total_k, Hkv, D)");
   check_packed_rank(op, "v", v, "(total_k, Hkv, Dv)");
-  // The packed tensors as (heads, rows, dim): the dense checks then cover dtypes, devices, head
-  // dims, key counts and Hq % Hkv.
-  check_attention_inputs(op, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
+  check_attention_tensors(op, q, k, v, kPackedLayout);
   check_cumulative_lengths_tensor(op, "cu_seqlens_q", cu_seqlens_q, q);
   check_cumulative_lengths_tensor(op, "cu_seqlens_k", cu_seqlens_k, q);
   TORCH_CHECK_VALUE(cu_seqlens_q.sym_size(0) == cu_seqlens_k.sym_size(0), op,

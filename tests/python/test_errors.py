@@ -515,9 +515,8 @@ def test_bad_varlen_call(case, op_name, requires_grad):
     )
 
 
-# Known bug (csrc/ops/cpu/attention_cpu.cpp, packed_sequences): the values of cu_seqlens are
-# checked under the name "causal_attention.varlen_attention" whichever op was called.
-@pytest.mark.xfail(strict=True, reason="cu_seqlens value errors always name varlen_attention")
+# The values of cu_seqlens are checked by the CPU kernels, under the name of the kernel op
+# called (varlen_attention reaches them through varlen_attention_forward under autograd).
 @pytest.mark.parametrize("op_name", VARLEN_OPS[1:])
 def test_varlen_value_errors_name_the_op_called(op_name):
     args = _valid_packed()
@@ -529,8 +528,7 @@ def test_varlen_value_errors_name_the_op_called(op_name):
     )
 
 
-# Known bug (csrc/ops/checks.cpp, check_varlen_call): the checks between q, k and v run on the
-# (heads, rows, dim) transposes, so the messages show transposed shapes and dense dim names.
+# The checks between packed q, k and v show the shapes passed, not a dense view of them.
 PACKED_SHAPE_ERRORS = {
     "keys-differ": ({"v": z(5, 2, 3)}, ["k.shape=[7, 2, 8]", "v.shape=[5, 2, 3]"]),
     "D-differs": ({"k": z(7, 2, 7)}, ["q.shape=[6, 4, 8]", "k.shape=[7, 2, 7]"]),
@@ -540,7 +538,6 @@ PACKED_SHAPE_ERRORS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="packed shape errors show the transposed shapes")
 @pytest.mark.parametrize("case", PACKED_SHAPE_ERRORS.values(), ids=PACKED_SHAPE_ERRORS.keys())
 def test_packed_shape_errors_show_the_shapes_passed(case):
     replacements, substrings = case

@@ -140,26 +140,24 @@ at::Tensor packed_as_batch_heads_rows(const at::Tensor& t) {
   return as_batch_heads_rows(t.transpose(0, 1).unsqueeze(0));
 }
 
-PackedSequences packed_sequences(const at::Tensor& q, const at::Tensor& k,
+PackedSequences packed_sequences(const char* op, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                  int64_t max_seqlen_q, int64_t max_seqlen_k) {
   PackedSequences sequences{cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()};
-  sequences.max_len_q =
-      detail::check_cumulative_lengths("causal_attention.varlen_attention", "cu_seqlens_q",
-                                       sequences.cu_q, q.size(0), "max_seqlen_q", max_seqlen_q);
-  sequences.max_len_k =
-      detail::check_cumulative_lengths("causal_attention.varlen_attention", "cu_seqlens_k",
-                                       sequences.cu_k, k.size(0), "max_seqlen_k", max_seqlen_k);
+  sequences.max_len_q = detail::check_cumulative_lengths(op, "cu_seqlens_q", sequences.cu_q,
+                                                         q.size(0), "max_seqlen_q", max_seqlen_q);
+  sequences.max_len_k = detail::check_cumulative_lengths(op, "cu_seqlens_k", sequences.cu_k,
+                                                         k.size(0), "max_seqlen_k", max_seqlen_k);
   return sequences;
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale) {
-  detail::check_varlen_call("causal_attention.varlen_attention_forward", q, k, v, cu_seqlens_q,
-                            cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  detail::check_scale("causal_attention.varlen_attention_forward", scale);
+// The packed forward, its errors reported under `op`.
+std::tuple<at::Tensor, at::Tensor> run_varlen_forward(const char* op, const at::Tensor& q,
+                                                      const at::Tensor& k, const at::Tensor& v,
+                                                      const at::Tensor& cu_seqlens_q,
+                                                      const at::Tensor& cu_seqlens_k,
+                                                      int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                      double scale) {
   at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)},
                              q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
@@ -172,12 +170,22 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
                    {},
                    {},
                    {}};
-  t.sequences = packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
-                                 max_seqlen_k.expect_int());
+  t.sequences = packed_sequences(op, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   if (out.numel() > 0 && t.sequences.cu_q.numel() > 1) {
     run_kernel(t, AVX512::forward_kernel, AVX2::forward_kernel, DEFAULT::forward_kernel);
   }
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale) {
+  constexpr const char* op = "causal_attention.varlen_attention_forward";
+  detail::check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  detail::check_scale(op, scale);
+  return run_varlen_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
+                            max_seqlen_k.expect_int(), scale);
 }
 
 at::Tensor varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -186,8 +194,9 @@ at::Tensor varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
                                 std::optional<double> scale) {
   const double resolved = detail::check_varlen_attention_call(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                               max_seqlen_q, max_seqlen_k, scale);
-  return std::get<0>(varlen_attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                  max_seqlen_k, resolved));
+  return std::get<0>(run_varlen_forward("causal_attention.varlen_attention", q, k, v, cu_seqlens_q,
+                                        cu_seqlens_k, max_seqlen_q.expect_int(),
+                                        max_seqlen_k.expect_int(), resolved));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
@@ -213,8 +222,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
                     {},
                     {},
                     {}};
-  t.sequences = packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
-                                 max_seqlen_k.expect_int());
+  t.sequences =
+      packed_sequences("causal_attention.varlen_attention_backward", q, k, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q.expect_int(), max_seqlen_k.expect_int());
   if ((dq.numel() > 0 || dk.numel() > 0 || dv.numel() > 0) && t.sequences.cu_q.numel() > 1) {
     run_kernel(t, AVX512::backward_kernel, AVX2::backward_kernel, DEFAULT::backward_kernel);
   }
