@@ -11,7 +11,8 @@ Sections (--only):
             against SDPA on the right-padded batch with the equivalent boolean mask, and against
             the sum of separate per-sequence calls of ours
 
-Every time is the median of torch.utils.benchmark's blocked_autorange at --threads threads;
+Every time is the median over --rounds interleaved rounds of torch.utils.benchmark's
+blocked_autorange medians, at --threads threads;
 "fwd" is the forward, "f+b" forward and backward. Writes --out (JSON) and prints a table.
 
     python scripts/bench_ragged.py                       # the issue's sizes (minutes)
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import random
+import statistics
 from pathlib import Path
 
 import torch
@@ -54,7 +56,9 @@ def parse_args(argv=None):
                         metavar=("MIN", "MAX"), help="range of the packed sequences' lengths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--min-run-time", type=float, default=1.0,
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved measurements of each callable; their median is kept")
+    parser.add_argument("--min-run-time", type=float, default=0.5,
                         help="seconds blocked_autorange spends per measurement")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and short runs: a smoke test of every path")
@@ -63,6 +67,7 @@ def parse_args(argv=None):
     if args.quick:
         args.lengths, args.batch, args.heads = [128], 2, 2
         args.packed_count, args.packed_lengths, args.min_run_time = 3, [16, 200], 0.05
+        args.rounds = 1
     return args
 
 
@@ -72,14 +77,16 @@ def median_seconds(fn, threads, min_run_time):
 
 
 def step(attend, tensors, pass_name):
-    """A callable running one forward (and backward) of attend(*tensors)."""
+    """A callable running one forward (and backward) of attend(*tensors), which returns a
+    tensor or a list of them."""
     if pass_name == "fwd":
         return lambda: attend(*tensors)
     leaves = [t for t in tensors if t.requires_grad]
 
     def forward_backward():
-        out = attend(*tensors)
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
+        outs = attend(*tensors)
+        outs = outs if isinstance(outs, list) else [outs]
+        torch.autograd.grad(outs, leaves, [torch.ones_like(out) for out in outs])
 
     return forward_backward
 
@@ -88,31 +95,36 @@ def leaf(*shape, dtype):
     return torch.randn(*shape, dtype=dtype).requires_grad_()
 
 
-def mask_cases(args, dtype, pass_name, time):
+# Each case yields its name, the callables to time (by label) and its ratios (name: (numerator
+# label, denominator label)); main times the callables in interleaved rounds.
+
+
+def mask_cases(args, dtype, pass_name):
     """key_mask of all True against no mask."""
     for length in args.lengths:
         q, k, v = (leaf(args.batch, args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
         mask = torch.ones(args.batch, length, dtype=torch.bool)
-        plain = time(step(causal_attention.attention, (q, k, v), pass_name))
-        masked = time(step(lambda q, k, v: causal_attention.attention(q, k, v, key_mask=mask),
-                           (q, k, v), pass_name))
-        yield {"case": f"B{args.batch} L{length}", "ours_masked_s": masked,
-               "ours_unmasked_s": plain, "ratio": masked / plain}
+        yield f"B{args.batch} L{length}", {
+            "ours_unmasked": step(causal_attention.attention, (q, k, v), pass_name),
+            "ours_masked": step(lambda q, k, v: causal_attention.attention(q, k, v, key_mask=mask),
+                                (q, k, v), pass_name),
+        }, {"ratio": ("ours_masked", "ours_unmasked")}
 
 
-def leftpad_cases(args, dtype, pass_name, time):
+def leftpad_cases(args, dtype, pass_name):
     """A left-padded batch against its real tokens called one sequence at a time."""
     for length in args.lengths:
         real = [length, 3 * length // 4, length // 2, length // 4]
         q, k, v = (leaf(len(real), args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
         mask = torch.arange(length) >= (length - torch.tensor(real))[:, None]
-        padded = time(step(lambda q, k, v: causal_attention.attention(q, k, v, key_mask=mask),
-                           (q, k, v), pass_name))
-        alone = sum(time(step(causal_attention.attention,
-                              [leaf(1, args.heads, n, args.head_dim, dtype=dtype) for _ in "qkv"],
-                              pass_name)) for n in real)
-        yield {"case": f"L{length} real {real}", "ours_padded_s": padded,
-               "ours_separate_s": alone, "ratio": padded / alone}
+        alone = [[leaf(1, args.heads, n, args.head_dim, dtype=dtype) for _ in "qkv"] for n in real]
+        yield f"L{length} real {real}", {
+            "ours_padded": step(lambda q, k, v: causal_attention.attention(q, k, v, key_mask=mask),
+                                (q, k, v), pass_name),
+            "ours_separate": step(lambda *flat: [causal_attention.attention(*flat[i:i + 3])
+                                                 for i in range(0, len(flat), 3)],
+                                  [t for qkv in alone for t in qkv], pass_name),
+        }, {"ratio": ("ours_padded", "ours_separate")}
 
 
 def packed_lengths(args):
@@ -120,30 +132,46 @@ def packed_lengths(args):
     return [rng.randint(*args.packed_lengths) for _ in range(args.packed_count)]
 
 
-def packed_cases(args, dtype, pass_name, time):
+def packed_cases(args, dtype, pass_name):
     """varlen_attention against SDPA on the padded batch with a mask, and per-sequence calls."""
     lengths = packed_lengths(args)
     total, longest = sum(lengths), max(lengths)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     q, k, v = (leaf(total, args.heads, args.head_dim, dtype=dtype) for _ in "qkv")
-    packed = time(step(lambda q, k, v: causal_attention.varlen_attention(
-        q, k, v, cu, cu, longest, longest), (q, k, v), pass_name))
     # SDPA on the right-padded batch: row i of sequence b sees keys j <= i with j < length_b.
     padded = [leaf(len(lengths), args.heads, longest, args.head_dim, dtype=dtype) for _ in "qkv"]
     real_keys = torch.arange(longest) < torch.tensor(lengths)[:, None]
     causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-    attn_mask = (causal & real_keys[:, None, None, :])
-    sdpa = time(step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask),
-                     padded, pass_name))
-    separate = sum(time(step(causal_attention.attention,
-                             [leaf(1, args.heads, n, args.head_dim, dtype=dtype) for _ in "qkv"],
-                             pass_name)) for n in lengths)
-    yield {"case": f"N{len(lengths)} lengths {lengths}", "ours_packed_s": packed,
-           "sdpa_padded_masked_s": sdpa, "ours_separate_s": separate,
-           "vs_sdpa": sdpa / packed, "vs_separate": packed / separate}
+    attn_mask = causal & real_keys[:, None, None, :]
+
+    # The same packed rows, one call per sequence (each a (H, L_i, D) view): what packing saves
+    # or costs, with the memory layout held equal.
+    def sequence(i):
+        return [t[cu[i]:cu[i + 1]].transpose(0, 1) for t in (q, k, v)]
+
+    yield f"N{len(lengths)} lengths {lengths}", {
+        "ours_packed": step(lambda q, k, v: causal_attention.varlen_attention(
+            q, k, v, cu, cu, longest, longest), (q, k, v), pass_name),
+        "sdpa_padded_masked": step(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask),
+            padded, pass_name),
+        "ours_separate": step(lambda q, k, v: [causal_attention.attention(*sequence(i))
+                                               for i in range(len(lengths))], (q, k, v), pass_name),
+    }, {"vs_sdpa": ("sdpa_padded_masked", "ours_packed"),
+        "vs_separate": ("ours_packed", "ours_separate")}
 
 
 CASES = {"mask": mask_cases, "leftpad": leftpad_cases, "packed": packed_cases}
+
+
+def time_case(fns, args):
+    """Median seconds of each callable: --rounds rounds, the callables in turn within each, so
+    that a drift of the machine's speed reaches every one of them alike."""
+    samples = {label: [] for label in fns}
+    for _ in range(args.rounds):
+        for label, fn in fns.items():
+            samples[label].append(median_seconds(fn, args.threads, args.min_run_time))
+    return {label: statistics.median(values) for label, values in samples.items()}
 
 
 def main(argv=None):
@@ -151,17 +179,16 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
 
-    def time(fn):
-        return median_seconds(fn, args.threads, args.min_run_time)
-
     rows = []
     for section, dtype_name, pass_name in itertools.product(args.only, args.dtypes, args.passes):
-        for row in CASES[section](args, DTYPES[dtype_name], pass_name, time):
-            row = {"section": section, "dtype": dtype_name, "pass": pass_name, **row}
+        for case, fns, ratios in CASES[section](args, DTYPES[dtype_name], pass_name):
+            seconds = time_case(fns, args)
+            row = {"section": section, "dtype": dtype_name, "pass": pass_name, "case": case,
+                   **{f"{label}_s": value for label, value in seconds.items()},
+                   **{name: seconds[num] / seconds[den] for name, (num, den) in ratios.items()}}
             rows.append(row)
-            ratios = {key: round(value, 3) for key, value in row.items()
-                      if key in ("ratio", "vs_sdpa", "vs_separate")}
-            print(f"{section:8} {dtype_name:9} {pass_name:4} {row['case']:44} {ratios}", flush=True)
+            shown = {name: round(row[name], 3) for name in ratios}
+            print(f"{section:8} {dtype_name:9} {pass_name:4} {case:44} {shown}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}

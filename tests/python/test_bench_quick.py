@@ -77,3 +77,27 @@ def test_readme_grid_tables_are_the_saved_runs(saved):
     readme = (REPO_ROOT / "README.md").read_text()
     for line in lines:
         assert line in readme, line
+
+
+def test_bench_ragged_quick_writes_every_section(tmp_path):
+    """scripts/bench_ragged.py --quick times every section, dtype and pass and writes them."""
+    out = tmp_path / "ragged.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench_ragged.py"), "--quick", "--out",
+         str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["section"], r["dtype"], r["pass"]) for r in rows} == {
+        (section, dtype, pass_name)
+        for section in ("mask", "leftpad", "packed")
+        for dtype in ("float32", "bfloat16")
+        for pass_name in ("fwd", "f+b")
+    }
+    for row in rows:
+        seconds = [value for key, value in row.items() if key.endswith("_s")]
+        assert seconds and all(value > 0 for value in seconds), row
