@@ -52,10 +52,11 @@ class BackwardKernel {
       compute_delta_from_output();
       if (dims_.batch * dims_.heads_kv >= kMinOnePassItems) {
         const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
-        // A (batch, KV head) costs about its query rows times its keys.
+        // A (batch, KV head) costs its visible pairs, plus its rows and keys.
         const auto cost = [&](int64_t bh_kv, int64_t) {
           const int64_t b = bh_kv / dims_.heads_kv;
-          return dims_.rows_q(b) * (1 + dims_.kept_keys(b, 0, dims_.rows_k(b))) + dims_.rows_k(b);
+          return dims_.rows_q(b) + dims_.rows_k(b) +
+                 dims_.visible_pairs(b, 0, dims_.rows_q(b), 0, dims_.rows_k(b));
         };
         schedule_head_blocks(
             dims_, dims_.batch * dims_.heads_kv, 1, cost,
@@ -65,25 +66,25 @@ class BackwardKernel {
       }
     }
     const auto make_scratch = [this] { return Scratch(dims_, blocks_, /*tile=*/1); };
-    // A query block costs its rows times the keys its last row reaches; zero past the end of a
-    // packed sequence.
+    // A query block costs its visible pairs plus its rows; zero past the end of a packed
+    // sequence.
     const auto query_block_cost = [&](int64_t bh, int64_t block) -> int64_t {
       const int64_t b = bh / dims_.heads_q, q0 = block * blocks_.query_rows;
       const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
-      return rows <= 0 ? 0 : rows * (1 + dims_.kept_keys(b, 0, dims_.key_end(b, q0 + rows - 1)));
+      return rows <= 0 ? 0 : rows + dims_.visible_pairs(b, q0, q0 + rows, 0, dims_.rows_k(b));
     };
     schedule_head_blocks(dims_, dims_.batch * dims_.heads_q,
                          ceil_div(dims_.len_q, blocks_.query_rows), query_block_cost, make_scratch,
                          [&](int64_t bh, int64_t block, Scratch& s) {
                            query_block_gradient(bh, block * blocks_.query_rows, s);
                          });
-    // A key block costs its keys times the query rows that reach it.
+    // A key block costs its visible pairs plus its keys.
     const auto key_block_cost = [&](int64_t bh_kv, int64_t block) -> int64_t {
       const int64_t b = bh_kv / dims_.heads_kv, k0 = block * blocks_.keys;
       const int64_t cols = std::min(blocks_.keys, dims_.rows_k(b) - k0);
       return cols <= 0 ? 0
-                       : cols + dims_.kept_keys(b, k0, cols) *
-                                    (dims_.rows_q(b) - dims_.first_row_seeing(b, k0));
+                       : cols + dims_.visible_pairs(b, dims_.first_row_seeing(b, k0),
+                                                    dims_.rows_q(b), k0, k0 + cols);
     };
     schedule_head_blocks(dims_, dims_.batch * dims_.heads_kv, ceil_div(dims_.len_k, blocks_.keys),
                          key_block_cost, make_scratch,

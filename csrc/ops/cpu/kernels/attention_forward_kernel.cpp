@@ -49,9 +49,9 @@ class ForwardKernel {
     KeySplits<scalar_t, acc_t> splits(
         dims_, key_splits(dims_, num_heads * num_tiles, sizeof(scalar_t)), output_);
     const Packed packed(dims_, k_, v_, blocks_.keys);
-    // An item's cost: its rows times (one more than) the keys of its split that its last row
-    // reaches; zero only for the items past the end of a packed sequence, which have no rows
-    // (every row is written, even one that sees no key).
+    // An item's cost: its visible pairs, plus one per row for finishing it; zero only for the
+    // items past the end of a packed sequence, which have no rows (every row is written, even
+    // one that sees no key).
     const auto cost = [&](int64_t bh, int64_t item) -> int64_t {
       const int64_t b = bh / dims_.heads_q, t0 = item / splits.count() * tile_rows_;
       const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
@@ -60,9 +60,7 @@ class ForwardKernel {
       }
       const auto [key_begin, key_end] =
           splits.key_range(item % splits.count(), dims_.key_end(b, t0 + rows - 1));
-      const int64_t keys =
-          key_end > key_begin ? dims_.kept_keys(b, key_begin, key_end - key_begin) : 0;
-      return rows * (1 + keys);
+      return rows + dims_.visible_pairs(b, t0, t0 + rows, key_begin, key_end);
     };
     schedule_head_blocks(
         dims_, num_heads, num_tiles * splits.count(), cost,

@@ -85,6 +85,17 @@ struct AttentionDims {
     const int32_t* before = kept_before + b * (len_k + 1);
     return before[k0 + cols] - before[k0];
   }
+  // The (query row, key) pairs of rows [row_begin, row_end) and keys [key_begin, key_end) of
+  // batch item b that are visible: the work of a task, for the schedule's balance. O(rows).
+  int64_t visible_pairs(int64_t b, int64_t row_begin, int64_t row_end, int64_t key_begin,
+                        int64_t key_end) const {
+    int64_t pairs = 0;
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      const int64_t end = std::min(key_end, this->key_end(b, row));
+      pairs += end > key_begin ? kept_keys(b, key_begin, end - key_begin) : 0;
+    }
+    return pairs;
+  }
   // The key mask of keys [k0, k0 + cols) if it hides some of them (a block with holes), else
   // null. A block the mask hides entirely is skipped (kept_keys == 0) and never asks.
   const bool* hidden_keys(int64_t b, int64_t k0, int64_t cols) const {
