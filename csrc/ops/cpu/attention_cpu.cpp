@@ -66,7 +66,8 @@ void run_kernel(const Tensors& tensors, void (*avx512)(const Tensors&),
 // entirely (skipped), partly (masked entries) or not at all.
 template <typename Tensors>
 void set_key_mask(Tensors& t, const std::optional<at::Tensor>& key_mask) {
-  if (!key_mask.has_value()) {
+  // A mask that hides nothing is no mask: the call then runs exactly as without one.
+  if (!key_mask.has_value() || key_mask->numel() == 0 || key_mask->all().item<bool>()) {
     return;
   }
   const int64_t len_k = t.k.size(2);
