@@ -166,6 +166,26 @@ std::vector<c10::SymInt> lse_sym_sizes(const at::Tensor& q) {
   return std::vector<c10::SymInt>(q.sym_sizes().begin(), q.sym_sizes().end() - 1);
 }
 
+namespace {
+
+// The dtypes and devices of a backward's grad_out, out (q's dtype) and lse (the accumulation
+// dtype), whatever their layout.
+void check_saved_forward(const char* op, const at::Tensor& q, const at::Tensor& grad_out,
+                         const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK_TYPE(
+      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
+      ": grad_out and out must have q's dtype ", q.scalar_type(),
+      ", got grad_out.dtype=", grad_out.scalar_type(), ", out.dtype=", out.scalar_type());
+  TORCH_CHECK_TYPE(lse.scalar_type() == accumulation_dtype(q.scalar_type()), op,
+                   ": lse must have dtype ", accumulation_dtype(q.scalar_type()),
+                   " for q.dtype=", q.scalar_type(), ", got lse.dtype=", lse.scalar_type());
+  TORCH_CHECK_VALUE(
+      grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+      op, ": grad_out, out and lse must be on q's device ", q.device());
+}
+
+}  // namespace
+
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                            double scale, const std::optional<at::Tensor>& key_mask) {
@@ -188,16 +208,7 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, cons
   TORCH_CHECK_VALUE(lse.sym_sizes() == c10::SymIntArrayRef(expected_lse), op,
                     ": lse must have shape (..., Hq, Lq)=", c10::SymIntArrayRef(expected_lse),
                     ", got lse.shape=", lse.sym_sizes());
-  TORCH_CHECK_TYPE(
-      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
-      ": grad_out and out must have q's dtype ", q.scalar_type(),
-      ", got grad_out.dtype=", grad_out.scalar_type(), ", out.dtype=", out.scalar_type());
-  TORCH_CHECK_TYPE(lse.scalar_type() == accumulation_dtype(q.scalar_type()), op,
-                   ": lse must have dtype ", accumulation_dtype(q.scalar_type()),
-                   " for q.dtype=", q.scalar_type(), ", got lse.dtype=", lse.scalar_type());
-  TORCH_CHECK_VALUE(
-      grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
-      op, ": grad_out, out and lse must be on q's device ", q.device());
+  check_saved_forward(op, q, grad_out, out, lse);
 }
 
 namespace {
@@ -273,16 +284,7 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& 
   TORCH_CHECK_VALUE(lse.sym_sizes() == c10::SymIntArrayRef(expected_lse), op,
                     ": lse must have shape (Hq, total_q)=", c10::SymIntArrayRef(expected_lse),
                     ", got lse.shape=", lse.sym_sizes());
-  TORCH_CHECK_TYPE(
-      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
-      ": grad_out and out must have q's dtype ", q.scalar_type(),
-      ", got grad_out.dtype=", grad_out.scalar_type(), ", out.dtype=", out.scalar_type());
-  TORCH_CHECK_TYPE(lse.scalar_type() == accumulation_dtype(q.scalar_type()), op,
-                   ": lse must have dtype ", accumulation_dtype(q.scalar_type()),
-                   " for q.dtype=", q.scalar_type(), ", got lse.dtype=", lse.scalar_type());
-  TORCH_CHECK_VALUE(
-      grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
-      op, ": grad_out, out and lse must be on q's device ", q.device());
+  check_saved_forward(op, q, grad_out, out, lse);
 }
 
 int64_t check_cumulative_lengths(const char* op, const char* name, const at::Tensor& cu_seqlens,

@@ -77,8 +77,9 @@ def test_compiled_dynamic_matches_eager_at_new_lengths_without_recompiling():
             assert_step_matches_eager(eager, compiled, length=length)
 
 
-def test_compiled_graphs_call_our_forward_and_backward_ops():
-    graphs = {}
+def graph_keeping_backend(graphs):
+    """A torch.compile backend that runs the traced graphs as they are and keeps them in
+    graphs["forward"] and graphs["backward"]."""
 
     def keep(kind):
         def compiler(graph_module, example_inputs):
@@ -87,7 +88,12 @@ def test_compiled_graphs_call_our_forward_and_backward_ops():
 
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+def test_compiled_graphs_call_our_forward_and_backward_ops():
+    graphs = {}
+    backend = graph_keeping_backend(graphs)
     model = tiny_gpt()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     tokens, targets = torch.randint(0, VOCAB, (2, 2, 9))
@@ -155,15 +161,7 @@ def test_compiled_op_forward_and_backward_match_eager(make_call):
 )
 def test_compiled_op_graphs_call_our_forward_and_backward_ops(make_call, forward, backward):
     graphs = {}
-
-    def keep(kind):
-        def compiler(graph_module, example_inputs):
-            graphs[kind] = graph_module.graph
-            return make_boxed_func(graph_module.forward)
-
-        return compiler
-
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    backend = graph_keeping_backend(graphs)
     function, args, grad_out = make_call()
     compiled = torch.compile(function, backend=backend, fullgraph=True)
     got = forward_backward(compiled, args, grad_out)

@@ -19,6 +19,19 @@ from nn_testing import (
 SMALL = dict(embed_dim=32, num_heads=4)
 
 
+def assert_matches(dtype, out, grads, ref_out, ref_grads, out64, grads64):
+    """Output and gradients equal to float64's in float64, else within the reference's own
+    distance from float64."""
+    if dtype == torch.float64:
+        torch.testing.assert_close(out, out64)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads64[name], msg=name)
+    else:
+        assert_close_to_reference(out, ref_out, out64, "output")
+        for name in grads:
+            assert_close_to_reference(grads[name], ref_grads[name], grads64[name], name)
+
+
 @pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32, torch.bfloat16)))
 @pytest.mark.parametrize("config", CONFIGS)
 def test_matches_nanogpt_reference(config, dtype):
@@ -37,14 +50,7 @@ def test_matches_nanogpt_reference(config, dtype):
 
     assert out.dtype == dtype and out.shape == x.shape
     assert set(grads) == set(ref_grads) == set(grads64)
-    if dtype == torch.float64:
-        torch.testing.assert_close(out, out64)
-        for name in grads:
-            torch.testing.assert_close(grads[name], grads64[name], msg=name)
-    else:
-        assert_close_to_reference(out, ref_out, out64, "output")
-        for name in grads:
-            assert_close_to_reference(grads[name], ref_grads[name], grads64[name], name)
+    assert_matches(dtype, out, grads, ref_out, ref_grads, out64, grads64)
 
 
 class MultiheadSelfAttention(nn.Module):
@@ -124,14 +130,7 @@ def test_key_mask_matches_nanogpt_reference_with_the_mask(config, dtype):
     unmasked64 = ref64(x.double())
     assert (out64 - unmasked64)[~key_mask].abs().max() > 1e-2
     assert set(grads) == set(ref_grads) == set(grads64)
-    if dtype == torch.float64:
-        torch.testing.assert_close(out, out64)
-        for name in grads:
-            torch.testing.assert_close(grads[name], grads64[name], msg=name)
-    else:
-        assert_close_to_reference(out, ref_out, out64, "output")
-        for name in grads:
-            assert_close_to_reference(grads[name], ref_grads[name], grads64[name], name)
+    assert_matches(dtype, out, grads, ref_out, ref_grads, out64, grads64)
 
 
 @pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32)))
