@@ -174,6 +174,17 @@ def time_case(fns, args):
     return {label: statistics.median(values) for label, values in samples.items()}
 
 
+def cpu_model():
+    """lscpu's model name, from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -190,7 +201,7 @@ def main(argv=None):
             shown = {name: round(row[name], 3) for name in ratios}
             print(f"{section:8} {dtype_name:9} {pass_name:4} {case:44} {shown}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+    machine = {"cpu": cpu_model(), "threads": args.threads,
                "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
     args.out.write_text(json.dumps({"machine": machine, "args": vars(args) | {"out": str(args.out)},
                                     "rows": rows}, indent=1))
