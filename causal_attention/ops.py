@@ -37,7 +37,8 @@ def attention(
     a KV cache (``Lk > Lq``) the new queries see the whole cache. A query row that sees no key
     (possible when ``Lq > Lk``) returns zeros and gets zero gradient, never NaN. Any strides
     are accepted, e.g. ``x.view(B, L, H, D).transpose(1, 2)`` without ``.contiguous()``.
-    Bad shapes or devices raise ``ValueError``, bad dtypes ``TypeError``.
+    Bad shapes or devices raise ``ValueError``, as does a ``scale`` that is not finite in the
+    accumulation dtype (``1e39`` is inf in float32), and bad dtypes ``TypeError``.
     """
     return torch.ops.causal_attention.attention(q, k, v, scale=scale, key_mask=key_mask)
 

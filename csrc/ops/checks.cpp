@@ -96,13 +96,21 @@ void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tenso
   check_attention_tensors(op, q, k, v, kDenseLayout);
 }
 
-void check_scale(const char* op, double scale) {
-  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got scale=", scale);
+void check_scale(const char* op, double scale, at::ScalarType q_dtype) {
+  // The kernels convert the scale to the accumulation dtype (static_cast<acc_t>), so that is
+  // where it must be finite: scale=1e39 is a finite double but inf in float32, and every row
+  // would be NaN.
+  const at::ScalarType accumulation = accumulation_dtype(q_dtype);
+  const bool finite =
+      accumulation == at::kDouble ? std::isfinite(scale) : std::isfinite(static_cast<float>(scale));
+  TORCH_CHECK_VALUE(finite, op, ": scale must be finite in ",
+                    accumulation == at::kDouble ? "float64" : "float32",
+                    ", the accumulation dtype of q.dtype=", q_dtype, ", got scale=", scale);
 }
 
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale) {
   if (scale.has_value()) {
-    check_scale(op, *scale);
+    check_scale(op, *scale, q.scalar_type());
     return *scale;
   }
   check_rank(op, "q", q);
@@ -139,7 +147,7 @@ void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& key_mask) {
   constexpr const char* op = "causal_attention.attention_forward";
   check_attention_inputs(op, q, k, v);
-  check_scale(op, scale);
+  check_scale(op, scale, q.scalar_type());
   check_key_mask(op, q, k, key_mask);
 }
 
@@ -195,7 +203,7 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, cons
   check_key_mask(op, q, k, key_mask);
   check_defined(op, "out", out);
   check_defined(op, "lse", lse);
-  check_scale(op, scale);
+  check_scale(op, scale, q.scalar_type());
   const std::vector<c10::SymInt> expected_out = output_sym_sizes(q, v);
   const std::vector<c10::SymInt> expected_lse = lse_sym_sizes(q);
   TORCH_CHECK_VALUE(
@@ -273,7 +281,7 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& 
   check_defined(op, "grad_out", grad_out);
   check_defined(op, "out", out);
   check_defined(op, "lse", lse);
-  check_scale(op, scale);
+  check_scale(op, scale, q.scalar_type());
   const std::vector<c10::SymInt> expected_out{q.sym_size(0), q.sym_size(1), v.sym_size(2)};
   const std::vector<c10::SymInt> expected_lse{q.sym_size(1), q.sym_size(0)};
   TORCH_CHECK_VALUE(grad_out.sym_sizes() == c10::SymIntArrayRef(expected_out) &&

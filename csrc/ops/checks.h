@@ -15,10 +15,13 @@ namespace causal_attention::detail {
 void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v);
 
-// Throws c10::ValueError unless `scale` is finite.
-void check_scale(const char* op, double scale);
+// Throws c10::ValueError unless `scale` is finite in the accumulation dtype of q's dtype
+// `q_dtype` (float32 for float32, bfloat16 and float16; float64 for float64), the dtype the
+// kernels compute in.
+void check_scale(const char* op, double scale, at::ScalarType q_dtype);
 
-// The scale `attention` uses: `scale` if given (checked finite), else 1/sqrt(D).
+// The scale `attention` uses: `scale` if given (checked finite, as check_scale, in q's
+// accumulation dtype), else 1/sqrt(D).
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale);
 
 // Checks key_mask, where given: bool, on q's device, shaped (*batch, Lk), with q's leading

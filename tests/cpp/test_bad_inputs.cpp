@@ -3,8 +3,8 @@
 // that require grad), each of which must throw exactly c10::ValueError or c10::TypeError with a
 // message naming the offending argument. test_attention_errors.cpp checks the messages of the
 // common mistakes in detail; this table is about breadth: undefined tensors, every argument
-// position, exotic dtypes, devices, non-finite scales. scripts/sanitize.sh runs it under ASan and
-// UBSan.
+// position, exotic dtypes, devices, non-finite scales (in the accumulation dtype).
+// scripts/sanitize.sh runs it under ASan and UBSan.
 #include "attention_test_utils.h"
 
 #include <ATen/ATen.h>
@@ -234,6 +234,31 @@ std::vector<BadCall> battery() {
        E::kValueError,
        {"scale must be finite"},
        backward_with("q", a.q, nan)},
+      // Finite doubles, but inf in float32, where the kernels compute for all but float64.
+      {"attention scale 1e39",
+       E::kValueError,
+       {"scale must be finite in float32, the accumulation dtype of q.dtype=Float", "scale=1e+39"},
+       attention(a.q, a.k, a.v, 1e39)},
+      {"attention (grad) scale -1e39",
+       E::kValueError,
+       {"scale must be finite in float32", "scale=-1e+39"},
+       attention_grad(a.q, a.k, a.v, -1e39)},
+      {"forward bfloat16 scale 4e38",
+       E::kValueError,
+       {"attention_forward: scale must be finite in float32", "q.dtype=BFloat16"},
+       forward(a.q.to(at::kBFloat16), a.k.to(at::kBFloat16), a.v.to(at::kBFloat16), 4e38)},
+      {"backward scale 1e39", E::kValueError, {"finite in float32"}, backward_with("q", a.q, 1e39)},
+      {"weights half scale 1e39",
+       E::kValueError,
+       {"attention_weights: scale must be finite in float32", "q.dtype=Half"},
+       [=] {
+         causal_attention::attention_weights(a.q.to(at::kHalf), a.k.to(at::kHalf),
+                                             a.v.to(at::kHalf), 1e39);
+       }},
+      {"forward float64 scale inf",
+       E::kValueError,
+       {"scale must be finite in float64, the accumulation dtype of q.dtype=Double"},
+       forward(a.q.to(at::kDouble), a.k.to(at::kDouble), a.v.to(at::kDouble), inf)},
       // Devices: ValueError naming the devices.
       {"q meta, k and v cpu",
        E::kValueError,
@@ -278,6 +303,17 @@ TEST(BadInputs, ValidCallOfTheBatterySucceeds) {
   backward_with("q", Valid().q)();
   attention_grad(Valid().q, Valid().k, Valid().v)();
   forward(Valid().q, Valid().k, Valid().v)();
+}
+
+TEST(BadInputs, ScalesFiniteInTheAccumulationDtypeAreAccepted) {
+  // float64 inputs accumulate in float64, where 1e39 is an ordinary number; float32 takes up
+  // to FLT_MAX.
+  const at::Tensor zeros = torch::zeros({2, 3, 4}, torch::kDouble);
+  const at::Tensor out = causal_attention::attention(zeros, zeros, zeros, 1e39);
+  EXPECT_TRUE(out.isfinite().all().item<bool>());
+  const double float32_max = std::numeric_limits<float>::max();
+  const at::Tensor zeros32 = zeros.to(at::kFloat);
+  EXPECT_NO_THROW(causal_attention::attention(zeros32, zeros32, zeros32, float32_max));
 }
 
 }  // namespace

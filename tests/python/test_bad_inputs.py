@@ -4,10 +4,10 @@ varlen_attention, varlen_attention_forward, varlen_attention_backward; with and 
 that require grad, with and without a key mask). Each must raise exactly the documented
 ValueError or TypeError with a message naming the offending argument. test_errors.py checks the
 messages of the common mistakes in detail; this table is about breadth: None in every position,
-exotic dtypes, devices, non-finite scales, bad cumulative lengths. Calls that never reach the
-op's checks (a non-tensor argument, a sparse or MKL-DNN tensor) are refused by torch itself; the
-last tests pin that down, as it is part of what a caller sees. scripts/sanitize.sh runs this
-file under ASan and UBSan.
+exotic dtypes, devices, non-finite scales (in the accumulation dtype), bad cumulative lengths.
+Calls that never reach the op's checks (a non-tensor argument, a sparse or MKL-DNN tensor) are
+refused by torch itself; the last tests pin that down, as it is part of what a caller sees.
+scripts/sanitize.sh runs this file under ASan and UBSan.
 """
 
 import math
@@ -73,11 +73,11 @@ def backward(scale=0.5, **replace):
     return call
 
 
-def weights(**replace):
+def weights(scale=None, **replace):
     def call():
         args = {**valid(), **replace}
         return causal_attention.attention_weights(
-            args["q"], args["k"], args["v"], key_mask=args["key_mask"]
+            args["q"], args["k"], args["v"], scale=scale, key_mask=args["key_mask"]
         )
 
     return call
@@ -89,6 +89,12 @@ def mask(*shape, dtype=torch.bool, device="cpu"):
 
 def cu(*values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype)
+
+
+def in_dtype(dtype, builder, **kwargs):
+    """builder(q=..., k=..., v=...) on the valid call's q, k and v in `dtype`."""
+    a = valid()
+    return builder(**{name: a[name].to(dtype) for name in ("q", "k", "v")}, **kwargs)
 
 
 # A valid packed call: q (6, 4, 8), k (7, 2, 8), v (7, 2, 3); sequences of 2 + 4 query rows and
@@ -256,6 +262,30 @@ BATTERY = {
     ),
     "forward-scale-inf": Bad(forward(scale=math.inf), V, ["scale must be finite"]),
     "backward-scale-nan": Bad(backward(scale=math.nan), V, ["scale must be finite"]),
+    # Finite doubles that are inf in float32, where the kernels compute for all but float64.
+    "attention-scale-1e39": Bad(
+        attention(scale=1e39),
+        V,
+        ["scale must be finite in float32, the accumulation dtype of q.dtype=Float", "1e+39"],
+    ),
+    "attention-grad-scale--1e39": Bad(
+        attention(requires_grad=True, scale=-1e39), V, ["finite in float32", "scale=-1e+39"]
+    ),
+    "attention-bfloat16-scale-1e39": Bad(
+        in_dtype(torch.bfloat16, attention, scale=1e39), V, ["q.dtype=BFloat16"]
+    ),
+    "forward-float16-scale-4e38": Bad(
+        in_dtype(torch.float16, forward, scale=4e38), V, ["finite in float32", "q.dtype=Half"]
+    ),
+    "backward-scale-1e39": Bad(
+        backward(scale=1e39), V, ["attention_backward: scale must be finite in float32"]
+    ),
+    "weights-scale-1e39": Bad(
+        weights(scale=1e39), V, ["attention_weights: scale must be finite in float32"]
+    ),
+    "forward-float64-scale-1e309": Bad(
+        in_dtype(torch.float64, forward, scale=1e309), V, ["finite in float64", "q.dtype=Double"]
+    ),
     # Devices: ValueError naming the devices.
     "v-meta": Bad(
         attention(v=randn(2, 2, 6, 3, device="meta")), V, ["same device", "v.device=meta"]
@@ -339,6 +369,11 @@ BATTERY = {
     ),
     "varlen-max-negative": Bad(varlen(max_seqlen_q=-4), V, ["max_seqlen_q=-4"]),
     "varlen-scale-nan": Bad(varlen(scale=math.nan), V, ["scale must be finite"]),
+    "varlen-grad-scale-1e39": Bad(
+        varlen(requires_grad=True, scale=1e39), V, ["finite in float32", "q.dtype=Float"]
+    ),
+    "varlen_forward-scale--1e39": Bad(varlen_forward(scale=-1e39), V, ["finite in float32"]),
+    "varlen_backward-scale-1e39": Bad(varlen_backward(scale=1e39), V, ["finite in float32"]),
     "varlen_forward-scale-inf": Bad(varlen_forward(scale=math.inf), V, ["scale must be finite"]),
     "varlen_backward-scale--inf": Bad(varlen_backward(scale=-math.inf), V, ["scale must be"]),
     "varlen-k-meta": Bad(varlen(k=randn(7, 2, 8, device="meta")), V, ["k.device=meta"]),

@@ -160,6 +160,58 @@ def test_non_finite_scale(case, op_name):
     )
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# Halfway from FLT_MAX to 2**128: rounding to nearest even takes it to inf, as FLT_MAX's
+# significand is odd; the double just below it still rounds to FLT_MAX.
+FLOAT32_OVERFLOW = FLOAT32_MAX + 2.0**103
+
+# Scales that are finite doubles, against the dtype the kernels compute in: float32 for float32,
+# bfloat16 and float16 inputs (the scale is cast to it), float64 for float64. Where the cast is
+# inf, every score and every row would be NaN. id -> (scale, finite in float32)
+SCALES_NEAR_FLOAT32_OVERFLOW = {
+    "float32-max": (FLOAT32_MAX, True),
+    "just-below-overflow": (math.nextafter(FLOAT32_OVERFLOW, 0.0), True),
+    "overflow": (FLOAT32_OVERFLOW, False),
+    "1e39": (1e39, False),
+    "-1e39": (-1e39, False),
+}
+SHOWN_DTYPE = {
+    torch.float64: "Double",
+    torch.float32: "Float",
+    torch.bfloat16: "BFloat16",
+    torch.float16: "Half",
+}
+
+
+def _call_scaled(op_name, q, k, v, scale):
+    if op_name == "attention_weights":
+        return OPS.attention_weights(q, k, v, scale=scale)
+    return _call(op_name, q, k, v, scale)
+
+
+@pytest.mark.parametrize("dtype", SHOWN_DTYPE.keys(), ids=str)
+@pytest.mark.parametrize("op_name", ALL_OPS + ["attention_weights"])
+@pytest.mark.parametrize(
+    "case", SCALES_NEAR_FLOAT32_OVERFLOW.values(), ids=SCALES_NEAR_FLOAT32_OVERFLOW.keys()
+)
+def test_scale_must_be_finite_in_the_accumulation_dtype(case, op_name, dtype):
+    scale, finite_in_float32 = case
+    q, k, v = (z(1, 2, 3, 4, dtype=dtype) for _ in range(3))
+    if dtype == torch.float64 or finite_in_float32:
+        result = _call_scaled(op_name, q, k, v, scale)
+        first = result[0] if isinstance(result, (tuple, list)) else result
+        assert first.isfinite().all()  # zero inputs: every score is 0 * scale
+        return
+    _assert_raises(
+        ValueError,
+        [
+            f"causal_attention.{op_name}: scale must be finite in float32, the accumulation "
+            f"dtype of q.dtype={SHOWN_DTYPE[dtype]}, got scale={scale:g}",
+        ],
+        lambda: _call_scaled(op_name, q, k, v, scale),
+    )
+
+
 # Valid q (1, 4, 5, 8), k (1, 2, 6, 8), v (1, 2, 6, 3): out (1, 4, 5, 3), lse (1, 4, 5) float32.
 # id -> (replacement for grad_out/out/lse, exception type, substrings)
 BACKWARD_ERRORS = {

@@ -184,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
     double scale) {
   constexpr const char* op = "causal_attention.varlen_attention_forward";
   detail::check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  detail::check_scale(op, scale);
+  detail::check_scale(op, scale, q.scalar_type());
   return run_varlen_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
                             max_seqlen_k.expect_int(), scale);
 }

@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_meta(
     double scale) {
   detail::check_varlen_call("causal_attention.varlen_attention_forward", q, k, v, cu_seqlens_q,
                             cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  detail::check_scale("causal_attention.varlen_attention_forward", scale);
+  detail::check_scale("causal_attention.varlen_attention_forward", scale, q.scalar_type());
   return {at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2)}, q.options()),
           at::empty_symint({q.sym_size(1), q.sym_size(0)}, lse_options(q))};
 }
