@@ -38,7 +38,8 @@ def attention(
     (possible when ``Lq > Lk``) returns zeros and gets zero gradient, never NaN. Any strides
     are accepted, e.g. ``x.view(B, L, H, D).transpose(1, 2)`` without ``.contiguous()``.
     Bad shapes or devices raise ``ValueError``, as does a ``scale`` that is not finite in the
-    accumulation dtype (``1e39`` is inf in float32), and bad dtypes ``TypeError``.
+    accumulation dtype (``1e39`` is inf in float32), bad dtypes ``TypeError``, nested or sparse
+    tensors ``NotImplementedError``.
     """
     return torch.ops.causal_attention.attention(q, k, v, scale=scale, key_mask=key_mask)
 

@@ -14,11 +14,22 @@ bool is_supported_dtype(at::ScalarType dtype) {
          dtype == at::kHalf;
 }
 
-// An undefined tensor (None from Python, at::Tensor() from C++) has no shape, dtype or device to
-// report: without this check it fails deep inside autograd with "tensor does not have a device".
-void check_defined(const char* op, const char* name, const at::Tensor& t) {
+// Runs before anything asks a tensor for its sizes. An undefined tensor (None from Python,
+// at::Tensor() from C++) has no shape, dtype or device to report: unchecked, it fails deep inside
+// autograd with "tensor does not have a device". A nested tensor has no sizes to ask for
+// ("NestedTensorImpl doesn't support sizes"), and a sparse or MKL-DNN one no strides for the
+// kernels to read: unchecked, they fail in the first size check or past the Autograd kernel, with
+// a message that names no argument. NotImplementedError, as torch's dispatcher raises for a
+// layout an op has no kernel for.
+void check_dense_tensor(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_TYPE(t.defined(), op, ": ", name,
                    " must be a tensor, got None (an undefined tensor)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!t.is_nested(), op, ": ", name,
+                              " must be a dense tensor, got a nested tensor; for a ragged batch, "
+                              "pad it (with a key_mask) or pack it (varlen_attention)");
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, op, ": ", name,
+                              " must be a dense (strided) tensor, got ", name,
+                              ".layout=", t.layout());
 }
 
 void check_rank(const char* op, const char* name, const at::Tensor& t) {
@@ -43,9 +54,9 @@ constexpr Layout kPackedLayout{-2, -3};
 
 void check_attention_tensors(const char* op, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, Layout layout) {
-  check_defined(op, "q", q);
-  check_defined(op, "k", k);
-  check_defined(op, "v", v);
+  check_dense_tensor(op, "q", q);
+  check_dense_tensor(op, "k", k);
+  check_dense_tensor(op, "v", v);
   check_rank(op, "q", q);
   check_rank(op, "k", k);
   check_rank(op, "v", v);
@@ -127,7 +138,7 @@ void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
     return;
   }
   const at::Tensor& mask = *key_mask;
-  check_defined(op, "key_mask", mask);
+  check_dense_tensor(op, "key_mask", mask);
   TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, op,
                    ": key_mask must be a bool tensor (True where a key may be attended), got "
                    "key_mask.dtype=",
@@ -198,11 +209,11 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, cons
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                            double scale, const std::optional<at::Tensor>& key_mask) {
   constexpr const char* op = "causal_attention.attention_backward";
-  check_defined(op, "grad_out", grad_out);
+  check_dense_tensor(op, "grad_out", grad_out);
   check_attention_inputs(op, q, k, v);
   check_key_mask(op, q, k, key_mask);
-  check_defined(op, "out", out);
-  check_defined(op, "lse", lse);
+  check_dense_tensor(op, "out", out);
+  check_dense_tensor(op, "lse", lse);
   check_scale(op, scale, q.scalar_type());
   const std::vector<c10::SymInt> expected_out = output_sym_sizes(q, v);
   const std::vector<c10::SymInt> expected_lse = lse_sym_sizes(q);
@@ -228,7 +239,7 @@ void check_packed_rank(const char* op, const char* name, const at::Tensor& t, co
 
 void check_cumulative_lengths_tensor(const char* op, const char* name, const at::Tensor& cu,
                                      const at::Tensor& q) {
-  check_defined(op, name, cu);
+  check_dense_tensor(op, name, cu);
   TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, op, ": ", name,
                    " must be int32 (cumulative sequence lengths), got ", name,
                    ".dtype=", cu.scalar_type());
@@ -244,9 +255,9 @@ void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
                        const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                        const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
                        const c10::SymInt& max_seqlen_k) {
-  check_defined(op, "q", q);
-  check_defined(op, "k", k);
-  check_defined(op, "v", v);
+  check_dense_tensor(op, "q", q);
+  check_dense_tensor(op, "k", k);
+  check_dense_tensor(op, "v", v);
   check_packed_rank(op, "q", q, "(total_q, Hq, D)");
   check_packed_rank(op, "k", k, "(total_k, Hkv, D)");
   check_packed_rank(op, "v", v, "(total_k, Hkv, Dv)");
@@ -278,9 +289,9 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& 
                                   const c10::SymInt& max_seqlen_k, double scale) {
   constexpr const char* op = "causal_attention.varlen_attention_backward";
   check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_defined(op, "grad_out", grad_out);
-  check_defined(op, "out", out);
-  check_defined(op, "lse", lse);
+  check_dense_tensor(op, "grad_out", grad_out);
+  check_dense_tensor(op, "out", out);
+  check_dense_tensor(op, "lse", lse);
   check_scale(op, scale, q.scalar_type());
   const std::vector<c10::SymInt> expected_out{q.sym_size(0), q.sym_size(1), v.sym_size(2)};
   const std::vector<c10::SymInt> expected_lse{q.sym_size(1), q.sym_size(0)};

@@ -9,9 +9,10 @@
 
 namespace causal_attention::detail {
 
-// Checks q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv): defined, ranks, dtypes,
-// devices, leading dims, head dims, Hq % Hkv. Throws c10::ValueError / c10::TypeError naming the
-// argument.
+// Checks q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv): defined, dense (neither
+// nested nor sparse), ranks, dtypes, devices, leading dims, head dims, Hq % Hkv. Throws
+// c10::ValueError / c10::TypeError / c10::NotImplementedError (nested, sparse) naming the
+// argument. Every other tensor argument of the ops gets the same defined-and-dense check.
 void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v);
 

@@ -1,13 +1,15 @@
 // The bad-input battery, from C++: a table of malformed calls of every public entry point
 // (attention, attention_forward, attention_backward, attention_weights; with and without inputs
-// that require grad), each of which must throw exactly c10::ValueError or c10::TypeError with a
-// message naming the offending argument. test_attention_errors.cpp checks the messages of the
-// common mistakes in detail; this table is about breadth: undefined tensors, every argument
-// position, exotic dtypes, devices, non-finite scales (in the accumulation dtype).
-// scripts/sanitize.sh runs it under ASan and UBSan.
+// that require grad), each of which must throw exactly c10::ValueError, c10::TypeError or
+// c10::NotImplementedError with a message naming the offending argument.
+// test_attention_errors.cpp checks the messages of the common mistakes in detail; this table is
+// about breadth: undefined tensors, every argument position, exotic dtypes, devices, non-finite
+// scales (in the accumulation dtype), nested and sparse tensors. scripts/sanitize.sh runs it under
+// ASan and UBSan.
 #include "attention_test_utils.h"
 
 #include <ATen/ATen.h>
+#include <torch/nested.h>
 
 #include <functional>
 #include <limits>
@@ -17,7 +19,7 @@
 namespace causal_attention::tests {
 namespace {
 
-enum class Expect { kValueError, kTypeError };
+enum class Expect { kValueError, kTypeError, kNotImplementedError };
 
 struct BadCall {
   std::string name;
@@ -28,6 +30,14 @@ struct BadCall {
 
 at::Tensor on_meta(const at::Tensor& t) {
   return t.to(at::TensorOptions().device(at::kMeta));
+}
+
+// t's batch items (dim 0) as a nested tensor, the last one a row shorter: ragged, so it has no
+// sizes to report.
+at::Tensor nested(const at::Tensor& t) {
+  std::vector<at::Tensor> items = t.unbind(0);
+  items.back() = items.back().narrow(0, 0, items.back().size(0) - 1);
+  return torch::nested::as_nested_tensor(items);
 }
 
 // A valid call: q (2, 4, 5, 8), k (2, 2, 6, 8), v (2, 2, 6, 3); out (2, 4, 5, 3), lse (2, 4, 5).
@@ -56,8 +66,9 @@ std::function<void()> backward_with(const char* argument, at::Tensor replacement
 }
 
 std::function<void()> attention(at::Tensor q, at::Tensor k, at::Tensor v,
-                                std::optional<double> scale = std::nullopt) {
-  return [=] { causal_attention::attention(q, k, v, scale); };
+                                std::optional<double> scale = std::nullopt,
+                                std::optional<at::Tensor> key_mask = std::nullopt) {
+  return [=] { causal_attention::attention(q, k, v, scale, key_mask); };
 }
 
 std::function<void()> forward(at::Tensor q, at::Tensor k, at::Tensor v, double scale = 0.5) {
@@ -259,6 +270,43 @@ std::vector<BadCall> battery() {
        E::kValueError,
        {"scale must be finite in float64, the accumulation dtype of q.dtype=Double"},
        forward(a.q.to(at::kDouble), a.k.to(at::kDouble), a.v.to(at::kDouble), inf)},
+      // Nested and sparse tensors: NotImplementedError naming the argument.
+      {"attention q nested",
+       E::kNotImplementedError,
+       {"q must be a dense tensor, got a nested tensor"},
+       attention(nested(a.q), a.k, a.v)},
+      {"attention (grad) k nested",
+       E::kNotImplementedError,
+       {"k must be a dense tensor, got a nested tensor"},
+       attention_grad(a.q, nested(a.k), a.v)},
+      {"attention key_mask nested",
+       E::kNotImplementedError,
+       {"key_mask must be a dense tensor, got a nested tensor"},
+       attention(a.q, a.k, a.v, std::nullopt, nested(torch::ones({2, 6}, torch::kBool)))},
+      {"backward grad_out nested",
+       E::kNotImplementedError,
+       {"attention_backward: grad_out must be a dense tensor"},
+       backward_with("grad_out", nested(a.grad_out))},
+      {"attention v sparse",
+       E::kNotImplementedError,
+       {"v must be a dense (strided) tensor, got v.layout=Sparse"},
+       attention(a.q, a.k, a.v.to_sparse())},
+      {"attention key_mask sparse",
+       E::kNotImplementedError,
+       {"key_mask.layout=Sparse"},
+       attention(a.q, a.k, a.v, std::nullopt, torch::ones({2, 6}, torch::kBool).to_sparse())},
+      {"forward q sparse CSR",
+       E::kNotImplementedError,
+       {"attention_forward: q must be a dense", "q.layout=SparseCsr"},
+       forward(a.q.to_sparse_csr(), a.k, a.v)},
+      {"backward lse sparse",
+       E::kNotImplementedError,
+       {"lse.layout=Sparse"},
+       backward_with("lse", a.lse.to_sparse())},
+      {"weights q mkldnn",
+       E::kNotImplementedError,
+       {"attention_weights: q must be a dense", "q.layout=Mkldnn"},
+       [=] { causal_attention::attention_weights(a.q.to_mkldnn(), a.k, a.v); }},
       // Devices: ValueError naming the devices.
       {"q meta, k and v cpu",
        E::kValueError,
@@ -292,8 +340,10 @@ TEST(BadInputs, EveryCallThrowsItsDocumentedTypeNamingTheArgument) {
     needles.push_back("causal_attention.");  // and the op
     if (c.expect == Expect::kValueError) {
       expect_error<c10::ValueError>(c.call, needles);
-    } else {
+    } else if (c.expect == Expect::kTypeError) {
       expect_error<c10::TypeError>(c.call, needles);
+    } else {
+      expect_error<c10::NotImplementedError>(c.call, needles);
     }
   }
 }
@@ -303,6 +353,7 @@ TEST(BadInputs, ValidCallOfTheBatterySucceeds) {
   backward_with("q", Valid().q)();
   attention_grad(Valid().q, Valid().k, Valid().v)();
   forward(Valid().q, Valid().k, Valid().v)();
+  attention(Valid().q, Valid().k, Valid().v, std::nullopt, torch::ones({2, 6}, torch::kBool))();
 }
 
 TEST(BadInputs, ScalesFiniteInTheAccumulationDtypeAreAccepted) {

@@ -2,15 +2,17 @@
 (attention, attention_forward, attention_backward, attention_weights, the SDPA drop-in,
 varlen_attention, varlen_attention_forward, varlen_attention_backward; with and without inputs
 that require grad, with and without a key mask). Each must raise exactly the documented
-ValueError or TypeError with a message naming the offending argument. test_errors.py checks the
-messages of the common mistakes in detail; this table is about breadth: None in every position,
-exotic dtypes, devices, non-finite scales (in the accumulation dtype), bad cumulative lengths.
-Calls that never reach the op's checks (a non-tensor argument, a sparse or MKL-DNN tensor) are
-refused by torch itself; the last tests pin that down, as it is part of what a caller sees.
+ValueError, TypeError or NotImplementedError with a message naming the offending argument.
+test_errors.py checks the messages of the common mistakes in detail; this table is about
+breadth: None in every position, exotic dtypes, devices, non-finite scales (in the accumulation
+dtype), nested and sparse tensors, bad cumulative lengths. Calls that never reach the op's checks
+(a non-tensor argument; a sparse tensor under inference mode, which skips the Autograd kernel)
+are refused by torch itself; the last tests pin that down, as it is part of what a caller sees.
 scripts/sanitize.sh runs this file under ASan and UBSan.
 """
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List
 
@@ -91,6 +93,29 @@ def cu(*values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype)
 
 
+def nested(t):
+    """A nested tensor of t's batch items (dim 0), the last one a row shorter in dim -2 (the
+    last dim for a 2-D t): ragged, so it has no sizes."""
+    items = list(t.unbind(0))
+    items[-1] = items[-1][..., :-1, :] if items[-1].dim() >= 2 else items[-1][:-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The PyTorch API of nested tensors is in prototype"
+        return torch.nested.nested_tensor(items)
+
+
+def jagged(t):
+    """The same, as a jagged nested tensor (torch.jagged, the layout torch develops)."""
+    items = list(t.unbind(0))
+    items[-1] = items[-1][:-1]
+    return torch.nested.nested_tensor(items, layout=torch.jagged)
+
+
+def sparse_csr(t):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta state"
+        return t.to_sparse_csr()
+
+
 def in_dtype(dtype, builder, **kwargs):
     """builder(q=..., k=..., v=...) on the valid call's q, k and v in `dtype`."""
     a = valid()
@@ -167,7 +192,8 @@ class Bad:
     needles: List[str] = field(default_factory=list)  # argument names among them
 
 
-V, T = ValueError, TypeError
+V, T, N = ValueError, TypeError, NotImplementedError
+NESTED = "must be a dense tensor, got a nested tensor"
 
 BATTERY = {
     # None for a tensor: TypeError naming the argument.
@@ -316,6 +342,38 @@ BATTERY = {
         weights(key_mask=mask(2, 6, device="meta")), V, ["key_mask.device=meta"]
     ),
     "attention-key_mask-0d": Bad(attention(key_mask=mask()), V, ["key_mask.shape=[]"]),
+    # Nested and sparse tensors: NotImplementedError naming the argument, as torch's dispatcher
+    # raises for a layout without a kernel.
+    "attention-q-nested": Bad(attention(q=nested(randn(2, 4, 5, 8))), N, ["q " + NESTED]),
+    "attention-grad-k-nested": Bad(
+        attention(requires_grad=True, k=nested(randn(2, 2, 6, 8))), N, ["k " + NESTED]
+    ),
+    "attention-v-jagged": Bad(attention(v=jagged(randn(2, 2, 6, 3))), N, ["v " + NESTED]),
+    "attention-key_mask-nested": Bad(
+        attention(key_mask=nested(mask(2, 6))), N, ["key_mask " + NESTED]
+    ),
+    "forward-q-jagged": Bad(forward(q=jagged(randn(2, 4, 5, 8))), N, ["forward: q " + NESTED]),
+    "backward-grad_out-nested": Bad(
+        backward(grad_out=nested(randn(2, 4, 5, 3))), N, ["grad_out " + NESTED]
+    ),
+    "backward-lse-nested": Bad(backward(lse=nested(randn(2, 4, 5))), N, ["lse " + NESTED]),
+    "weights-q-nested": Bad(weights(q=nested(randn(2, 4, 5, 8))), N, ["weights: q " + NESTED]),
+    "attention-q-sparse": Bad(
+        attention(q=randn(2, 4, 5, 8).to_sparse()),
+        N,
+        ["q must be a dense (strided) tensor, got q.layout=Sparse"],
+    ),
+    "attention-grad-v-sparse_csr": Bad(
+        attention(requires_grad=True, v=sparse_csr(randn(2, 2, 6, 3))),
+        N,
+        ["v.layout=SparseCsr"],
+    ),
+    "attention-k-mkldnn": Bad(attention(k=randn(2, 2, 6, 8).to_mkldnn()), N, ["k.layout=Mkldnn"]),
+    "attention-key_mask-sparse": Bad(
+        attention(key_mask=mask(2, 6).to_sparse()), N, ["key_mask.layout=Sparse"]
+    ),
+    "forward-v-sparse": Bad(forward(v=randn(2, 2, 6, 3).to_sparse()), N, ["v.layout=Sparse"]),
+    "backward-out-sparse": Bad(backward(out=randn(2, 4, 5, 3).to_sparse()), N, ["out.layout"]),
     # Packed sequences: None in every position, dtypes, ranks, devices, lengths, scales.
     "varlen-q-None": Bad(varlen(q=None), T, ["varlen_attention: q must be a tensor"]),
     "varlen-k-None": Bad(varlen(k=None), T, ["k must be a tensor"]),
@@ -374,6 +432,16 @@ BATTERY = {
     ),
     "varlen_forward-scale--1e39": Bad(varlen_forward(scale=-1e39), V, ["finite in float32"]),
     "varlen_backward-scale-1e39": Bad(varlen_backward(scale=1e39), V, ["finite in float32"]),
+    "varlen-q-nested": Bad(varlen(q=nested(randn(6, 4, 8))), N, ["varlen_attention: q " + NESTED]),
+    "varlen-grad-k-jagged": Bad(
+        varlen(requires_grad=True, k=jagged(randn(7, 2, 8))), N, ["k " + NESTED]
+    ),
+    "varlen-cu_seqlens_q-sparse": Bad(
+        varlen(cu_seqlens_q=cu(0, 2, 6).to_sparse()), N, ["cu_seqlens_q.layout=Sparse"]
+    ),
+    "varlen_backward-lse-nested": Bad(
+        varlen_backward(lse=nested(randn(4, 6))), N, ["lse " + NESTED]
+    ),
     "varlen_forward-scale-inf": Bad(varlen_forward(scale=math.inf), V, ["scale must be finite"]),
     "varlen_backward-scale--inf": Bad(varlen_backward(scale=-math.inf), V, ["scale must be"]),
     "varlen-k-meta": Bad(varlen(k=randn(7, 2, 8, device="meta")), V, ["k.device=meta"]),
@@ -442,18 +510,21 @@ def test_non_tensor_arguments_are_refused_by_torch_naming_the_argument(case):
         call(randn(5, 8))
 
 
-# Tensors of another layout have no kernel: the dispatcher refuses them with
-# NotImplementedError (a RuntimeError) naming the op and the backend.
+# Tensors of another layout reach the op's checks through its Autograd kernel (the battery
+# above). Inference mode skips that kernel, and the ops have no kernel for these layouts: the
+# dispatcher refuses them, with the same NotImplementedError type, naming the op and the backend.
 FOREIGN = {
     "sparse-coo": lambda t: t.to_sparse(),
-    "sparse-csr": lambda t: t.to_sparse_csr(),
+    "sparse-csr": sparse_csr,
     "mkldnn": lambda t: t.to_mkldnn(),
+    "nested": nested,
 }
 
 
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("convert", FOREIGN.values(), ids=FOREIGN.keys())
-def test_tensors_of_another_layout_are_refused_by_the_dispatcher(convert):
-    q = randn(5, 8)
-    with pytest.raises(NotImplementedError, match="causal_attention::attention"):
+def test_tensors_of_another_layout_are_refused_by_the_dispatcher_in_inference_mode(convert):
+    q = randn(2, 5, 8)
+    with torch.inference_mode(), pytest.raises(
+        NotImplementedError, match="Could not run 'causal_attention::attention'"
+    ):
         OPS.attention(convert(q), q, q)

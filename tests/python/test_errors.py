@@ -277,6 +277,59 @@ def test_bad_backward_inputs(case):
     )
 
 
+# --- tensors that are not dense ----------------------------------------------------------------
+
+
+def _nested(t):
+    """A nested tensor of t's two batch items, the second one shorter in its last dim: ragged, so
+    it has no sizes to report."""
+    return torch.nested.nested_tensor([t[0], t[1][..., :-1]])
+
+
+def _jagged(t):
+    """The same as a jagged nested tensor (torch.jagged), ragged in its first dim after the
+    batch."""
+    return torch.nested.nested_tensor([t[0], t[1][:-1]], layout=torch.jagged)
+
+
+# id -> (conversion, what the message says after the argument's name)
+NOT_DENSE = {
+    "nested": (_nested, "must be a dense tensor, got a nested tensor"),
+    "jagged": (_jagged, "must be a dense tensor, got a nested tensor"),
+    "sparse_coo": (
+        lambda t: t.to_sparse(),
+        "must be a dense (strided) tensor, got {}.layout=Sparse",
+    ),
+    "sparse_csr": (
+        lambda t: t.to_sparse_csr(),
+        "must be a dense (strided) tensor, got {}.layout=SparseCsr",
+    ),
+}
+BACKWARD_ARGUMENTS = ["grad_out", "q", "k", "v", "out", "lse"]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("argument", BACKWARD_ARGUMENTS + ["key_mask"])
+@pytest.mark.parametrize("kind", NOT_DENSE.values(), ids=NOT_DENSE.keys())
+def test_a_tensor_that_is_not_dense_is_refused_naming_it(kind, argument):
+    # Before, a nested tensor failed with "NestedTensorImpl doesn't support sizes" (an internal
+    # error) or "Given dimension -2 is irregular", a sparse one past the op's checks with the
+    # dispatcher's "Could not run ... SparseCPU backend": none named the argument.
+    convert, shown = kind
+    args = {"grad_out": z(2, 4, 5, 3), "q": z(2, 4, 5, 8), "k": z(2, 2, 6, 8), "v": z(2, 2, 6, 3)}
+    args.update(out=z(2, 4, 5, 3), lse=z(2, 4, 5), key_mask=torch.ones(2, 6, dtype=torch.bool))
+
+    def call():
+        tensors = (args[name] for name in BACKWARD_ARGUMENTS)
+        return OPS.attention_backward(*tensors, 0.5, args["key_mask"])
+
+    call()  # valid
+    args[argument] = convert(args[argument])
+    message = f"causal_attention.attention_backward: {argument} {shown.format(argument)}"
+    _assert_raises(NotImplementedError, [message], call)
+
+
 def test_lse_dtype_for_half_inputs_is_float32():
     q = k = v = z(1, 2, 5, 8, dtype=torch.bfloat16)
     grad_out = out = z(1, 2, 5, 8, dtype=torch.bfloat16)
