@@ -2,14 +2,69 @@
 
 It serves exactly the calls whose result our op reproduces, and refuses every other call with
 ``NotImplementedError`` naming the argument, so that swapping it in can never silently change a
-model's results.
+model's results. An argument of a type SDPA refuses is refused with SDPA's exception type.
 """
 
+import sys
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .ops import attention
+
+_OP = "causal_attention.scaled_dot_product_attention"
+
+
+def _parses_as_float(value: object) -> bool:
+    """Whether torch's argument parser takes ``value`` for a float argument of SDPA (dropout_p,
+    scale): a Python or numpy number (bool included), a SymInt or SymFloat, or a 0-d tensor that
+    does not require grad (one that does is refused: the float it becomes gets no gradient)."""
+    if isinstance(value, (float, int, torch.SymFloat, torch.SymInt)):
+        return True
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.requires_grad
+    # Not imported for this: an object cannot be a numpy number unless numpy is loaded.
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, (numpy.number, numpy.bool_))
+
+
+def _check_argument_types(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+) -> None:
+    """Refuses what torch's parser refuses for SDPA, with its exception types (TypeError; an int
+    too large for a float is an OverflowError), before any call is judged served or not."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{_OP}: {name} must be a Tensor, got {type(tensor).__name__}")
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(
+            f"{_OP}: attn_mask must be a Tensor or None, got {type(attn_mask).__name__}"
+        )
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{_OP}: {name} must be a bool, got {type(flag).__name__}")
+    for name, number in (("dropout_p", dropout_p), ("scale", scale)):
+        if name == "scale" and number is None:
+            continue
+        if not _parses_as_float(number):
+            seen = type(number).__name__
+            if isinstance(number, Tensor):
+                seen = (
+                    f"a Tensor of shape {tuple(number.shape)} with requires_grad="
+                    f"{number.requires_grad} (SDPA takes only a 0-d tensor that does not "
+                    f"require grad: {name} gets no gradient)"
+                )
+            raise TypeError(f"{_OP}: {name} must be a float, got {seen}")
+        if isinstance(number, int):
+            float(number)  # OverflowError for an int beyond float's range, as SDPA raises
 
 
 def scaled_dot_product_attention(
@@ -31,8 +86,10 @@ def scaled_dot_product_attention(
     ``value (..., Hkv, L, Ev)`` -> ``(..., Hq, L, Ev)``. Any other call raises
     ``NotImplementedError``: masks, dropout and non-causal attention are not implemented, and
     with ``Lq != Lk`` SDPA's ``is_causal`` aligns top-left while this op aligns bottom-right
-    (call :func:`causal_attention.attention` for the KV-cache alignment).
+    (call :func:`causal_attention.attention` for the KV-cache alignment). Arguments of a type
+    SDPA refuses raise SDPA's ``TypeError``, a ``scale`` tensor that requires grad included.
     """
+    _check_argument_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None:
         raise NotImplementedError(
             "causal_attention.scaled_dot_product_attention: attn_mask is not supported; "
@@ -48,23 +105,14 @@ def scaled_dot_product_attention(
             "causal_attention.scaled_dot_product_attention: is_causal=False (full, non-causal "
             "attention) is not supported; pass is_causal=True"
         )
-    # Shapes are compared only between tensors: anything else (None, a list) is the op's to refuse
-    # with a TypeError naming the argument.
-    tensors = isinstance(query, Tensor) and isinstance(key, Tensor)
-    if tensors and query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
+    if query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
         raise NotImplementedError(
             "causal_attention.scaled_dot_product_attention: query and key lengths differ "
             f"(query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); SDPA's "
             "is_causal aligns top-left there, this op bottom-right: call "
             "causal_attention.attention for KV-cache attention"
         )
-    if (
-        tensors
-        and not enable_gqa
-        and query.dim() >= 3
-        and key.dim() >= 3
-        and query.size(-3) != key.size(-3)
-    ):
+    if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.size(-3) != key.size(-3):
         raise NotImplementedError(
             "causal_attention.scaled_dot_product_attention: query and key have different head "
             f"counts (query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); pass "

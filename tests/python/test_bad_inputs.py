@@ -279,7 +279,7 @@ BATTERY = {
     "backward-lse-flat": Bad(backward(lse=randn(40)), V, ["lse.shape=[40]"]),
     "weights-Lk-differs": Bad(weights(v=randn(2, 2, 7, 3)), V, ["Lk", "v.shape"]),
     "sdpa-D-differs": Bad(sdpa(k=randn(2, 2, 5, 9)), V, ["head dimension D", "k.shape"]),
-    "sdpa-q-None": Bad(sdpa(q=None), T, ["q must be a tensor"]),
+    "sdpa-q-None": Bad(sdpa(q=None), T, ["query must be a Tensor, got NoneType"]),
     # Scales: ValueError.
     "attention-scale-nan": Bad(attention(scale=math.nan), V, ["scale must be finite"]),
     "attention-scale-1e309": Bad(attention(scale=1e309), V, ["scale must be finite", "inf"]),
