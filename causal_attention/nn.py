@@ -37,8 +37,9 @@ class CausalSelfAttention(nn.Module):
         attn_dropout: dropout on the attention probabilities; not implemented, so anything but 0
             raises ``NotImplementedError`` instead of being silently ignored.
 
-    Bad sizes raise ``ValueError``; an input of the wrong dtype raises ``TypeError`` (inside a
-    scripted module, errors arrive as ``torch.jit.Error`` naming the Python exception).
+    Bad sizes raise ``ValueError``; an input that is not a tensor, or of the wrong dtype, raises
+    ``TypeError`` (inside a scripted module, errors arrive as ``torch.jit.Error`` naming the
+    Python exception).
     """
 
     def __init__(
@@ -182,6 +183,11 @@ class CausalSelfAttention(nn.Module):
     ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """``_project_heads``, and the key mask to attend with: ``key_mask`` itself without a
         cache, the cache's mask of every cached position with one (None if nothing is hidden)."""
+        # Eager only: TorchScript checks x's type at the call and compiles this branch away.
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"CausalSelfAttention: x must be a tensor (B, L, E), got {type(x).__name__}"
+            )
         if x.dim() != 3 or x.size(2) != self.embed_dim:
             raise ValueError(
                 f"CausalSelfAttention: x must be (B, L, E) with E=embed_dim={self.embed_dim}, "

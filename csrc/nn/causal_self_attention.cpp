@@ -83,6 +83,8 @@ void CausalSelfAttentionImpl::reset() {
 
 CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(
     const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask) {
+  // An undefined x would fail in x.dim() with a c10::Error that names no argument.
+  TORCH_CHECK_TYPE(x.defined(), kModule, ": x must be a tensor (B, L, E), got an undefined tensor");
   TORCH_CHECK_VALUE(x.dim() == 3 && x.size(2) == options.embed_dim(), kModule,
                     ": x must be (B, L, E) with E=embed_dim=", options.embed_dim(),
                     ", got x.shape=", x.sizes());

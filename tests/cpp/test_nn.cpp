@@ -251,6 +251,14 @@ TEST(CausalSelfAttention, BadInputThrowsTypedErrors) {
         module(torch::randn({2, 5, 32}, at::kDouble));
       },
       {"parameters' dtype Float", "x.dtype=Double"});
+  // Before, an undefined x failed in x.dim() with a c10::Error that named no argument.
+  expect_error<c10::TypeError>([&] { module(at::Tensor()); },
+                               {"x must be a tensor (B, L, E), got an undefined tensor"});
+  expect_error<c10::TypeError>([&] { module->forward_with_weights(at::Tensor()); },
+                               {"CausalSelfAttention: x must be a tensor"});
+  KVCache cache = module->make_cache(1, 4);
+  expect_error<c10::TypeError>([&] { module(at::Tensor(), &cache); }, {"x must be a tensor"});
+  EXPECT_EQ(cache.length(), 0);
 }
 
 TEST(CausalSelfAttention, DropoutActsOnTheOutputInTrainingOnly) {

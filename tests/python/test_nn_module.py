@@ -263,6 +263,25 @@ def test_bad_input_raises_typed_errors():
         module(torch.randn(2, 5, 32, dtype=torch.float64))
 
 
+# Before, None failed inside with "AttributeError: 'NoneType' object has no attribute 'dim'".
+@pytest.mark.parametrize("x", [None, [[0.0] * 16], 1.0], ids=["None", "list", "float"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda module, x: module(x),
+        lambda module, x: module(x, need_weights=True),
+        lambda module, x: module.forward_with_weights(x),
+        lambda module, x: module(x, module.make_cache(1, 4)),
+    ],
+    ids=["forward", "need_weights", "forward_with_weights", "with-cache"],
+)
+def test_an_x_that_is_not_a_tensor_raises_type_error_naming_it(call, x):
+    module = CausalSelfAttention(16, 2)
+    expected = rf"CausalSelfAttention: x must be a tensor \(B, L, E\), got {type(x).__name__}$"
+    with pytest.raises(TypeError, match=expected):
+        call(module, x)
+
+
 def test_dropout_acts_on_the_output_projection_in_training_only():
     module = CausalSelfAttention(32, 4, dropout=1.0)
     x = torch.randn(2, 5, 32)
