@@ -19,6 +19,17 @@ from nn_testing import (
 SMALL = dict(embed_dim=32, num_heads=4)
 
 
+def module_and_references(config, dtype):
+    """Our module, and nanoGPT's in `dtype` and in float64 with the same weights (loading our
+    state_dict strictly into nanoGPT's layout is itself part of the claim)."""
+    ours = CausalSelfAttention(**config, dtype=dtype)
+    ref = NanoGPTAttention(config).to(dtype)
+    ref64 = NanoGPTAttention(config).double()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    ref64.load_state_dict(ours.state_dict(), strict=True)
+    return ours, ref, ref64
+
+
 def assert_matches(dtype, out, grads, ref_out, ref_grads, out64, grads64):
     """Output and gradients equal to float64's in float64, else within the reference's own
     distance from float64."""
@@ -35,12 +46,7 @@ def assert_matches(dtype, out, grads, ref_out, ref_grads, out64, grads64):
 @pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32, torch.bfloat16)))
 @pytest.mark.parametrize("config", CONFIGS)
 def test_matches_nanogpt_reference(config, dtype):
-    ours = CausalSelfAttention(**config, dtype=dtype)
-    ref = NanoGPTAttention(config).to(dtype)
-    ref64 = NanoGPTAttention(config).double()
-    # Loading our state_dict strictly into nanoGPT's layout is itself part of the claim.
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    ref64.load_state_dict(ours.state_dict(), strict=True)
+    ours, ref, ref64 = module_and_references(config, dtype)
     x = torch.randn(2, 70, config["embed_dim"]).to(dtype)
     grad_out = torch.randn(x.shape).to(dtype)
 
@@ -113,11 +119,7 @@ def padding_and_holes(length: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32, torch.bfloat16)))
 @pytest.mark.parametrize("config", CONFIGS)
 def test_key_mask_matches_nanogpt_reference_with_the_mask(config, dtype):
-    ours = CausalSelfAttention(**config, dtype=dtype)
-    ref = NanoGPTAttention(config).to(dtype)
-    ref64 = NanoGPTAttention(config).double()
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    ref64.load_state_dict(ours.state_dict(), strict=True)
+    ours, ref, ref64 = module_and_references(config, dtype)
     key_mask = padding_and_holes(70)
     x = torch.randn(3, 70, config["embed_dim"]).to(dtype)
     grad_out = torch.randn(x.shape).to(dtype)
