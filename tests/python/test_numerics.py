@@ -111,6 +111,28 @@ def test_logits_of_1e4_give_finite_accurate_results(heads, dtype, logit):
         assert max_abs_diff(ours, expected) <= _tolerance(dtype, logit) * peaks[name], name
 
 
+# Scales that saturate the softmax into an argmax yet stay finite in the accumulation dtype.
+HUGE_SCALES = {torch.float64: 1e20, torch.float32: 1e10, torch.bfloat16: 1e10, torch.float16: 1e10}
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (1, 150), (130, 150)])
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_huge_finite_scale_gives_the_argmax_and_finite_gradients(dtype, lq, lk):
+    # scale * q.k ~ 1e10 rounds with an error of thousands in float32: the row max and each
+    # exp(x - max) must read the same rounded x, or exp(+-4096) turns rows into NaN or zeros.
+    q, k, v, grad_out = _inputs(lq, lk, 16, dtype)
+    scale = HUGE_SCALES[dtype]
+    out, dq, dk, dv = _forward_backward(q, k, v, grad_out, scale=scale)
+    ref = float64_reference(q, k, v, scale, grad_out)
+    assert ref.probs.amax(-1).min() == 1.0  # every row a one-hot argmax
+    # Each output row is its argmax key's value row, exactly.
+    assert torch.equal(out, ref.out.to(dtype))
+    # The gradients through the saturated softmax are rounding noise times the scale (torch's
+    # SDPA returns NaN for some of these shapes); they must at least be finite.
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(grad).all(), name
+
+
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_masked_key_with_huge_logit_does_not_set_the_row_maximum(dtype):
     # Every visible logit is -1e4; key j's is +1e4 but rows i < j cannot see it. Were j counted

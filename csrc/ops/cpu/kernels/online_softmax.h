@@ -29,57 +29,79 @@ inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
   }
 }
 
-// max over c < visible of row[c] * scale (NaN if any is NaN, -inf if none). The scaled scores
-// are not stored: exp_and_sum scales them again on the way, one pass over the row fewer.
+// The scores are scaled in place before any exponential, so that the row max and every
+// exp(x - shift) read the same rounded x. Fusing the scale into the exponent's argument,
+// exp(fma(S, scale, -max)), would compute S * scale exactly against a rounded max: with
+// scale = 1e10 and float32 the two differ by up to half an ulp of 1e11 (4096), and exp(+-4096)
+// overflows or vanishes, turning rows into NaN or zeros.
+
+// row[c] = scale * row[c] for c < visible, or -inf where `kept` (when not null) hides the key:
+// the softmax then gives a hidden key exactly zero probability, whatever its score (NaN and
+// inf included).
 template <typename acc_t>
-inline acc_t scaled_max(const acc_t* row, int64_t visible, acc_t scale) {
+inline void scale_and_hide(acc_t* row, int64_t visible, const bool* kept, acc_t scale) {
+  if (kept) {
+    for (int64_t c = 0; c < visible; ++c) {
+      row[c] = kept[c] ? row[c] * scale : -std::numeric_limits<acc_t>::infinity();
+    }
+  } else {
+    using Vec = at::vec::Vectorized<acc_t>;
+    const Vec scale_vec(scale);
+    at::vec::map<acc_t>([&](Vec x) { return x * scale_vec; }, row, row, visible);
+  }
+}
+
+// scale_and_hide, returning the max of the result over c < visible (NaN if any is NaN, -inf if
+// none). Without a mask, in one pass over the row.
+template <typename acc_t>
+inline acc_t scale_hide_and_max(acc_t* row, int64_t visible, const bool* kept, acc_t scale) {
   using Vec = at::vec::Vectorized<acc_t>;
+  if (kept) {
+    scale_and_hide(row, visible, kept, scale);
+    scale = acc_t(1);  // already applied
+  }
   const Vec scale_vec(scale);
   Vec max_vec(-std::numeric_limits<acc_t>::infinity());
   int64_t c = 0;
   for (; c + Vec::size() <= visible; c += Vec::size()) {
-    max_vec = at::vec::maximum(max_vec, Vec::loadu(row + c) * scale_vec);
+    const Vec x = Vec::loadu(row + c) * scale_vec;
+    x.store(row + c);
+    max_vec = at::vec::maximum(max_vec, x);
   }
   acc_t result = at::vec::vec_reduce_all<acc_t>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, max_vec);
   for (; c < visible; ++c) {
-    const acc_t x = row[c] * scale;
-    result = std::isnan(x) ? x : std::max(result, x);
+    row[c] *= scale;
+    result = std::isnan(row[c]) ? row[c] : std::max(result, row[c]);
   }
   return result;
 }
 
-// row[c] = exp(row[c] * scale - shift) for c < visible, 0 for visible <= c < cols; returns the
-// sum of the exponentials. (shift = the row max in the forward, lse in the backward.)
+// row[c] = exp(min(row[c] - shift, 0)) for c < visible, 0 for visible <= c < cols; returns the
+// sum of the exponentials. shift = the row max in the forward, lse in the backward, so the
+// argument is never positive in exact arithmetic. The backward may recompute a score in another
+// summation order than the forward did (the decode path's dot products against the block
+// products): at an absurd scale (scale * |q.k| above ~1e9 in float32) that rounding difference
+// alone exceeds exp's range, and the clamp keeps P a probability instead of inf.
 template <typename acc_t>
-inline acc_t exp_and_sum(acc_t* row, int64_t visible, int64_t cols, acc_t scale, acc_t shift) {
+inline acc_t exp_and_sum(acc_t* row, int64_t visible, int64_t cols, acc_t shift) {
   using Vec = at::vec::Vectorized<acc_t>;
-  const Vec scale_vec(scale), shift_vec(shift);
+  const Vec shift_vec(shift), zero(acc_t(0));
   Vec sum_vec(acc_t(0));
   int64_t c = 0;
   for (; c + Vec::size() <= visible; c += Vec::size()) {
-    const Vec p = vec_exp(at::vec::fmsub(Vec::loadu(row + c), scale_vec, shift_vec));
+    const Vec p = vec_exp(at::vec::minimum(Vec::loadu(row + c) - shift_vec, zero));
     p.store(row + c);
     sum_vec = sum_vec + p;
   }
   if (c < visible) {
     const int64_t tail = visible - c;
-    const Vec p = vec_exp(at::vec::fmsub(Vec::loadu(row + c, tail), scale_vec, shift_vec));
+    const Vec p = vec_exp(at::vec::minimum(Vec::loadu(row + c, tail) - shift_vec, zero));
     p.store(row + c, tail);
     sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);
   }
   std::fill(row + visible, row + cols, acc_t(0));
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
-}
-
-// A block whose key mask hides some of its keys: row[c] = scale * row[c] where kept[c], -inf
-// where the key is hidden (c < visible). The softmax steps then run with scale 1 and give a
-// hidden key exactly zero probability, whatever its score (NaN and inf included).
-template <typename acc_t>
-inline void scale_and_hide(acc_t* row, int64_t visible, const bool* kept, acc_t scale) {
-  for (int64_t c = 0; c < visible; ++c) {
-    row[c] = kept[c] ? row[c] * scale : -std::numeric_limits<acc_t>::infinity();
-  }
 }
 
 // The online-softmax state of a set of query rows: row max, row sum and unnormalized output.
@@ -104,11 +126,7 @@ struct RowState {
   //   O = e^(m - m') O  (the caller then adds P V).
   void fold_row(acc_t* scores, int64_t r, int64_t visible, int64_t cols, acc_t scale,
                 const bool* kept) {
-    if (kept) {
-      scale_and_hide(scores, visible, kept, scale);
-      scale = acc_t(1);
-    }
-    const acc_t block_max = scaled_max(scores, visible, scale);
+    const acc_t block_max = scale_hide_and_max(scores, visible, kept, scale);
     const acc_t old_max = max[r];
     const acc_t new_max = std::isnan(block_max) ? block_max : std::max(old_max, block_max);
     if (new_max == -std::numeric_limits<acc_t>::infinity() || std::isnan(new_max)) {
@@ -119,7 +137,7 @@ struct RowState {
       return;
     }
     const acc_t correction = std::exp(old_max - new_max);
-    sum[r] = sum[r] * correction + exp_and_sum(scores, visible, cols, scale, new_max);
+    sum[r] = sum[r] * correction + exp_and_sum(scores, visible, cols, new_max);
     max[r] = new_max;
     if (correction != acc_t(1)) {
       scale_row(out.data() + r * value_dim, value_dim, correction);
@@ -154,11 +172,8 @@ inline int64_t softmax_gradient_row(acc_t* p, acc_t* ds, int64_t visible, int64_
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
     visible = 0;
   }
-  if (kept) {
-    scale_and_hide(p, visible, kept, scale);
-    scale = acc_t(1);
-  }
-  exp_and_sum(p, visible, cols, scale, lse);
+  scale_and_hide(p, visible, kept, scale);
+  exp_and_sum(p, visible, cols, lse);
   using Vec = at::vec::Vectorized<acc_t>;
   const Vec delta_vec(delta);
   // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
