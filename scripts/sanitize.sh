@@ -4,7 +4,8 @@
 #      build-asan/ (incremental: a second run rebuilds only what changed). The sanitized library
 #      goes to build-asan/package/causal_attention/, next to a copy of the package's Python files,
 #      never over the normal causal_attention/libcausal_attention_ops.so;
-#   2. runs ctest: every C++ test, the bad-input battery and the std::thread tests included;
+#   2. runs ctest: every C++ test, the bad-input battery and the std::thread tests included,
+#      except the AOTInductor package tests (below);
 #   3. runs a Python subset with the ASan runtime preloaded, importing that sanitized copy.
 # Exits non-zero on any failing test and on any sanitizer report (reports are collected in
 # build-asan/reports/ and printed). Installs nothing beyond what scripts/setup_env.sh does.
@@ -101,10 +102,14 @@ sanitized_python() {
   PYTHONPATH="$PACKAGE_ROOT:$ROOT" LD_PRELOAD="$preload" "$PY" "$@"
 }
 
+# The AOTInductor package tests are left out: compiling a package runs g++ from inside the
+# Python process, whose LD_PRELOAD would load the ASan runtime into the compiler too, and what
+# they add is torch's generated wrapper code; the op calls inside it are our kernels, which the
+# other tests run under the sanitizers.
 run_ctest() {
   export CAUSAL_ATTENTION_INTEROP_DIR="$BUILD/interop"
   sanitized_python "$ROOT/scripts/export_torchscript_model.py" "$CAUSAL_ATTENTION_INTEROP_DIR" &&
-    (cd "$BUILD" && ctest --output-on-failure -j2)
+    (cd "$BUILD" && ctest --output-on-failure -j2 --exclude-regex '^AotiPackage\.')
 }
 
 run_python_subset() {

@@ -1,6 +1,6 @@
 // Models and weights crossing between Python and C++, through the directory named by
 // $CAUSAL_ATTENTION_INTEROP_DIR (scripts/test.sh sets it to build/interop and first runs
-// scripts/export_torchscript_model.py into it):
+// tests/fixtures/export_torchscript_model.py into it):
 // - the scripted TinyGPT runs forward and backward here and matches Python's logits and
 //   gradients;
 // - the Python module's weights load into the C++ module, which then matches Python's output;
@@ -10,16 +10,14 @@
 #include "causal_attention/nn.h"
 
 #include "attention_test_utils.h"
+#include "interop_files.h"
 #include "readme_use_in_model.h"
 
 #include <torch/csrc/jit/passes/inliner.h>
-#include <torch/serialize.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -27,49 +25,7 @@
 namespace causal_attention::tests {
 namespace {
 
-constexpr const char* kInteropDirVariable = "CAUSAL_ATTENTION_INTEROP_DIR";
-
-// The interop directory, or a failure saying how to make it.
-::testing::AssertionResult interop_dir(std::filesystem::path* dir) {
-  const char* value = std::getenv(kInteropDirVariable);
-  if (value == nullptr || *value == '\0') {
-    return ::testing::AssertionFailure()
-           << "$" << kInteropDirVariable
-           << " is not set: run scripts/test.sh, or `python scripts/export_torchscript_model.py "
-              "DIR` and set "
-           << kInteropDirVariable << "=DIR";
-  }
-  *dir = value;
-  return ::testing::AssertionSuccess();
-}
-
-// The file `name` of the interop directory, or a failure naming what is missing.
-::testing::AssertionResult interop_file(const std::string& name, std::filesystem::path* path) {
-  std::filesystem::path dir;
-  if (auto found = interop_dir(&dir); !found) {
-    return found;
-  }
-  *path = dir / name;
-  if (!std::filesystem::exists(*path)) {
-    return ::testing::AssertionFailure()
-           << *path
-           << " is missing: scripts/export_torchscript_model.py writes it (scripts/test.sh "
-           << "runs it before ctest)";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// What Python's torch.save wrote (a dict of str keys), as a map.
-std::map<std::string, c10::IValue> load_python_dict(const std::filesystem::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  const std::vector<char> bytes{std::istreambuf_iterator<char>(file),
-                                std::istreambuf_iterator<char>()};
-  std::map<std::string, c10::IValue> entries;
-  for (const auto& entry : torch::pickle_load(bytes).toGenericDict()) {
-    entries.emplace(entry.key().toStringRef(), entry.value());
-  }
-  return entries;
-}
+constexpr const char* kTorchScriptExporter = "export_torchscript_model.py";
 
 nn::CausalSelfAttentionOptions options_from(const std::map<std::string, c10::IValue>& entries,
                                             const std::string& prefix) {
@@ -101,8 +57,8 @@ void load_state_dict(torch::nn::Module& module, const std::map<std::string, at::
 
 TEST(PythonInterop, ScriptedModelRunsForwardAndBackwardInCpp) {
   std::filesystem::path model_path, expected_path;
-  ASSERT_TRUE(interop_file("tiny_gpt.pt", &model_path));
-  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", &expected_path));
+  ASSERT_TRUE(interop_file("tiny_gpt.pt", kTorchScriptExporter, &model_path));
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", kTorchScriptExporter, &expected_path));
   torch::jit::Module model = torch::jit::load(model_path.string());
   const auto expected = load_python_dict(expected_path);
 
@@ -130,8 +86,8 @@ TEST(PythonInterop, ScriptedModelRunsForwardAndBackwardInCpp) {
 
 TEST(PythonInterop, PythonWeightsLoadIntoTheCppModule) {
   std::filesystem::path model_path, expected_path;
-  ASSERT_TRUE(interop_file("tiny_gpt.pt", &model_path));
-  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", &expected_path));
+  ASSERT_TRUE(interop_file("tiny_gpt.pt", kTorchScriptExporter, &model_path));
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", kTorchScriptExporter, &expected_path));
   const auto expected = load_python_dict(expected_path);
   torch::jit::Module model = torch::jit::load(model_path.string());
   std::map<std::string, at::Tensor> state;
@@ -194,8 +150,8 @@ TEST(ReadmeExample, CompilesAndRuns) {
   EXPECT_LE(max_abs_diff(decode_step_by_step(block, x), full), 1e-5);
 
   std::filesystem::path model_path, expected_path;
-  ASSERT_TRUE(interop_file("tiny_gpt.pt", &model_path));
-  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", &expected_path));
+  ASSERT_TRUE(interop_file("tiny_gpt.pt", kTorchScriptExporter, &model_path));
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", kTorchScriptExporter, &expected_path));
   const auto expected = load_python_dict(expected_path);
   EXPECT_LE(max_abs_diff(run_scripted(model_path.string(), expected.at("tokens").toTensor()),
                          expected.at("logits").toTensor()),

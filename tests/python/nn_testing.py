@@ -1,7 +1,9 @@
 """Shared helpers for the tests of causal_attention.CausalSelfAttention: module configurations,
-a nanoGPT-style reference module, key masks, forward + backward runs, and quiet TorchScript."""
+a nanoGPT-style reference module, key masks, forward + backward runs, quiet TorchScript, and the
+directory of files shared with the C++ tests."""
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -12,6 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def interop_dir() -> Path:
+    """Where files cross between Python and C++: $CAUSAL_ATTENTION_INTEROP_DIR, which
+    scripts/test.sh sets to build/interop (the default here) and fills before ctest and pytest."""
+    return Path(os.environ.get("CAUSAL_ATTENTION_INTEROP_DIR", ROOT / "build" / "interop"))
 
 # Module options covering MHA, GQA, MQA with Dv != D, a head_dim that does not divide embed_dim,
 # and no biases.

@@ -6,18 +6,11 @@ The file lives in $CAUSAL_ATTENTION_INTEROP_DIR (default build/interop), where s
 ctest write it before pytest runs. Without it this test fails, saying so; it never skips.
 """
 
-import os
-from pathlib import Path
-
 import torch
 from torch.jit._pickle import restore_type_tag
 
 from causal_attention import CausalSelfAttention
-from nn_testing import ROOT
-
-
-def interop_dir() -> Path:
-    return Path(os.environ.get("CAUSAL_ATTENTION_INTEROP_DIR", ROOT / "build" / "interop"))
+from nn_testing import interop_dir
 
 
 def test_cpp_state_dict_loads_into_the_python_module():
