@@ -6,7 +6,8 @@ setup_everything
 
 echo "==> exporting the TorchScript model that the C++ interop tests load"
 export CAUSAL_ATTENTION_INTEROP_DIR="$ROOT/build/interop"
-PYTHONPATH="$ROOT" "$PY" "$ROOT/scripts/export_torchscript_model.py" "$CAUSAL_ATTENTION_INTEROP_DIR"
+PYTHONPATH="$ROOT:$ROOT/tests" "$PY" -m fixtures.export_torchscript_model \
+  "$CAUSAL_ATTENTION_INTEROP_DIR"
 
 echo "==> ctest"
 (cd "$ROOT/build" && ctest --output-on-failure)

@@ -1,6 +1,6 @@
 // Models and weights crossing between Python and C++, through the directory named by
 // $CAUSAL_ATTENTION_INTEROP_DIR (scripts/test.sh sets it to build/interop and first runs
-// scripts/export_torchscript_model.py into it):
+// tests/fixtures/export_torchscript_model.py into it):
 // - the scripted TinyGPT runs forward and backward here and matches Python's logits and
 //   gradients;
 // - the Python module's weights load into the C++ module, which then matches Python's output;
@@ -35,8 +35,8 @@ constexpr const char* kInteropDirVariable = "CAUSAL_ATTENTION_INTEROP_DIR";
   if (value == nullptr || *value == '\0') {
     return ::testing::AssertionFailure()
            << "$" << kInteropDirVariable
-           << " is not set: run scripts/test.sh, or `python scripts/export_torchscript_model.py "
-              "DIR` and set "
+           << " is not set: run scripts/test.sh, or `PYTHONPATH=tests python -m "
+              "fixtures.export_torchscript_model DIR` and set "
            << kInteropDirVariable << "=DIR";
   }
   *dir = value;
@@ -53,7 +53,7 @@ constexpr const char* kInteropDirVariable = "CAUSAL_ATTENTION_INTEROP_DIR";
   if (!std::filesystem::exists(*path)) {
     return ::testing::AssertionFailure()
            << *path
-           << " is missing: scripts/export_torchscript_model.py writes it (scripts/test.sh "
+           << " is missing: tests/fixtures/export_torchscript_model.py writes it (scripts/test.sh "
            << "runs it before ctest)";
   }
   return ::testing::AssertionSuccess();
