@@ -92,20 +92,19 @@ copy_python_files() {
     (cd "$PACKAGE" && tar xf -)
 }
 
-# Python with the sanitized package first on the path (then the repo, and tests/ for the
-# fixtures) and the ASan runtime loaded first; then libstdc++, which python itself does
-# not link: ASan intercepts __cxa_throw only if it is there when ASan starts (else the first C++
-# exception stops the process with a CHECK failure). Call it with -P, so that the current
-# directory, if it is the repo, does not come before the sanitized package.
+# Python with the sanitized package first on the path and the ASan runtime loaded first; then
+# libstdc++, which python itself does not link: ASan intercepts __cxa_throw only if it is there
+# when ASan starts (else the first C++ exception stops the process with a CHECK failure).
 sanitized_python() {
   local preload
   preload="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)"
-  PYTHONPATH="$PACKAGE_ROOT:$ROOT:$ROOT/tests" LD_PRELOAD="$preload" "$PY" "$@"
+  PYTHONPATH="$PACKAGE_ROOT:$ROOT" LD_PRELOAD="$preload" "$PY" "$@"
 }
 
 run_ctest() {
   export CAUSAL_ATTENTION_INTEROP_DIR="$BUILD/interop"
-  sanitized_python -P -m fixtures.export_torchscript_model "$CAUSAL_ATTENTION_INTEROP_DIR" &&
+  sanitized_python "$ROOT/tests/fixtures/export_torchscript_model.py" \
+    "$CAUSAL_ATTENTION_INTEROP_DIR" &&
     (cd "$BUILD" && ctest --output-on-failure -j2)
 }
 

@@ -6,7 +6,7 @@ setup_everything
 
 echo "==> exporting the TorchScript model that the C++ interop tests load"
 export CAUSAL_ATTENTION_INTEROP_DIR="$ROOT/build/interop"
-PYTHONPATH="$ROOT:$ROOT/tests" "$PY" -m fixtures.export_torchscript_model \
+PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_torchscript_model.py" \
   "$CAUSAL_ATTENTION_INTEROP_DIR"
 
 echo "==> ctest"

@@ -35,8 +35,8 @@ constexpr const char* kInteropDirVariable = "CAUSAL_ATTENTION_INTEROP_DIR";
   if (value == nullptr || *value == '\0') {
     return ::testing::AssertionFailure()
            << "$" << kInteropDirVariable
-           << " is not set: run scripts/test.sh, or `PYTHONPATH=tests python -m "
-              "fixtures.export_torchscript_model DIR` and set "
+           << " is not set: run scripts/test.sh, or `python "
+              "tests/fixtures/export_torchscript_model.py DIR` and set "
            << kInteropDirVariable << "=DIR";
   }
   *dir = value;

@@ -1,7 +1,7 @@
 """CausalSelfAttention and TinyGPT under TorchScript and torch.export: the scripted module (with
 and without a KV cache, with and without a key mask) and the exported programs run and match
 eager, and
-fixtures.export_torchscript_model writes a model that reproduces its expected outputs and
+tests/fixtures/export_torchscript_model.py writes a model that reproduces its expected outputs and
 gradients when loaded back."""
 
 import io
@@ -193,12 +193,10 @@ def test_exported_tiny_gpt_matches_eager():
 
 
 def test_export_script_writes_a_model_that_reproduces_its_expectations(tmp_path):
-    python_path = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
-    )
+    python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=python_path)
     subprocess.run(
-        [sys.executable, "-m", "fixtures.export_torchscript_model", str(tmp_path)],
+        [sys.executable, str(ROOT / "tests/fixtures/export_torchscript_model.py"), str(tmp_path)],
         check=True,
         env=env,
     )
