@@ -108,7 +108,8 @@ sanitized_python() {
 # other tests run under the sanitizers.
 run_ctest() {
   export CAUSAL_ATTENTION_INTEROP_DIR="$BUILD/interop"
-  sanitized_python "$ROOT/scripts/export_torchscript_model.py" "$CAUSAL_ATTENTION_INTEROP_DIR" &&
+  sanitized_python "$ROOT/tests/fixtures/export_torchscript_model.py" \
+    "$CAUSAL_ATTENTION_INTEROP_DIR" &&
     (cd "$BUILD" && ctest --output-on-failure -j2 --exclude-regex '^AotiPackage\.')
 }
 

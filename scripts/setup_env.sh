@@ -1,5 +1,6 @@
-# Sourced by scripts/run.sh and scripts/test.sh: brings a fresh machine to a built checkout, and
-# does nothing the second time (no install when present, no rebuild when nothing changed).
+# Sourced by training/run.sh, scripts/test.sh and scripts/sanitize.sh: brings a fresh machine to a
+# built checkout, and does nothing the second time (no install when present, no rebuild when
+# nothing changed).
 #   - system packages (compiler, CMake, Ninja, GoogleTest): installed when root, else named;
 #   - Python packages into the active virtual environment, or .venv at the repo root;
 #   - the CMake build in build/ (library + GoogleTest binary) and the editable install.

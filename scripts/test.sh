@@ -6,8 +6,9 @@ setup_everything
 
 echo "==> exporting the TorchScript model and compiling the AOTInductor packages the C++ tests load"
 export CAUSAL_ATTENTION_INTEROP_DIR="$ROOT/build/interop"
-PYTHONPATH="$ROOT" "$PY" "$ROOT/scripts/export_torchscript_model.py" "$CAUSAL_ATTENTION_INTEROP_DIR"
-PYTHONPATH="$ROOT:$ROOT/scripts" "$PY" "$ROOT/tests/fixtures/export_aoti_packages.py" \
+PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_torchscript_model.py" \
+  "$CAUSAL_ATTENTION_INTEROP_DIR"
+PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_aoti_packages.py" \
   "$CAUSAL_ATTENTION_INTEROP_DIR"
 
 echo "==> ctest"

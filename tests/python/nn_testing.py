@@ -2,10 +2,8 @@
 a nanoGPT-style reference module, key masks, forward + backward runs, quiet TorchScript, and the
 directory of files shared with the C++ tests."""
 
-import importlib.util
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import pytest
@@ -104,15 +102,6 @@ def forward_backward(
 IGNORE_TORCHSCRIPT_DEPRECATION = pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning"
 )
-
-
-def load_script_module(relative_path: str) -> ModuleType:
-    """Imports a file of scripts/ as a module (scripts/ is not a package)."""
-    path = ROOT / relative_path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def assert_close_to_reference(

@@ -1,6 +1,6 @@
-"""DistributedDataParallel (gloo, 2 processes on 127.0.0.1) with scripts/train.py's model, data and
+"""DistributedDataParallel (gloo, 2 processes on 127.0.0.1) with training.train's model, data and
 sharding: after backward both ranks hold the same gradients, equal to one process's gradients on
-the whole batch; and `torchrun --nproc-per-node 2 scripts/train.py --ddp` trains as one process
+the whole batch; and `torchrun --nproc-per-node 2 -m training.train --ddp` trains as one process
 does."""
 
 import os
@@ -73,7 +73,7 @@ def test_torchrun_ddp_training_matches_one_process(tmp_path):
     env = dict(os.environ, PYTHONPATH=pythonpath)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
     launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    script = [str(ROOT / "scripts/train.py"), "--ddp", "--out", str(tmp_path / "ddp"), *flags]
+    script = ["-m", "training.train", "--ddp", "--out", str(tmp_path / "ddp"), *flags]
     done = subprocess.run(launcher + script, env=env, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     single = train.main([*flags, "--out", str(tmp_path / "single")])

@@ -1,7 +1,7 @@
 """CausalSelfAttention and TinyGPT under TorchScript and torch.export: the scripted module (with
 and without a KV cache, with and without a key mask) and the exported programs run and match
 eager, and
-scripts/export_torchscript_model.py writes a model that reproduces its expected outputs and
+tests/fixtures/export_torchscript_model.py writes a model that reproduces its expected outputs and
 gradients when loaded back."""
 
 import io
@@ -14,18 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from causal_attention import CausalSelfAttention
+from fixtures.tiny_gpt import TinyGPT
 from nn_testing import (
     CONFIGS,
     IGNORE_TORCHSCRIPT_DEPRECATION,
     ROOT,
     forward_backward,
     left_padded_key_mask,
-    load_script_module,
 )
 
 pytestmark = IGNORE_TORCHSCRIPT_DEPRECATION
-
-TinyGPT = load_script_module("scripts/tiny_gpt.py").TinyGPT
 
 
 def reload(scripted):
@@ -198,7 +196,7 @@ def test_export_script_writes_a_model_that_reproduces_its_expectations(tmp_path)
     python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=python_path)
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts/export_torchscript_model.py"), str(tmp_path)],
+        [sys.executable, str(ROOT / "tests/fixtures/export_torchscript_model.py"), str(tmp_path)],
         check=True,
         env=env,
     )

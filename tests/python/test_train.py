@@ -1,4 +1,4 @@
-"""scripts/train.py: swapping SDPA for our op changes the losses of a 50-step float32 run by less
+"""training.train: swapping SDPA for our op changes the losses of a 50-step float32 run by less
 than 1e-4 relative at every step; a run interrupted and resumed from its checkpoint reproduces the
 uninterrupted run bit for bit (losses and log); the log, the plot and a sample are written."""
 

@@ -1,9 +1,7 @@
-"""Shared by the tests of scripts/train.py: the script as a module, and the flags of a run small
-enough to train in a second or two."""
+"""Shared by the tests of training.train: the module, and the flags of a run small enough to
+train in a second or two."""
 
-from nn_testing import load_script_module
-
-train = load_script_module("scripts/train.py")
+from training import train
 
 # GQA (4 query heads, 2 K/V heads) like the script's defaults, at a tiny size.
 TINY_RUN = "--batch-size 4 --seq-len 32 --embed-dim 32 --num-heads 4 --num-kv-heads 2".split()

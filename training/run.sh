@@ -3,14 +3,13 @@
 # small byte-level GPT twice — with causal_attention's op and with torch's SDPA in the attention
 # call, same seed — and prints how closely the loss curves agree and the speed of each, leaving
 # the plot in runs/loss_curves.png. Extra arguments go to both training runs (e.g. --steps 100).
-# Kernel-level errors and timings against SDPA: scripts/demo.py.
-source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/setup_env.sh"
 setup_everything
 
 cd "$ROOT"
 for attention in causal_attention sdpa; do
   echo "==> training with --attention $attention"
-  "$PY" scripts/train.py --attention "$attention" --out "runs/$attention" "$@"
+  "$PY" -m training.train --attention "$attention" --out "runs/$attention" "$@"
 done
 echo "==> comparison"
-"$PY" scripts/compare_runs.py runs/causal_attention runs/sdpa --plot runs/loss_curves.png
+"$PY" -m training.compare_runs runs/causal_attention runs/sdpa --plot runs/loss_curves.png

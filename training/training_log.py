@@ -1,4 +1,4 @@
-"""The per-step CSV log of scripts/train.py, and loss-curve plots of one or more logs."""
+"""The per-step CSV log of training.train, and loss-curve plots of one or more logs."""
 
 import csv
 import itertools

@@ -1,10 +1,10 @@
 """Trains a small byte-level GPT (causal_attention.models.GPT) on the sources of Python's standard
 library, with our attention op or, for comparison, torch's SDPA in the attention call.
 
-    python scripts/train.py --out runs/ours                      # our attention
-    python scripts/train.py --attention sdpa --out runs/sdpa     # the same run on SDPA
-    python scripts/train.py --out runs/ours --resume --steps 400 --sample
-    torchrun --nproc-per-node 2 scripts/train.py --ddp --out runs/ddp
+    python -m training.train --out runs/ours                      # our attention
+    python -m training.train --attention sdpa --out runs/sdpa     # the same run on SDPA
+    python -m training.train --out runs/ours --resume --steps 400 --sample
+    torchrun --nproc-per-node 2 -m training.train --ddp --out runs/ddp
 
 Writes into --out: log.csv (step, loss, lr, tokens/s, elapsed), loss.png, checkpoint.pt (every
 --checkpoint-every steps and at the end) and, with --sample, sample.txt. --resume continues from
@@ -15,7 +15,6 @@ N processes takes 1/N of every batch, and the averaged gradients are the whole b
 
 import argparse
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,13 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when imported by tests
+from causal_attention.models import GPT
+from causal_attention.models.gpt import ATTENTION_MODULES
 
-from byte_corpus import VOCAB_SIZE, RandomWindows, decode, encode, stdlib_source_bytes  # noqa: E402
-from training_log import CsvLog, plot_losses, read_log  # noqa: E402
-
-from causal_attention.models import GPT  # noqa: E402
-from causal_attention.models.gpt import ATTENTION_MODULES  # noqa: E402
+from .byte_corpus import VOCAB_SIZE, RandomWindows, decode, encode, stdlib_source_bytes
+from .training_log import CsvLog, plot_losses, read_log
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,7 +41,10 @@ RUN_FLAGS = ("seq_len", "batch_size", "embed_dim", "num_heads", "num_kv_heads", 
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m training.train", description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--attention", choices=sorted(ATTENTION_MODULES), default="causal_attention")
     p.add_argument("--out", type=Path, default=Path("runs/train"), help="output directory")
     p.add_argument("--steps", type=int, default=300, help="total optimizer steps")

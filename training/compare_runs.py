@@ -1,26 +1,25 @@
-"""Compares training runs of scripts/train.py (their --out directories): how closely the loss
+"""Compares training runs of training.train (their --out directories): how closely the loss
 curves agree step by step, the final losses, the speed of each, and one plot with every curve.
-Run by scripts/run.sh on the causal_attention and sdpa runs.
+Run by training/run.sh on the causal_attention and sdpa runs.
 
-    python scripts/compare_runs.py runs/causal_attention runs/sdpa --plot runs/loss_curves.png
+    python -m training.compare_runs runs/causal_attention runs/sdpa --plot runs/loss_curves.png
 """
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from training_log import plot_losses, read_log  # noqa: E402
+from .training_log import plot_losses, read_log
 
 # Steps left out of the speed figures: the first ones pay for warm-up (allocations, compilation).
 WARMUP_STEPS = 5
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", type=Path, nargs="+", help="--out directories of train.py")
+    parser = argparse.ArgumentParser(
+        prog="python -m training.compare_runs", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("runs", type=Path, nargs="+", help="--out directories of training.train")
     parser.add_argument("--plot", type=Path, help="write every loss curve into this PNG")
     args = parser.parse_args()
     logs = {run.name: read_log(run / "log.csv") for run in args.runs}
