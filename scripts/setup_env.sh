@@ -3,7 +3,8 @@
 # nothing changed).
 #   - system packages (compiler, CMake, Ninja, GoogleTest): installed when root, else named;
 #   - Python packages into the active virtual environment, or .venv at the repo root;
-#   - the CMake build in build/ (library + GoogleTest binary) and the editable install.
+#   - the CMake build in build/ (library, GoogleTest binaries, the benchmark's block-product
+#     probe) and the editable install.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,10 +53,11 @@ ensure_python() {
 build() {
   local build_dir="$ROOT/build"
   if [ ! -f "$build_dir/CMakeCache.txt" ] ||
-    ! grep -q "CAUSAL_ATTENTION_BUILD_TESTS:BOOL=ON" "$build_dir/CMakeCache.txt"; then
+    ! grep -q "CAUSAL_ATTENTION_BUILD_TESTS:BOOL=ON" "$build_dir/CMakeCache.txt" ||
+    ! grep -q "CAUSAL_ATTENTION_BUILD_BENCH_PROBE:BOOL=ON" "$build_dir/CMakeCache.txt"; then
     echo "==> configuring $build_dir"
     cmake -S "$ROOT" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCAUSAL_ATTENTION_BUILD_TESTS=ON \
+      -DCAUSAL_ATTENTION_BUILD_TESTS=ON -DCAUSAL_ATTENTION_BUILD_BENCH_PROBE=ON \
       -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
   fi
   echo "==> building"

@@ -1,5 +1,7 @@
-"""scripts/bench.py --quick runs end to end and writes its CSV, JSON and PNG (a smoke test of every
-code path of the benchmark; no timing assertions)."""
+"""`python -m benchmarks.bench --quick` and `python -m benchmarks.ragged --quick` run end to end
+and write their results (smoke tests of every code path of the benchmarks; no timing assertions);
+the tables of docs/benchmarks/README.md are what the benchmark prints from the saved runs; the
+block-product probe is a library of its own, outside the product's op namespace."""
 
 import csv
 import json
@@ -8,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,8 +19,8 @@ def test_bench_quick_writes_results(tmp_path):
     # A tiny memory budget makes the materializing implementations skip the larger quick case,
     # so the "skipped (memory)" path runs too.
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--out",
-         str(tmp_path), "--mem-budget-gib", "0.001"],
+        [sys.executable, "-m", "benchmarks.bench", "--quick", "--out", str(tmp_path),
+         "--mem-budget-gib", "0.001"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -54,12 +57,12 @@ def test_bench_quick_writes_results(tmp_path):
 
 
 @pytest.mark.parametrize("saved", ["full_grid.json", "grid_bfloat16.json"])
-def test_readme_grid_tables_are_the_saved_runs(saved):
-    """The README's grid tables are what `bench.py --table-from docs/benchmarks/<saved>` prints:
-    the figures there come from the saved runs, not from hand."""
+def test_documented_grid_tables_are_the_saved_runs(saved):
+    """docs/benchmarks/README.md's grid tables are what `python -m benchmarks.bench --table-from
+    docs/benchmarks/<saved>` prints: the figures there come from the saved runs, not from hand."""
     path = REPO_ROOT / "docs" / "benchmarks" / saved
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--table-from", str(path)],
+        [sys.executable, "-m", "benchmarks.bench", "--table-from", str(path)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -74,17 +77,17 @@ def test_readme_grid_tables_are_the_saved_runs(saved):
         if r["section"] == "grid" and r["status"] == "ok" and r["impl"] == "ours"
     }
     assert len(cells) > 0 and len(lines) == 1 + len(cells)
-    readme = (REPO_ROOT / "README.md").read_text()
+    document = (REPO_ROOT / "docs" / "benchmarks" / "README.md").read_text()
+    assert f"python -m benchmarks.bench --table-from docs/benchmarks/{saved}" in document
     for line in lines:
-        assert line in readme, line
+        assert line in document, line
 
 
 def test_bench_ragged_quick_writes_every_section(tmp_path):
-    """scripts/bench_ragged.py --quick times every section, dtype and pass and writes them."""
+    """python -m benchmarks.ragged --quick times every section, dtype and pass and writes them."""
     out = tmp_path / "ragged.json"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench_ragged.py"), "--quick", "--out",
-         str(out)],
+        [sys.executable, "-m", "benchmarks.ragged", "--quick", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -101,3 +104,18 @@ def test_bench_ragged_quick_writes_every_section(tmp_path):
     for row in rows:
         seconds = [value for key, value in row.items() if key.endswith("_s")]
         assert seconds and all(value > 0 for value in seconds), row
+
+
+def test_the_block_product_probe_is_its_own_library():
+    """The probe loads from its own library under causal_attention_bench; the product's
+    namespace holds no benchmark op."""
+    from benchmarks.limits import block_gemm_gflops
+
+    probe = block_gemm_gflops()
+    assert probe is torch.ops.causal_attention_bench.block_gemm_gflops
+    assert probe(torch.float32, 64, 64, 64, 4) > 0
+    assert probe(torch.bfloat16, 64, 64, 64, 4) > 0
+    with pytest.raises(ValueError, match="must be positive"):
+        probe(torch.float32, 0, 64, 64, 4)
+    assert not hasattr(torch.ops.causal_attention, "_block_gemm_gflops")
+    assert not hasattr(torch.ops.causal_attention, "block_gemm_gflops")

@@ -10,18 +10,18 @@ without.
   the call's bytes) and the decode tasks' scratch.
 """
 
-import json
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
 
 import causal_attention
-from attention_testing import run_python
+from benchmarks.memory import peak_growth
 
-# The subprocesses import the package this process imported (this checkout's, or the sanitized
-# copy scripts/sanitize.sh puts first on the path), not whatever an installed copy points to.
+# The measurement (benchmarks/memory.py, which the benchmark's memory section uses too) runs in
+# a fresh interpreter that imports the package this process imported (this checkout's, or the
+# sanitized copy scripts/sanitize.sh puts first on the path), not whatever an installed copy
+# points to.
 PACKAGE_FILE = Path(causal_attention.__file__).resolve()
 PACKAGE_ROOT = PACKAGE_FILE.parents[1]
 
@@ -37,77 +37,6 @@ ALLOWANCE_MIB = 8
 # Scratch is per task, and tasks run one per thread: a fixed thread count keeps the figures the
 # same on every machine but for block sizes (a 64-core machine would run 64 tasks at once).
 THREADS = 4
-
-# Runs in a fresh interpreter. After a small warm-up call of the same kind (so that lazy
-# initialization, the thread pool and code pages are already paid for), it returns free heap
-# pages to the kernel (malloc_trim) and resets the peak-RSS counter (writing 5 to
-# /proc/self/clear_refs resets VmHWM to the current RSS), then creates the tensors and makes the
-# call: VmHWM - VmRSS before is the call's peak growth, tensors included. If the counter cannot
-# be reset, VmHWM still holds the earlier, higher peak, so the growth is overstated, never
-# understated.
-SCRIPT = textwrap.dedent(
-    """
-    import ctypes
-    import gc
-    import json
-
-    import torch
-    import causal_attention
-
-    CASE = json.loads(CASE_JSON)  # prepended by the test
-
-    def status_bytes(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
-
-    def tensors(lq, lk):
-        shapes = (
-            (1, CASE["hq"], lq, CASE["d"]),
-            (1, CASE["hkv"], lk, CASE["d"]),
-            (1, CASE["hkv"], lk, CASE["d"]),
-        )
-        q, k, v = (torch.randn(s, requires_grad=CASE["backward"]) for s in shapes)
-        return q, k, v
-
-    def call(lq, lk):
-        q, k, v = tensors(lq, lk)
-        if not CASE["backward"]:
-            with torch.no_grad():
-                out = causal_attention.attention(q, k, v)
-            return [q, k, v, out]
-        grad_out = torch.randn(out_shape := (1, CASE["hq"], lq, CASE["d"]))
-        out = causal_attention.attention(q, k, v)
-        out.backward(grad_out)
-        assert out.shape == out_shape
-        return [q, k, v, grad_out, out.detach(), q.grad, k.grad, v.grad]
-
-    torch.manual_seed(0)
-    torch.set_num_threads(CASE["threads"])
-    call(*CASE["warmup"])
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
-    before = status_bytes("VmRSS")
-    assert reset is False or status_bytes("VmHWM") <= before + (1 << 20)
-    results = call(CASE["lq"], CASE["lk"])
-    growth = status_bytes("VmHWM") - before
-    print("RESULT=" + json.dumps({
-        "growth": growth,
-        "tensor_bytes": sum(t.numel() * t.element_size() for t in results),
-        "hwm_reset": reset,
-        "library": causal_attention.__file__,
-        "threads": torch.get_num_threads(),
-    }))
-    """
-)
 
 MEMORY_CASES = [
     pytest.param(
@@ -126,13 +55,7 @@ MEMORY_CASES = [
 
 def _peak_growth(case):
     """{"growth": peak RSS growth in bytes, "tensor_bytes": bytes of the call's tensors, ...}."""
-    case = dict(case, threads=THREADS)
-    script = f"CASE_JSON = {json.dumps(case)!r}\n" + SCRIPT
-    result = run_python(script, PACKAGE_ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT=")]
-    assert len(lines) == 1, result.stdout
-    measured = json.loads(lines[0].split("=", 1)[1])
+    measured = peak_growth(dict(case, threads=THREADS), path=PACKAGE_ROOT, timeout=300)
     assert Path(measured["library"]).resolve() == PACKAGE_FILE, measured["library"]
     assert measured["threads"] == THREADS
     return measured

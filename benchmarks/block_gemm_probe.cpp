@@ -1,6 +1,8 @@
-// `_block_gemm_gflops`: the throughput of the block-product micro-kernel behind block_gemm.h on
-// cache-resident blocks, every thread multiplying its own blocks at once. scripts/bench.py uses
-// it as the practical limit ("share of the limit") that the attention kernels are held to.
+// `causal_attention_bench::block_gemm_gflops`: the throughput of the block-product micro-kernel
+// behind block_gemm.h on cache-resident blocks, every thread multiplying its own blocks at once.
+// `python -m benchmarks.bench` uses it as the practical limit ("share of the limit") that the
+// attention kernels are held to. It lives in a library of its own (CMake option
+// CAUSAL_ATTENTION_BUILD_BENCH_PROBE), so that torch.ops.causal_attention holds only the product.
 // For bfloat16 it measures what the kernels use on this CPU: the bfloat16 micro-kernel where
 // it runs natively, else float32 (the kernels then convert bfloat16 tiles to float32).
 #include "block_gemm.h"
@@ -41,10 +43,10 @@ double run_blocks(int64_t m, int64_t n, int64_t k, int64_t iterations) {
 double block_gemm_gflops(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
                          int64_t iterations) {
   TORCH_CHECK_VALUE(m > 0 && n > 0 && k > 0 && iterations > 0,
-                    "_block_gemm_gflops: m, n, k and iterations must be positive, got m=", m,
+                    "block_gemm_gflops: m, n, k and iterations must be positive, got m=", m,
                     ", n=", n, ", k=", k, ", iterations=", iterations);
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
-                   "_block_gemm_gflops: dtype must be float32 or bfloat16, got ", dtype);
+                   "block_gemm_gflops: dtype must be float32 or bfloat16, got ", dtype);
   const bool native_bf16 = dtype == at::kBFloat16 && bf16_block_gemm_available();
   return native_bf16 ? run_blocks<at::BFloat16>(m, n, k + (k & 1), iterations)
                      : run_blocks<float>(m, n, k, iterations);
@@ -53,7 +55,7 @@ double block_gemm_gflops(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
 }  // namespace
 }  // namespace causal_attention::cpu
 
-TORCH_LIBRARY_FRAGMENT(causal_attention, m) {
-  m.def("_block_gemm_gflops(ScalarType dtype, int m, int n, int k, int iterations) -> float",
+TORCH_LIBRARY(causal_attention_bench, m) {
+  m.def("block_gemm_gflops(ScalarType dtype, int m, int n, int k, int iterations) -> float",
         causal_attention::cpu::block_gemm_gflops);
 }

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark of ragged batches on the CPU: key masks and packed sequences, against torch's
 scaled_dot_product_attention (SDPA) with the equivalent boolean mask and against our own unmasked
 and per-sequence calls, all timed in the same run.
@@ -15,37 +14,31 @@ Every time is the median over --rounds interleaved rounds of torch.utils.benchma
 blocked_autorange medians, at --threads threads;
 "fwd" is the forward, "f+b" forward and backward. Writes --out (JSON) and prints a table.
 
-    python scripts/bench_ragged.py                       # the issue's sizes (minutes)
-    python scripts/bench_ragged.py --quick --out /tmp/r.json   # seconds: every path, tiny sizes
+    python -m benchmarks.ragged                          # the issue's sizes (minutes)
+    python -m benchmarks.ragged --quick --out /tmp/r.json   # seconds: every path, tiny sizes
 """
 
-import argparse
 import itertools
 import json
-import os
-import platform
 import random
-import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
 import causal_attention
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from .cases import DTYPES, MODES
+from .cli import common_parser
+from .limits import cpu_environment
+from .timing import interleaved_median, timer
+
 SECTIONS = ("mask", "leftpad", "packed")
-PASSES = ("fwd", "f+b")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common_parser(__doc__, "bench_out/ragged.json")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    parser.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    parser.add_argument("--passes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048],
                         help="L of the mask and leftpad sections")
     parser.add_argument("--batch", type=int, default=4, help="B of the mask section")
@@ -55,25 +48,14 @@ def parse_args(argv=None):
     parser.add_argument("--packed-lengths", nargs=2, type=int, default=[64, 2048],
                         metavar=("MIN", "MAX"), help="range of the packed sequences' lengths")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved measurements of each callable; their median is kept")
-    parser.add_argument("--min-run-time", type=float, default=0.5,
-                        help="seconds blocked_autorange spends per measurement")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes and short runs: a smoke test of every path")
-    parser.add_argument("--out", type=Path, default=Path("bench_out/ragged.json"))
     args = parser.parse_args(argv)
+    rounds, min_run_time = (1, 0.05) if args.quick else (3, 0.5)
+    args.rounds = args.rounds or rounds
+    args.min_run_time = args.min_run_time or min_run_time
     if args.quick:
         args.lengths, args.batch, args.heads = [128], 2, 2
-        args.packed_count, args.packed_lengths, args.min_run_time = 3, [16, 200], 0.05
-        args.rounds = 1
+        args.packed_count, args.packed_lengths = 3, [16, 200]
     return args
-
-
-def median_seconds(fn, threads, min_run_time):
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def step(attend, tensors, pass_name):
@@ -164,27 +146,6 @@ def packed_cases(args, dtype, pass_name):
 CASES = {"mask": mask_cases, "leftpad": leftpad_cases, "packed": packed_cases}
 
 
-def time_case(fns, args):
-    """Median seconds of each callable: --rounds rounds, the callables in turn within each, so
-    that a drift of the machine's speed reaches every one of them alike."""
-    samples = {label: [] for label in fns}
-    for _ in range(args.rounds):
-        for label, fn in fns.items():
-            samples[label].append(median_seconds(fn, args.threads, args.min_run_time))
-    return {label: statistics.median(values) for label, values in samples.items()}
-
-
-def cpu_model():
-    """lscpu's model name, from /proc/cpuinfo where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -193,7 +154,9 @@ def main(argv=None):
     rows = []
     for section, dtype_name, pass_name in itertools.product(args.only, args.dtypes, args.passes):
         for case, fns, ratios in CASES[section](args, DTYPES[dtype_name], pass_name):
-            seconds = time_case(fns, args)
+            seconds = interleaved_median({label: timer(fn, args.threads)
+                                          for label, fn in fns.items()},
+                                         args.rounds, args.min_run_time)
             row = {"section": section, "dtype": dtype_name, "pass": pass_name, "case": case,
                    **{f"{label}_s": value for label, value in seconds.items()},
                    **{name: seconds[num] / seconds[den] for name, (num, den) in ratios.items()}}
@@ -201,8 +164,9 @@ def main(argv=None):
             shown = {name: round(row[name], 3) for name in ratios}
             print(f"{section:8} {dtype_name:9} {pass_name:4} {case:44} {shown}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": cpu_model(), "threads": args.threads,
-               "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
+    env = cpu_environment()
+    machine = {"cpu": env["cpu_model"], "threads": args.threads, "torch": env["torch"],
+               "capability": env["torch_cpu_capability"]}
     args.out.write_text(json.dumps({"machine": machine, "args": vars(args) | {"out": str(args.out)},
                                     "rows": rows}, indent=1))
     print(f"wrote {args.out}")

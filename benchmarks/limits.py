@@ -1,0 +1,82 @@
+"""The machine a run measures: the CPU, the block-product limit the kernels' shares are taken of
+(the probe library built from block_gemm_probe.cpp), and the bandwidth of a large copy."""
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+import causal_attention  # noqa: F401  (the probe library links the op library: load it first)
+
+from .cases import DTYPES
+from .timing import interleaved_median, timer
+
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+PROBE_LIBRARY = Path(__file__).with_name("libcausal_attention_bench_probe.so")
+
+
+def cpu_environment():
+    """lscpu's model line, the ISA flags that matter, torch's view of the CPU."""
+    model = None
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next((" ".join(line.split()) for line in lscpu.splitlines()
+                      if line.startswith("Model name:")), None)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if model is None and line.startswith("model name"):
+                    model = "Model name: " + line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model or platform.processor() or "unknown",
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cores_available": len(os.sched_getaffinity(0)),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def block_gemm_gflops():
+    """torch.ops.causal_attention_bench.block_gemm_gflops, from the probe library."""
+    if not PROBE_LIBRARY.exists():
+        raise SystemExit(f"{PROBE_LIBRARY} is missing: configure CMake with "
+                         "-DCAUSAL_ATTENTION_BUILD_BENCH_PROBE=ON and build (scripts/setup_env.sh "
+                         "does)")
+    torch.ops.load_library(str(PROBE_LIBRARY))
+    return torch.ops.causal_attention_bench.block_gemm_gflops
+
+
+def measure_limit(preset):
+    """Aggregate GFLOP/s of the kernels' block product on cache-resident blocks, every thread at
+    once: per dtype, the max over preset.limit_shapes (best of preset.limit_rounds)."""
+    probe = block_gemm_gflops()
+    limit, per_shape = {}, {}
+    for name, dtype in DTYPES.items():
+        per_shape[name] = {}
+        for m, n, k in preset.limit_shapes:
+            iterations = max(4, int(preset.limit_flops_per_thread / (2 * m * n * k)))
+            per_shape[name][f"{m}x{n}x{k}"] = max(probe(dtype, m, n, k, iterations)
+                                                  for _ in range(preset.limit_rounds))
+        limit[name] = max(per_shape[name].values())
+    return limit, per_shape
+
+
+def measure_copy_bandwidth(preset, threads, rounds, min_run_time):
+    """Bytes read + written per second by a large float32 Tensor.copy_."""
+    numel = preset.copy_mib * 2**20 // 4
+    src, dst = torch.ones(numel), torch.zeros(numel)
+    seconds = interleaved_median({"copy": timer(lambda: dst.copy_(src), threads)}, rounds,
+                                 min_run_time)["copy"]
+    return 2 * src.nbytes / seconds / 1e9
