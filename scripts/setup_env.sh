@@ -1,13 +1,13 @@
 # Sourced by scripts/run.sh and scripts/test.sh: brings a fresh machine to a built checkout, and
 # does nothing the second time (no install when present, no rebuild when nothing changed).
 #   - system packages (compiler, CMake, Ninja, GoogleTest): installed when root, else named;
-#   - Python packages into the active virtual environment, or .venv at the repo root;
-#   - the CMake build in build/ (library + GoogleTest binary) and the editable install.
+#   - into the active virtual environment, or .venv at the repo root, what pyproject.toml lists:
+#     what the build needs (setuptools, the pinned torch), then the package and its test extra
+#     (`.[test]`, editable);
+#   - the CMake build in build/ (library + GoogleTest binary).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TORCH_SPEC="torch==2.13.0"  # pinned exactly: any other spec may pull a multi-GB CUDA build
-PY_TEST_DEPS=(pytest hypothesis numpy expecttest tqdm matplotlib transformers)
 
 ensure_system_packages() {
   local missing=()
@@ -37,15 +37,55 @@ ensure_python() {
     fi
     PY="$ROOT/.venv/bin/python"
   fi
-  if ! "$PY" -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" 2>/dev/null; then
-    echo "==> installing $TORCH_SPEC"
-    "$PY" -m pip install -q "$TORCH_SPEC"
+  local missing
+  missing="$(unsatisfied --build)"
+  if [ -n "$missing" ]; then
+    mapfile -t missing <<<"$missing"
+    echo "==> installing what the build needs: ${missing[*]}"
+    "$PY" -m pip install -q "${missing[@]}"
   fi
-  if ! "$PY" -c "import pytest, hypothesis, numpy, expecttest, tqdm, matplotlib, transformers" 2>/dev/null; then
-    echo "==> installing test dependencies: ${PY_TEST_DEPS[*]}"
-    "$PY" -m pip install -q "$TORCH_SPEC" "${PY_TEST_DEPS[@]}"
+  # --no-build-isolation: the library is compiled against the torch just checked, the one it is
+  # loaded into; the exact torch pin then keeps pip from replacing it.
+  if [ -n "$(unsatisfied)" ]; then
+    echo "==> pip install --no-build-isolation -e '.[test]' (builds the library in build/)"
+    "$PY" -m pip install -q --no-build-isolation -e "$ROOT[test]"
   fi
   export PY
+}
+
+# Prints, one a line, the requirements in pyproject.toml that the environment does not satisfy:
+# with --build, the build's (its build-system requirements, and the torch pin: the build uses the
+# installed torch); else the package itself, its dependencies and its test extra. It parses with
+# pip's vendored copies: a fresh environment has pip, not yet packaging (nor, before Python 3.11,
+# tomllib).
+unsatisfied() {
+  "$PY" - "$ROOT/pyproject.toml" "$@" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+from pip._vendor.packaging.requirements import Requirement
+
+with open(sys.argv[1], "rb") as f:
+    pyproject = tomllib.load(f)
+project = pyproject["project"]
+if "--build" in sys.argv:
+    torch = [spec for spec in project["dependencies"] if Requirement(spec).name == "torch"]
+    wanted = pyproject["build-system"]["requires"] + torch
+else:
+    wanted = [project["name"], *project["dependencies"], *project["optional-dependencies"]["test"]]
+for spec in wanted:
+    requirement = Requirement(spec)
+    try:
+        installed = version(requirement.name)
+    except PackageNotFoundError:
+        installed = None
+    if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+        print(spec)
+EOF
 }
 
 build() {
@@ -59,10 +99,6 @@ build() {
   fi
   echo "==> building"
   cmake --build "$build_dir"
-  if ! "$PY" -c "import importlib.metadata as m; m.version('causal_attention')" 2>/dev/null; then
-    echo "==> pip install --no-build-isolation -e ."
-    "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
-  fi
 }
 
 setup_everything() {
