@@ -33,18 +33,10 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         import torch
 
+        # Preset "default" of CMakePresets.json: the build in build/.
+        prefix = f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"
+        subprocess.check_call(["cmake", "--preset", "default", prefix], cwd=ROOT)
         build_dir = ROOT / "build"
-        configure = [
-            "cmake",
-            "-S",
-            str(ROOT),
-            "-B",
-            str(build_dir),
-            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-        ]
-        if not (build_dir / "CMakeCache.txt").exists() and shutil.which("ninja"):
-            configure += ["-G", "Ninja"]
-        subprocess.check_call(configure)
         subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "causal_attention_ops"])
         built = ROOT / "causal_attention" / "libcausal_attention_ops.so"
         target = Path(self.get_ext_fullpath(ext.name)).resolve()

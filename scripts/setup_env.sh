@@ -4,7 +4,8 @@
 #   - into the active virtual environment, or .venv at the repo root, what pyproject.toml lists:
 #     what the build needs (setuptools, the pinned torch), then the package and its test extra
 #     (`.[test]`, editable);
-#   - the CMake build in build/ (library + GoogleTest binary).
+#   - the CMake build in build/ (library + GoogleTest binaries), preset "tests" of
+#     CMakePresets.json.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -88,17 +89,25 @@ for spec in wanted:
 EOF
 }
 
+# Where the environment's torch keeps its CMake package.
+torch_cmake_prefix() {
+  "$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)'
+}
+
+# configure PRESET: configures the build of a preset in CMakePresets.json (the one spelling of
+# every CMake build here) against the environment's torch.
+configure() {
+  echo "==> configuring (preset $1)"
+  (cd "$ROOT" && cmake --preset "$1" -DCMAKE_PREFIX_PATH="$(torch_cmake_prefix)" >/dev/null)
+}
+
 build() {
-  local build_dir="$ROOT/build"
-  if [ ! -f "$build_dir/CMakeCache.txt" ] ||
-    ! grep -q "CAUSAL_ATTENTION_BUILD_TESTS:BOOL=ON" "$build_dir/CMakeCache.txt"; then
-    echo "==> configuring $build_dir"
-    cmake -S "$ROOT" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCAUSAL_ATTENTION_BUILD_TESTS=ON \
-      -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+  local cache="$ROOT/build/CMakeCache.txt"
+  if [ ! -f "$cache" ] || ! grep -q "CAUSAL_ATTENTION_BUILD_TESTS:BOOL=ON" "$cache"; then
+    configure tests
   fi
   echo "==> building"
-  cmake --build "$build_dir"
+  cmake --build "$ROOT/build"
 }
 
 setup_everything() {
