@@ -11,6 +11,15 @@ PYTHONPATH="$ROOT" "$PY" "$ROOT/scripts/export_torchscript_model.py" "$CAUSAL_AT
 echo "==> ctest"
 (cd "$ROOT/build" && ctest --output-on-failure)
 
+echo "==> a C++ program outside the tree, built against the installed package (tests/cpp/consumer)"
+cmake --install "$ROOT/build" --prefix "$ROOT/build/install" >/dev/null
+if [ ! -f "$ROOT/build/consumer/CMakeCache.txt" ]; then
+  cmake -S "$ROOT/tests/cpp/consumer" -B "$ROOT/build/consumer" -G Ninja \
+    -DCMAKE_PREFIX_PATH="$ROOT/build/install;$(torch_cmake_prefix)" >/dev/null
+fi
+cmake --build "$ROOT/build/consumer"
+"$ROOT/build/consumer/consumer"
+
 echo "==> pytest"
 cd "$ROOT"
 "$PY" -m pytest -q "$@"
