@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test, from a fresh machine: installs what is missing, builds once, runs ctest and pytest.
+# Every test, from a fresh machine: installs what is missing, builds once, runs ctest, a C++
+# program built against the installed package, and pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh -k sdpa).
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 setup_everything
