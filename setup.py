@@ -1,4 +1,5 @@
-"""pip entry point: drives the same CMake build as scripts/test.sh, never a second copy of it.
+"""pip's build of the extension: drives the same CMake build as scripts/test.sh, never a second
+copy of it. The package's metadata and dependencies are in pyproject.toml.
 
     pip install --no-build-isolation -e .
 
@@ -32,18 +33,10 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         import torch
 
+        # Preset "default" of CMakePresets.json: the build in build/.
+        prefix = f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"
+        subprocess.check_call(["cmake", "--preset", "default", prefix], cwd=ROOT)
         build_dir = ROOT / "build"
-        configure = [
-            "cmake",
-            "-S",
-            str(ROOT),
-            "-B",
-            str(build_dir),
-            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-        ]
-        if not (build_dir / "CMakeCache.txt").exists() and shutil.which("ninja"):
-            configure += ["-G", "Ninja"]
-        subprocess.check_call(configure)
         subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "causal_attention_ops"])
         built = ROOT / "causal_attention" / "libcausal_attention_ops.so"
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
@@ -55,20 +48,7 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    name="causal_attention",
-    version="0.1.0",
-    description="Exact causal scaled-dot-product attention for PyTorch: C++ custom ops with "
-    "autograd, Meta kernels and a multi-head module",
-    packages=["causal_attention", "causal_attention.models", "causal_attention.integrations"],
     ext_modules=[CMakeExtension("causal_attention.libcausal_attention_ops")],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.10",
-    install_requires=["torch==2.13.0"],
-    extras_require={
-        "test": ["pytest", "hypothesis", "numpy", "expecttest", "tqdm", "matplotlib"]
-        + ["transformers>=5.24"],
-        # causal_attention.integrations.transformers (AttentionInterface, AttentionMaskInterface)
-        "transformers": ["transformers>=5.24"],
-    },
     zip_safe=False,
 )

@@ -13,11 +13,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_system_packages
 ensure_python
 
+# Preset "asan" of CMakePresets.json builds there, and writes the library to $PACKAGE.
 BUILD="$ROOT/build-asan"
 PACKAGE_ROOT="$BUILD/package"
 PACKAGE="$PACKAGE_ROOT/causal_attention"
 REPORTS="$BUILD/reports"
-SANITIZERS="-fsanitize=address,undefined"
 
 # The Python subset (the whole suite would not fit CI's budget with the build): the robustness
 # files (bad inputs, numerics, faults, threads and forked DataLoader workers, and the fuzz at a
@@ -73,15 +73,7 @@ step() {  # step NAME COMMAND...: runs a step, records its outcome for the summa
 SUMMARY=()
 
 configure_and_build() {
-  # -O1 -g1: ASan's recommended optimization, with line tables for the reports' stack traces.
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-    -DCMAKE_CXX_FLAGS="$SANITIZERS -fno-sanitize=vptr -fno-omit-frame-pointer" \
-    -DCMAKE_EXE_LINKER_FLAGS="$SANITIZERS" -DCMAKE_SHARED_LINKER_FLAGS="$SANITIZERS" \
-    -DCAUSAL_ATTENTION_BUILD_TESTS=ON -DCAUSAL_ATTENTION_PACKAGE_DIR="$PACKAGE" \
-    -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
-    >/dev/null &&
-    cmake --build "$BUILD"
+  configure asan && cmake --build "$BUILD"
 }
 
 copy_python_files() {

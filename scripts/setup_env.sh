@@ -2,14 +2,14 @@
 # built checkout, and does nothing the second time (no install when present, no rebuild when
 # nothing changed).
 #   - system packages (compiler, CMake, Ninja, GoogleTest): installed when root, else named;
-#   - Python packages into the active virtual environment, or .venv at the repo root;
+#   - into the active virtual environment, or .venv at the repo root, what pyproject.toml lists:
+#     what the build needs (setuptools, the pinned torch), then the package and its test extra
+#     (`.[test]`, editable);
 #   - the CMake build in build/ (library, GoogleTest binaries, the benchmark's block-product
-#     probe) and the editable install.
+#     probe), preset "tests" of CMakePresets.json.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TORCH_SPEC="torch==2.13.0"  # pinned exactly: any other spec may pull a multi-GB CUDA build
-PY_TEST_DEPS=(pytest hypothesis numpy expecttest tqdm matplotlib transformers)
 
 ensure_system_packages() {
   local missing=()
@@ -39,33 +39,77 @@ ensure_python() {
     fi
     PY="$ROOT/.venv/bin/python"
   fi
-  if ! "$PY" -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" 2>/dev/null; then
-    echo "==> installing $TORCH_SPEC"
-    "$PY" -m pip install -q "$TORCH_SPEC"
+  local missing
+  missing="$(unsatisfied --build)"
+  if [ -n "$missing" ]; then
+    mapfile -t missing <<<"$missing"
+    echo "==> installing what the build needs: ${missing[*]}"
+    "$PY" -m pip install -q "${missing[@]}"
   fi
-  if ! "$PY" -c "import pytest, hypothesis, numpy, expecttest, tqdm, matplotlib, transformers" 2>/dev/null; then
-    echo "==> installing test dependencies: ${PY_TEST_DEPS[*]}"
-    "$PY" -m pip install -q "$TORCH_SPEC" "${PY_TEST_DEPS[@]}"
+  # --no-build-isolation: the library is compiled against the torch just checked, the one it is
+  # loaded into; the exact torch pin then keeps pip from replacing it.
+  if [ -n "$(unsatisfied)" ]; then
+    echo "==> pip install --no-build-isolation -e '.[test]' (builds the library in build/)"
+    "$PY" -m pip install -q --no-build-isolation -e "$ROOT[test]"
   fi
   export PY
 }
 
+# Prints, one a line, the requirements in pyproject.toml that the environment does not satisfy:
+# with --build, the build's (its build-system requirements, and the torch pin: the build uses the
+# installed torch); else the package itself, its dependencies and its test extra. It parses with
+# pip's vendored copies: a fresh environment has pip, not yet packaging (nor, before Python 3.11,
+# tomllib).
+unsatisfied() {
+  "$PY" - "$ROOT/pyproject.toml" "$@" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+from pip._vendor.packaging.requirements import Requirement
+
+with open(sys.argv[1], "rb") as f:
+    pyproject = tomllib.load(f)
+project = pyproject["project"]
+if "--build" in sys.argv:
+    torch = [spec for spec in project["dependencies"] if Requirement(spec).name == "torch"]
+    wanted = pyproject["build-system"]["requires"] + torch
+else:
+    wanted = [project["name"], *project["dependencies"], *project["optional-dependencies"]["test"]]
+for spec in wanted:
+    requirement = Requirement(spec)
+    try:
+        installed = version(requirement.name)
+    except PackageNotFoundError:
+        installed = None
+    if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+        print(spec)
+EOF
+}
+
+# Where the environment's torch keeps its CMake package.
+torch_cmake_prefix() {
+  "$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)'
+}
+
+# configure PRESET: configures the build of a preset in CMakePresets.json (the one spelling of
+# every CMake build here) against the environment's torch.
+configure() {
+  echo "==> configuring (preset $1)"
+  (cd "$ROOT" && cmake --preset "$1" -DCMAKE_PREFIX_PATH="$(torch_cmake_prefix)" >/dev/null)
+}
+
 build() {
-  local build_dir="$ROOT/build"
-  if [ ! -f "$build_dir/CMakeCache.txt" ] ||
-    ! grep -q "CAUSAL_ATTENTION_BUILD_TESTS:BOOL=ON" "$build_dir/CMakeCache.txt" ||
-    ! grep -q "CAUSAL_ATTENTION_BUILD_BENCH_PROBE:BOOL=ON" "$build_dir/CMakeCache.txt"; then
-    echo "==> configuring $build_dir"
-    cmake -S "$ROOT" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCAUSAL_ATTENTION_BUILD_TESTS=ON -DCAUSAL_ATTENTION_BUILD_BENCH_PROBE=ON \
-      -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+  local cache="$ROOT/build/CMakeCache.txt"
+  if [ ! -f "$cache" ] || ! grep -q "CAUSAL_ATTENTION_BUILD_TESTS:BOOL=ON" "$cache" ||
+    ! grep -q "CAUSAL_ATTENTION_BUILD_BENCH_PROBE:BOOL=ON" "$cache"; then
+    configure tests
   fi
   echo "==> building"
-  cmake --build "$build_dir"
-  if ! "$PY" -c "import importlib.metadata as m; m.version('causal_attention')" 2>/dev/null; then
-    echo "==> pip install --no-build-isolation -e ."
-    "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
-  fi
+  cmake --build "$ROOT/build"
 }
 
 setup_everything() {

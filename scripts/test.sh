@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test, from a fresh machine: installs what is missing, builds once, runs ctest and pytest.
+# Every test, from a fresh machine: installs what is missing, builds once, runs ctest, a C++
+# program built against the installed package, and pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh -k sdpa).
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 setup_everything
@@ -13,6 +14,15 @@ PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_aoti_packages.py" \
 
 echo "==> ctest"
 (cd "$ROOT/build" && ctest --output-on-failure)
+
+echo "==> a C++ program outside the tree, built against the installed package (tests/cpp/consumer)"
+cmake --install "$ROOT/build" --prefix "$ROOT/build/install" >/dev/null
+if [ ! -f "$ROOT/build/consumer/CMakeCache.txt" ]; then
+  cmake -S "$ROOT/tests/cpp/consumer" -B "$ROOT/build/consumer" -G Ninja \
+    -DCMAKE_PREFIX_PATH="$ROOT/build/install;$(torch_cmake_prefix)" >/dev/null
+fi
+cmake --build "$ROOT/build/consumer"
+"$ROOT/build/consumer/consumer"
 
 echo "==> pytest"
 cd "$ROOT"

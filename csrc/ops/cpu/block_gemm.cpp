@@ -76,11 +76,15 @@ bool bf16_block_gemm_available() {
   // least avx512_core; elsewhere a VNNI-layout call would raise), and the ATen capability that
   // selects the kernels (attention_cpu.cpp; ATEN_CPU_CAPABILITY can lower it) must be AVX512,
   // the only build that uses the bfloat16 micro-kernel. Both are fixed for the process.
+#if defined(CAUSAL_ATTENTION_BASELINE_KERNELS_ONLY)
+  return false;  // not x86-64: there is no AVX512 build (CMakeLists.txt)
+#else
   static const bool avx512_selected =
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       at::get_cpu_capability() == "AVX512";
   return avx512_selected && at::globalContext().userEnabledMkldnn();
+#endif
 }
 
 void block_gemm_release() {

@@ -42,8 +42,15 @@ struct BackwardTensors {
   void backward_kernel(const BackwardTensors& tensors); \
   }
 CAUSAL_ATTENTION_DECLARE_KERNELS(DEFAULT)
+#if defined(CAUSAL_ATTENTION_BASELINE_KERNELS_ONLY)
+// Not x86-64: CMakeLists.txt builds the baseline only, and at::get_cpu_capability() never selects
+// the others, whose names it takes.
+namespace AVX2 = DEFAULT;
+namespace AVX512 = DEFAULT;
+#else
 CAUSAL_ATTENTION_DECLARE_KERNELS(AVX2)
 CAUSAL_ATTENTION_DECLARE_KERNELS(AVX512)
+#endif
 #undef CAUSAL_ATTENTION_DECLARE_KERNELS
 
 }  // namespace causal_attention::cpu
