@@ -1,50 +1,30 @@
-// The op schemas, defined once, and the public C++ API. The API calls through cached
-// dispatcher handles rather than the kernels, so C++ callers get autograd, Meta and device
-// dispatch exactly as Python callers do.
+// The op schemas, defined once; the public C++ API; and the one kernel of each op that is another
+// op with its arguments resolved (attention, varlen_attention). The API calls through cached
+// dispatcher handles rather than the kernels, so C++ callers get autograd, autocast, Meta and
+// device dispatch exactly as Python callers do.
 #include "causal_attention/ops.h"
+
+#include "checks.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace causal_attention {
-namespace {
-
-// The cached dispatcher handle of op `name`, typed by the C++ signature of its schema.
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-using AttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      std::optional<double>, const std::optional<at::Tensor>&);
-using AttentionForwardSignature =
-    std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       double, const std::optional<at::Tensor>&);
-using AttentionBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, double, const std::optional<at::Tensor>&);
-using VarlenAttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, const at::Tensor&, c10::SymInt,
-                                            c10::SymInt, std::optional<double>);
-using VarlenForwardSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    c10::SymInt, c10::SymInt, double);
-using VarlenBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt, double);
-
-}  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      std::optional<double> scale, const std::optional<at::Tensor>& key_mask) {
-  static const auto op = handle<AttentionSignature>("causal_attention::attention");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::attention", "")
+                       .typed<decltype(attention)>();
   return op.call(q, k, v, scale, key_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale,
                                                      const std::optional<at::Tensor>& key_mask) {
-  static const auto op = handle<AttentionForwardSignature>("causal_attention::attention_forward");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::attention_forward", "")
+                       .typed<decltype(attention_forward)>();
   return op.call(q, k, v, scale, key_mask);
 }
 
@@ -52,14 +32,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale,
     const std::optional<at::Tensor>& key_mask) {
-  static const auto op = handle<AttentionBackwardSignature>("causal_attention::attention_backward");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::attention_backward", "")
+                       .typed<decltype(attention_backward)>();
   return op.call(grad_out, q, k, v, out, lse, scale, key_mask);
 }
 
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              std::optional<double> scale,
                              const std::optional<at::Tensor>& key_mask) {
-  static const auto op = handle<AttentionSignature>("causal_attention::attention_weights");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::attention_weights", "")
+                       .typed<decltype(attention_weights)>();
   return op.call(q, k, v, scale, key_mask);
 }
 
@@ -67,7 +51,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                             c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                             std::optional<double> scale) {
-  static const auto op = handle<VarlenAttentionSignature>("causal_attention::varlen_attention");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::varlen_attention", "")
+                       .typed<decltype(varlen_attention)>();
   return op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale);
 }
 
@@ -75,8 +61,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
     double scale) {
-  static const auto op =
-      handle<VarlenForwardSignature>("causal_attention::varlen_attention_forward");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::varlen_attention_forward", "")
+                       .typed<decltype(varlen_attention_forward)>();
   return op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale);
 }
 
@@ -85,11 +72,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
     double scale) {
-  static const auto op =
-      handle<VarlenBackwardSignature>("causal_attention::varlen_attention_backward");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::varlen_attention_backward", "")
+                       .typed<decltype(varlen_attention_backward)>();
   return op.call(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, scale);
 }
+
+namespace {
+
+// `attention` is `attention_forward`'s out at the resolved scale, and `varlen_attention` is
+// `varlen_attention_forward`'s: each has this one kernel for every backend the forward op has a
+// kernel for, checked under its own name and calling the forward op through the dispatcher, so
+// the backend's forward kernel (the CPU kernels, the Meta shapes) does the work. Autograd and
+// autocast have their own kernels (autograd/, autocast/); compile and export keep the op whole.
+//
+// Registered per backend, not as CompositeExplicitAutograd: that alias also covers the sparse,
+// sparse CSR, MKL-DNN and quantized backends, and in inference mode (which skips the Autograd
+// kernel) tensors of those layouts must stay refused by the dispatcher, naming the op and the
+// backend, as the forward op refuses them. Not CompositeImplicitAutograd either: that covers
+// those backends too and would decompose the op into attention_forward in torch.compile and
+// torch.export graphs.
+at::Tensor attention_from_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  std::optional<double> scale,
+                                  const std::optional<at::Tensor>& key_mask) {
+  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask);
+  return std::get<0>(attention_forward(q, k, v, resolved, key_mask));
+}
+
+at::Tensor varlen_attention_from_forward(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                         const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
+                                         c10::SymInt max_seqlen_k, std::optional<double> scale) {
+  const double resolved = detail::check_varlen_attention_call(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                              max_seqlen_q, max_seqlen_k, scale);
+  return std::get<0>(varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                              std::move(max_seqlen_q), std::move(max_seqlen_k),
+                                              resolved));
+}
+
+}  // namespace
 
 TORCH_LIBRARY(causal_attention, m) {
   m.def(
@@ -115,6 +137,12 @@ TORCH_LIBRARY(causal_attention, m) {
       "varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
       "SymInt max_seqlen_k, float scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+
+  // The backends of attention_forward and varlen_attention_forward (cpu/, meta/).
+  for (const c10::DispatchKey backend : {c10::DispatchKey::CPU, c10::DispatchKey::Meta}) {
+    m.impl("attention", torch::dispatch(backend, TORCH_FN(attention_from_forward)));
+    m.impl("varlen_attention", torch::dispatch(backend, TORCH_FN(varlen_attention_from_forward)));
+  }
 }
 
 }  // namespace causal_attention

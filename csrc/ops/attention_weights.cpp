@@ -3,6 +3,7 @@
 // a CompositeImplicitAutograd kernel: autograd, Meta, torch.compile and torch.export all come from
 // the decomposition, and no hand-written backward can drift from the forward.
 #include "checks.h"
+#include "shapes.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/matmul.h>
@@ -51,9 +52,7 @@ at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
   // the key mask hides it.
   at::Tensor hidden = cols.gt(rows.add(c10::Scalar(len_k - len_q)));
   if (key_mask.has_value()) {
-    // (*batch, Lk) -> (*batch, 1, 1, Lk): the same keys hidden from every head and query row.
-    const at::Tensor kept = q.dim() >= 4 ? key_mask->unsqueeze(-2).unsqueeze(-2) : *key_mask;
-    hidden = hidden.logical_or(kept.logical_not());
+    hidden = hidden.logical_or(detail::key_mask_over_scores(q, *key_mask).logical_not());
   }
 
   // A row with no visible key would be a softmax over nothing but -inf, which is NaN in value

@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include "shapes.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -100,13 +102,9 @@ void check_attention_tensors(const char* op, const at::Tensor& q, const at::Tens
   }
 }
 
-}  // namespace
-
-void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v) {
-  check_attention_tensors(op, q, k, v, kDenseLayout);
-}
-
+// Throws c10::ValueError unless `scale` is finite in the accumulation dtype of q's dtype
+// `q_dtype` (float32 for float32, bfloat16 and float16; float64 for float64), the dtype the
+// kernels compute in.
 void check_scale(const char* op, double scale, at::ScalarType q_dtype) {
   // The kernels convert the scale to the accumulation dtype (static_cast<acc_t>), so that is
   // where it must be finite: scale=1e39 is a finite double but inf in float32, and every row
@@ -119,6 +117,13 @@ void check_scale(const char* op, double scale, at::ScalarType q_dtype) {
                     ", the accumulation dtype of q.dtype=", q_dtype, ", got scale=", scale);
 }
 
+}  // namespace
+
+void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v) {
+  check_attention_tensors(op, q, k, v, kDenseLayout);
+}
+
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale) {
   if (scale.has_value()) {
     check_scale(op, *scale, q.scalar_type());
@@ -129,7 +134,7 @@ double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> 
   TORCH_CHECK_VALUE(
       head_dim > 0, op,
       ": the head dimension D (last dim of q) must be positive, got q.shape=", q.sym_sizes());
-  return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  return default_scale(head_dim);
 }
 
 void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
@@ -145,9 +150,7 @@ void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
                    mask.scalar_type());
   TORCH_CHECK_VALUE(mask.device() == q.device(), op, ": key_mask must be on q's device ",
                     q.device(), ", got key_mask.device=", mask.device());
-  std::vector<c10::SymInt> expected(q.sym_sizes().begin(),
-                                    q.sym_sizes().end() - std::min<int64_t>(q.dim(), 3));
-  expected.push_back(k.sym_size(-2));
+  const std::vector<c10::SymInt> expected = key_mask_sym_sizes(q, k);
   TORCH_CHECK_VALUE(mask.sym_sizes() == c10::SymIntArrayRef(expected), op,
                     ": key_mask must have shape (*batch, Lk)=", c10::SymIntArrayRef(expected),
                     " (q's leading dims and k's keys), got key_mask.shape=", mask.sym_sizes(),
@@ -169,20 +172,6 @@ double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::
   check_attention_inputs(op, q, k, v);
   check_key_mask(op, q, k, key_mask);
   return resolve_scale(op, q, scale);
-}
-
-at::ScalarType accumulation_dtype(at::ScalarType input_dtype) {
-  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-std::vector<c10::SymInt> output_sym_sizes(const at::Tensor& q, const at::Tensor& v) {
-  std::vector<c10::SymInt> sizes(q.sym_sizes().begin(), q.sym_sizes().end());
-  sizes.back() = v.sym_size(-1);
-  return sizes;
-}
-
-std::vector<c10::SymInt> lse_sym_sizes(const at::Tensor& q) {
-  return std::vector<c10::SymInt>(q.sym_sizes().begin(), q.sym_sizes().end() - 1);
 }
 
 namespace {
@@ -249,8 +238,7 @@ void check_cumulative_lengths_tensor(const char* op, const char* name, const at:
                     q.device(), ", got ", name, ".device=", cu.device());
 }
 
-}  // namespace
-
+// The shape checks of the packed ops (check_varlen_forward_call says which), under `op`.
 void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
                        const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                        const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
@@ -273,6 +261,17 @@ void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
                     max_seqlen_q, ", max_seqlen_k=", max_seqlen_k);
 }
 
+}  // namespace
+
+void check_varlen_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
+                               double scale) {
+  constexpr const char* op = "causal_attention.varlen_attention_forward";
+  check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_scale(op, scale, q.scalar_type());
+}
+
 double check_varlen_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                    const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
@@ -293,8 +292,8 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& 
   check_dense_tensor(op, "out", out);
   check_dense_tensor(op, "lse", lse);
   check_scale(op, scale, q.scalar_type());
-  const std::vector<c10::SymInt> expected_out{q.sym_size(0), q.sym_size(1), v.sym_size(2)};
-  const std::vector<c10::SymInt> expected_lse{q.sym_size(1), q.sym_size(0)};
+  const std::vector<c10::SymInt> expected_out = varlen_output_sym_sizes(q, v);
+  const std::vector<c10::SymInt> expected_lse = varlen_lse_sym_sizes(q);
   TORCH_CHECK_VALUE(grad_out.sym_sizes() == c10::SymIntArrayRef(expected_out) &&
                         out.sym_sizes() == c10::SymIntArrayRef(expected_out),
                     op, ": grad_out and out must have shape (total_q, Hq, Dv)=",

@@ -1,6 +1,7 @@
-// Argument validation shared by every kernel of the three ops (CPU, Meta, Autograd), so that a
-// bad call fails the same way whichever dispatch key it reaches. Written against sym_sizes() so
-// that the Meta kernels can run it under symbolic shapes (torch.compile, torch.export).
+// Argument validation shared by every kernel of the ops (CPU, Meta, Autograd), so that a bad call
+// fails the same way whichever dispatch key it reaches, with a typed error naming the op and the
+// argument. Written against sym_sizes() so that the Meta kernels can run it under symbolic shapes
+// (torch.compile, torch.export). What a valid call's outputs look like is shapes.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,13 +17,8 @@ namespace causal_attention::detail {
 void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v);
 
-// Throws c10::ValueError unless `scale` is finite in the accumulation dtype of q's dtype
-// `q_dtype` (float32 for float32, bfloat16 and float16; float64 for float64), the dtype the
-// kernels compute in.
-void check_scale(const char* op, double scale, at::ScalarType q_dtype);
-
-// The scale `attention` uses: `scale` if given (checked finite, as check_scale, in q's
-// accumulation dtype), else 1/sqrt(D).
+// The scale `attention` uses: `scale` if given (checked finite in q's accumulation dtype, the
+// dtype the kernels compute in), else default_scale(D) (checked D > 0).
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale);
 
 // Checks key_mask, where given: bool, on q's device, shaped (*batch, Lk), with q's leading
@@ -30,7 +26,8 @@ double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> 
 void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
                     const std::optional<at::Tensor>& key_mask);
 
-// Everything `attention_forward` checks, reported under its own name.
+// Everything `attention_forward` checks, reported under its own name: the inputs, the key mask
+// and a scale finite in q's accumulation dtype.
 void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                         const std::optional<at::Tensor>& key_mask);
 
@@ -44,13 +41,14 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, cons
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                            double scale, const std::optional<at::Tensor>& key_mask);
 
-// Packed sequences (varlen_attention): q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv,
-// Dv), cu_seqlens_q and cu_seqlens_k int32 1-D of one length N + 1 on q's device, max_seqlen_q and
-// max_seqlen_k non-negative. Shapes only, so that the Meta kernels run it.
-void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                       const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
-                       const c10::SymInt& max_seqlen_k);
+// Everything `varlen_attention_forward` checks on shapes, and its scale. Packed sequences: q
+// (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), cu_seqlens_q and cu_seqlens_k int32
+// 1-D of one length N + 1 on q's device, max_seqlen_q and max_seqlen_k non-negative. Shapes only,
+// so that the Meta kernels run it; the values of cu_seqlens are check_cumulative_lengths'.
+void check_varlen_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
+                               double scale);
 
 // Everything `varlen_attention` checks on shapes; returns the resolved scale.
 double check_varlen_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -70,12 +68,5 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& 
 // decreases, ends at `total` rows, no length above `max_seqlen`. Returns the longest length.
 int64_t check_cumulative_lengths(const char* op, const char* name, const at::Tensor& cu_seqlens,
                                  int64_t total, const char* max_name, int64_t max_seqlen);
-
-// The dtype of lse and of every accumulator: float64 for float64 inputs, float32 otherwise.
-at::ScalarType accumulation_dtype(at::ScalarType input_dtype);
-
-// Output shape (..., Hq, Lq, Dv) and lse shape (..., Hq, Lq), symbolic-shape friendly.
-std::vector<c10::SymInt> output_sym_sizes(const at::Tensor& q, const at::Tensor& v);
-std::vector<c10::SymInt> lse_sym_sizes(const at::Tensor& q);
 
 }  // namespace causal_attention::detail

@@ -156,8 +156,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
     double scale) {
-  detail::check_varlen_call("causal_attention.varlen_attention_forward", q, k, v, cu_seqlens_q,
-                            cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  detail::check_varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    scale);
   auto out_lse = VarlenForwardFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, scale);
   return {out_lse[0], out_lse[1]};

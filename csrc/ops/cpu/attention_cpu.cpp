@@ -1,6 +1,8 @@
 // The CPU dispatch key: validates, views the inputs as (batch, heads, rows, dim), allocates the
-// outputs and hands them to the kernels built for this CPU's instruction set.
+// outputs and hands them to the kernels built for this CPU's instruction set. attention and
+// varlen_attention reach these through their one kernel (ops/attention.cpp).
 #include "../checks.h"
+#include "../shapes.h"
 #include "kernels/kernel_api.h"
 
 #include <ATen/Version.h>
@@ -91,19 +93,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
                    {}};
   set_key_mask(t, key_mask);
   t.out = at::empty({t.q.size(0), t.q.size(1), t.q.size(2), t.v.size(3)}, q.options());
-  t.lse = at::empty({t.q.size(0), t.q.size(1), t.q.size(2)},
-                    q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
+  t.lse = at::empty({t.q.size(0), t.q.size(1), t.q.size(2)}, detail::lse_options(q));
   if (t.lse.numel() > 0) {
     run_kernel(t, AVX512::forward_kernel, AVX2::forward_kernel, DEFAULT::forward_kernel);
   }
   return {t.out.view_symint(detail::output_sym_sizes(q, v)),
           t.lse.view_symint(detail::lse_sym_sizes(q))};
-}
-
-at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         std::optional<double> scale, const std::optional<at::Tensor>& key_mask) {
-  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask);
-  return std::get<0>(attention_forward_cpu(q, k, v, resolved, key_mask));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
@@ -152,16 +147,14 @@ PackedSequences packed_sequences(const char* op, const at::Tensor& q, const at::
   return sequences;
 }
 
-// The packed forward, its errors reported under `op`.
-std::tuple<at::Tensor, at::Tensor> run_varlen_forward(const char* op, const at::Tensor& q,
-                                                      const at::Tensor& k, const at::Tensor& v,
-                                                      const at::Tensor& cu_seqlens_q,
-                                                      const at::Tensor& cu_seqlens_k,
-                                                      int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                                      double scale) {
-  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)},
-                             q.options().dtype(detail::accumulation_dtype(q.scalar_type())));
+std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale) {
+  detail::check_varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    scale);
+  at::Tensor out = at::empty_symint(detail::varlen_output_sym_sizes(q, v), q.options());
+  at::Tensor lse = at::empty_symint(detail::varlen_lse_sym_sizes(q), detail::lse_options(q));
   ForwardTensors t{packed_as_batch_heads_rows(q),
                    packed_as_batch_heads_rows(k),
                    packed_as_batch_heads_rows(v),
@@ -171,33 +164,13 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_forward(const char* op, const at::
                    {},
                    {},
                    {}};
-  t.sequences = packed_sequences(op, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  t.sequences =
+      packed_sequences("causal_attention.varlen_attention_forward", q, k, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q.expect_int(), max_seqlen_k.expect_int());
   if (out.numel() > 0 && t.sequences.cu_q.numel() > 1) {
     run_kernel(t, AVX512::forward_kernel, AVX2::forward_kernel, DEFAULT::forward_kernel);
   }
   return {out, lse};
-}
-
-std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale) {
-  constexpr const char* op = "causal_attention.varlen_attention_forward";
-  detail::check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  detail::check_scale(op, scale, q.scalar_type());
-  return run_varlen_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
-                            max_seqlen_k.expect_int(), scale);
-}
-
-at::Tensor varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                                std::optional<double> scale) {
-  const double resolved = detail::check_varlen_attention_call(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                              max_seqlen_q, max_seqlen_k, scale);
-  return std::get<0>(run_varlen_forward("causal_attention.varlen_attention", q, k, v, cu_seqlens_q,
-                                        cu_seqlens_k, max_seqlen_q.expect_int(),
-                                        max_seqlen_k.expect_int(), resolved));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
@@ -236,10 +209,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
 }  // namespace causal_attention::cpu
 
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
-  m.impl("attention", causal_attention::cpu::attention_cpu);
   m.impl("attention_forward", causal_attention::cpu::attention_forward_cpu);
   m.impl("attention_backward", causal_attention::cpu::attention_backward_cpu);
-  m.impl("varlen_attention", causal_attention::cpu::varlen_attention_cpu);
   m.impl("varlen_attention_forward", causal_attention::cpu::varlen_attention_forward_cpu);
   m.impl("varlen_attention_backward", causal_attention::cpu::varlen_attention_backward_cpu);
 }

@@ -1,7 +1,9 @@
 // Meta kernels: shapes and dtypes only, written with SymInts so that FakeTensor, torch.compile
 // (dynamic shapes included) and torch.export trace the ops without running them. The values of
-// cu_seqlens are data, checked by the CPU kernels only.
+// cu_seqlens are data, checked by the CPU kernels only. attention and varlen_attention reach
+// these through their one kernel (ops/attention.cpp).
 #include "../checks.h"
+#include "../shapes.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -9,8 +11,13 @@
 namespace causal_attention {
 namespace {
 
-at::TensorOptions lse_options(const at::Tensor& q) {
-  return q.options().dtype(detail::accumulation_dtype(q.scalar_type()));
+// Gradients have the shapes and dtypes of the inputs they belong to.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_gradients(const at::Tensor& q,
+                                                               const at::Tensor& k,
+                                                               const at::Tensor& v) {
+  return {at::empty_symint(q.sym_sizes(), q.options()),
+          at::empty_symint(k.sym_sizes(), k.options()),
+          at::empty_symint(v.sym_sizes(), v.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
@@ -18,13 +25,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
     const std::optional<at::Tensor>& key_mask) {
   detail::check_forward_call(q, k, v, scale, key_mask);
   return {at::empty_symint(detail::output_sym_sizes(q, v), q.options()),
-          at::empty_symint(detail::lse_sym_sizes(q), lse_options(q))};
-}
-
-at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          std::optional<double> scale, const std::optional<at::Tensor>& key_mask) {
-  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask);
-  return std::get<0>(attention_forward_meta(q, k, v, resolved, key_mask));
+          at::empty_symint(detail::lse_sym_sizes(q), detail::lse_options(q))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
@@ -32,30 +33,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& out, const at::Tensor& lse, double scale,
     const std::optional<at::Tensor>& key_mask) {
   detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale, key_mask);
-  return {at::empty_symint(q.sym_sizes(), q.options()),
-          at::empty_symint(k.sym_sizes(), k.options()),
-          at::empty_symint(v.sym_sizes(), v.options())};
+  return empty_gradients(q, k, v);
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_meta(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
     double scale) {
-  detail::check_varlen_call("causal_attention.varlen_attention_forward", q, k, v, cu_seqlens_q,
-                            cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  detail::check_scale("causal_attention.varlen_attention_forward", scale, q.scalar_type());
-  return {at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2)}, q.options()),
-          at::empty_symint({q.sym_size(1), q.sym_size(0)}, lse_options(q))};
-}
-
-at::Tensor varlen_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                 c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                                 std::optional<double> scale) {
-  const double resolved = detail::check_varlen_attention_call(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                              max_seqlen_q, max_seqlen_k, scale);
-  return std::get<0>(varlen_attention_forward_meta(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                   max_seqlen_q, max_seqlen_k, resolved));
+  detail::check_varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    scale);
+  return {at::empty_symint(detail::varlen_output_sym_sizes(q, v), q.options()),
+          at::empty_symint(detail::varlen_lse_sym_sizes(q), detail::lse_options(q))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_meta(
@@ -65,18 +53,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_meta(
     double scale) {
   detail::check_varlen_backward_inputs(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                        max_seqlen_q, max_seqlen_k, scale);
-  return {at::empty_symint(q.sym_sizes(), q.options()),
-          at::empty_symint(k.sym_sizes(), k.options()),
-          at::empty_symint(v.sym_sizes(), v.options())};
+  return empty_gradients(q, k, v);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
-  m.impl("attention", attention_meta);
   m.impl("attention_forward", attention_forward_meta);
   m.impl("attention_backward", attention_backward_meta);
-  m.impl("varlen_attention", varlen_attention_meta);
   m.impl("varlen_attention_forward", varlen_attention_forward_meta);
   m.impl("varlen_attention_backward", varlen_attention_backward_meta);
 }
