@@ -477,7 +477,7 @@ def abs_magnitudes(q, k, v, scale: float, probs, grad_out=None) -> Dict[str, flo
 # three relative errors: rounding to the dtype (8 u_io); the logits' error (8 u_acc sqrt(D) L1,
 # L1 the largest sum of |scale * q_d * k_d|), which perturbs the softmax weights relatively by as
 # much; and float32 (float64) accumulation over the sums' lengths (2 u_acc n: linear, as sums of
-# equal terms, e.g. from stride-0 inputs, round alike). test_fuzz.py holds it to thousands of
+# equal terms, e.g. from stride-0 inputs, round alike). ops/test_fuzz.py holds it to thousands of
 # random calls, where the largest error is below 1/4 of the bound.
 
 

@@ -1,7 +1,7 @@
 // Argument validation: the documented C++ exception types (c10::ValueError for shapes and
 // scale, c10::TypeError for dtypes) with messages naming the argument, for the public op,
 // attention_forward and attention_backward; and the refused double backward.
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 
 #include <limits>
 

@@ -6,7 +6,7 @@
 // about breadth: undefined tensors, every argument position, exotic dtypes, devices, non-finite
 // scales (in the accumulation dtype), nested and sparse tensors. scripts/sanitize.sh runs it under
 // ASan and UBSan.
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 
 #include <ATen/ATen.h>
 #include <torch/nested.h>
