@@ -22,17 +22,16 @@ SANITIZERS="-fsanitize=address,undefined"
 # The Python subset (the whole suite would not fit CI's budget with the build): the robustness
 # files (bad inputs, numerics, faults, threads and forked DataLoader workers, and the fuzz at a
 # quarter of its examples: CAUSAL_ATTENTION_FUZZ_SCALE), then the op's and the module's
-# correctness (key masks and packed sequences included), error, semantics, compile and
+# correctness (key masks and packed sequences included), semantics, compile and
 # determinism tests. Left out: gradcheck (float64 gradients are fuzzed here), and the model,
 # training, DDP, benchmark, export, memory and interop tests, which add run time but no op
 # inputs of a new kind.
 PYTHON_TESTS=(
-  tests/python/ops/test_bad_inputs.py
+  tests/python/ops/test_bad_input.py
   tests/python/ops/test_numerics.py
   tests/python/ops/test_faults.py
   tests/python/ops/test_concurrency.py
   tests/python/ops/test_fuzz.py
-  tests/python/ops/test_errors.py
   tests/python/ops/test_semantics.py
   tests/python/ops/test_against_sdpa.py
   tests/python/ops/test_key_mask.py
