@@ -355,6 +355,24 @@ def twice_sdpa_error_failures(names, ours, same, ref) -> List[str]:
     return failures
 
 
+RESULT_NAMES = ("out", "dq", "dk", "dv")
+
+
+def forward_and_grads(function, inputs, grad_out, *args, **kwargs) -> Tuple[torch.Tensor, ...]:
+    """``(out, dq, dk, dv)``: ``function(q, k, v, *args, **kwargs)`` on ``inputs`` (q, k, v) and
+    their gradients under ``grad_out``, ``out`` detached. The call gets leaves that require grad
+    (detached views of ``inputs``, same values and strides), so any tensors will do."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = function(*leaves, *args, **kwargs)
+    return (out.detach(),) + torch.autograd.grad(out, leaves, grad_out)
+
+
+def assert_bitwise_equal(got, want, label: str = "") -> None:
+    """Each of ``got``'s (out, dq, dk, dv) is bitwise (``torch.equal``) ``want``'s."""
+    for name, a, b in zip(RESULT_NAMES, got, want):
+        assert torch.equal(a, b), f"{label}{name} differs"
+
+
 def to64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64)
 
