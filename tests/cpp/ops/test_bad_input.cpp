@@ -290,7 +290,7 @@ std::vector<BadCall> table() {
        E::kValueError,
        {"k.shape", "v.shape"},
        backward_with("v", a.v.narrow(-2, 0, 5))},
-      // Scale: ValueError showing it (more below the table).
+      // Scale: ValueError showing it (a non-finite one through each op: after this list).
       {"attention (grad) scale inf",
        E::kValueError,
        {"scale must be finite", "scale=inf"},
