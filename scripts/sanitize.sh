@@ -22,28 +22,27 @@ REPORTS="$BUILD/reports"
 # The Python subset (the whole suite would not fit CI's budget with the build): the robustness
 # files (bad inputs, numerics, faults, threads and forked DataLoader workers, and the fuzz at a
 # quarter of its examples: CAUSAL_ATTENTION_FUZZ_SCALE), then the op's and the module's
-# correctness (key masks and packed sequences included), error, semantics, compile and
+# correctness (key masks and packed sequences included), semantics, compile and
 # determinism tests. Left out: gradcheck (float64 gradients are fuzzed here), and the model,
 # training, DDP, benchmark, export, memory and interop tests, which add run time but no op
 # inputs of a new kind.
 PYTHON_TESTS=(
-  tests/python/test_bad_inputs.py
-  tests/python/test_numerics.py
-  tests/python/test_faults.py
-  tests/python/test_concurrency.py
-  tests/python/test_fuzz.py
-  tests/python/test_errors.py
-  tests/python/test_semantics.py
-  tests/python/test_against_sdpa.py
-  tests/python/test_key_mask.py
-  tests/python/test_varlen.py
-  tests/python/test_sdpa_dropin.py
-  tests/python/test_opcheck.py
-  tests/python/test_compile.py
-  tests/python/test_determinism.py
-  tests/python/test_nn_module.py
-  tests/python/test_nn_kv_cache.py
-  tests/python/test_nn_attention_weights.py
+  tests/python/ops/test_bad_input.py
+  tests/python/ops/test_numerics.py
+  tests/python/ops/test_faults.py
+  tests/python/ops/test_concurrency.py
+  tests/python/ops/test_fuzz.py
+  tests/python/ops/test_semantics.py
+  tests/python/ops/test_against_sdpa.py
+  tests/python/ops/test_key_mask.py
+  tests/python/ops/test_varlen.py
+  tests/python/integrations/test_sdpa_dropin.py
+  tests/python/ops/test_opcheck.py
+  tests/python/ops/test_compile.py
+  tests/python/ops/test_determinism.py
+  tests/python/nn/test_module.py
+  tests/python/nn/test_kv_cache.py
+  tests/python/ops/test_attention_weights.py
 )
 
 # Reports go to files (one per reporting process), so that none is lost in a test's captured

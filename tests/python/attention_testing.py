@@ -355,6 +355,24 @@ def twice_sdpa_error_failures(names, ours, same, ref) -> List[str]:
     return failures
 
 
+RESULT_NAMES = ("out", "dq", "dk", "dv")
+
+
+def forward_and_grads(function, inputs, grad_out, *args, **kwargs) -> Tuple[torch.Tensor, ...]:
+    """``(out, dq, dk, dv)``: ``function(q, k, v, *args, **kwargs)`` on ``inputs`` (q, k, v) and
+    their gradients under ``grad_out``, ``out`` detached. The call gets leaves that require grad
+    (detached views of ``inputs``, same values and strides), so any tensors will do."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = function(*leaves, *args, **kwargs)
+    return (out.detach(),) + torch.autograd.grad(out, leaves, grad_out)
+
+
+def assert_bitwise_equal(got, want, label: str = "") -> None:
+    """Each of ``got``'s (out, dq, dk, dv) is bitwise (``torch.equal``) ``want``'s."""
+    for name, a, b in zip(RESULT_NAMES, got, want):
+        assert torch.equal(a, b), f"{label}{name} differs"
+
+
 def to64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64)
 
@@ -477,7 +495,7 @@ def abs_magnitudes(q, k, v, scale: float, probs, grad_out=None) -> Dict[str, flo
 # three relative errors: rounding to the dtype (8 u_io); the logits' error (8 u_acc sqrt(D) L1,
 # L1 the largest sum of |scale * q_d * k_d|), which perturbs the softmax weights relatively by as
 # much; and float32 (float64) accumulation over the sums' lengths (2 u_acc n: linear, as sums of
-# equal terms, e.g. from stride-0 inputs, round alike). test_fuzz.py holds it to thousands of
+# equal terms, e.g. from stride-0 inputs, round alike). ops/test_fuzz.py holds it to thousands of
 # random calls, where the largest error is below 1/4 of the bound.
 
 

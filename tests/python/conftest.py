@@ -21,7 +21,7 @@ def restore_num_threads():
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """Runs a module's tests on one intra-op thread: results do not depend on the thread count
-    (test_determinism.py), and many small calls with a 2-thread OpenMP region each are 10x
+    (ops/test_determinism.py), and many small calls with a 2-thread OpenMP region each are 10x
     slower on a busy 2-core machine. Use as ``pytestmark = pytest.mark.usefixtures(...)``."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attention_testing import visibility
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -70,8 +72,7 @@ class NanoGPTAttention(nn.Module):
         if key_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
         else:
-            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-            visible = causal & key_mask[:, None, None, :]
+            visible = visibility(length, length, key_mask)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=enable_gqa)
         return self.c_proj(y.transpose(1, 2).reshape(batch, length, -1))
 

@@ -12,6 +12,7 @@
 
 namespace {
 
+using causal_attention::tests::bottom_right_mask;
 using causal_attention::tests::expect_error;
 using causal_attention::tests::max_abs_diff;
 using causal_attention::tests::run_with_grad;
@@ -39,8 +40,7 @@ TEST(KeyMask, MatchesSdpaWithTheBooleanMaskForwardAndBackward) {
     // Every row sees its own key or an earlier kept one except where the mask hides all, which
     // does not happen for these masks past row len / 3 of batch 1: compare from there on.
     const at::Tensor allowed =
-        torch::ones({len, len}, torch::kBool).tril().unsqueeze(0).unsqueeze(0) &
-        key_mask.unsqueeze(1).unsqueeze(1);
+        bottom_right_mask(len, len).unsqueeze(0).unsqueeze(0) & key_mask.unsqueeze(1).unsqueeze(1);
     const auto sdpa = run_with_grad(q, k, v, grad_out, [&](auto a, auto b, auto c) {
       return at::scaled_dot_product_attention(a, b, c, allowed, 0.0, false, std::nullopt, true);
     });

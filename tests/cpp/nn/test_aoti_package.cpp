@@ -4,7 +4,7 @@
 // (batch, length) shapes, neither the one they were exported with. The package calls
 // causal_attention::attention_forward through torch's proxy executor, which finds the op in the
 // dispatcher: this binary links the library (--no-as-needed), so its ops are registered.
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 #include "interop_files.h"
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>

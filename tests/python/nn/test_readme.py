@@ -1,5 +1,5 @@
 """The README's "Use it in your model" section cannot rot: its Python blocks run here, and its C++
-block is, character for character, tests/cpp/readme_use_in_model.h, which the GoogleTest case
+block is, character for character, tests/cpp/nn/readme_use_in_model.h, which the GoogleTest case
 ReadmeExample.CompilesAndRuns compiles and runs."""
 
 import re
@@ -34,4 +34,4 @@ def test_python_blocks_run(tmp_path, monkeypatch):
 def test_cpp_block_is_the_compiled_example():
     blocks = section_blocks("cpp")
     assert len(blocks) == 1, f"expected one cpp block under {SECTION!r}, found {len(blocks)}"
-    assert blocks[0] == (ROOT / "tests/cpp/readme_use_in_model.h").read_text()
+    assert blocks[0] == (ROOT / "tests/cpp/nn/readme_use_in_model.h").read_text()

@@ -5,7 +5,7 @@
 // typed error; attention_weights equals a naive softmax.
 #include "causal_attention/nn.h"
 
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/modules/activation.h>

@@ -5,14 +5,15 @@ the tokens a full recomputation would."""
 import pytest
 import torch
 
-from causal_attention.models import GPT, SDPASelfAttention
+from causal_attention.models import SDPASelfAttention
+from fixtures.tiny_gpt import TinyGPT
 
 VOCAB = 64
 
 
 def gpt(attention="causal_attention"):
     torch.manual_seed(0)
-    return GPT(VOCAB, 24, 32, 4, 2, num_kv_heads=2, attention=attention)
+    return TinyGPT(VOCAB, max_len=24, value_head_dim=None, attention=attention)
 
 
 def test_sdpa_variant_has_the_same_parameters_and_computes_the_same_function():

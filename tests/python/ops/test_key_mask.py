@@ -13,10 +13,12 @@ import causal_attention
 from attention_testing import (
     Case,
     abs_magnitudes,
+    assert_bitwise_equal,
     assert_close_to_reference,
     default_scale,
     dtype_params,
     float64_reference,
+    forward_and_grads,
     logit_l1,
     make_key_mask,
     make_tensor,
@@ -88,9 +90,8 @@ def _ours(case: Case, dtype, key_mask, inputs=None, grad_out=None):
         inputs = case.inputs(dtype, requires_grad=True)
     if grad_out is None:
         grad_out = make_tensor(case.out_shape, dtype)
-    out = causal_attention.attention(*inputs, key_mask=key_mask)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    return inputs, grad_out, out.detach(), grads
+    out, *grads = forward_and_grads(causal_attention.attention, inputs, grad_out, key_mask=key_mask)
+    return inputs, grad_out, out, tuple(grads)
 
 
 def _no_key_rows(case: Case, key_mask) -> torch.Tensor:
@@ -226,8 +227,7 @@ def test_non_finite_hidden_keys_change_nothing(case, kind, dtype):
         rows[hidden] = selected
     poisoned = [t.requires_grad_(True) for t in poisoned]
     _, _, out2, grads2 = _ours(case, dtype, key_mask, inputs=poisoned, grad_out=grad_out)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out,) + grads, (out2,) + grads2):
-        assert torch.equal(a, b), name
+    assert_bitwise_equal((out,) + grads, (out2,) + grads2)
 
 
 ALL_TRUE_CASES = [
@@ -247,8 +247,7 @@ def test_all_true_mask_is_bitwise_the_unmasked_call(case, dtype):
     _, _, out, grads = _ours(case, dtype, None, inputs, grad_out)
     all_true = torch.ones(case.key_mask_shape, dtype=torch.bool)
     _, _, masked_out, masked_grads = _ours(case, dtype, all_true, inputs, grad_out)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out,) + grads, (masked_out,) + masked_grads):
-        assert torch.equal(a, b), name
+    assert_bitwise_equal((out,) + grads, (masked_out,) + masked_grads)
 
 
 @pytest.mark.parametrize("dtype", dtype_params())

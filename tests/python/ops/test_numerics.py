@@ -24,6 +24,7 @@ from attention_testing import (
     dtype_params,
     empty_rows,
     float64_reference,
+    forward_and_grads,
     max_abs_diff,
     visible_keys,
 )
@@ -65,9 +66,7 @@ def _inputs(lq, lk, d, dtype, heads=TWO_PASS, generator_seed=0):
 
 
 def _forward_backward(q, k, v, grad_out, scale=None):
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out = causal_attention.attention(*leaves, scale=scale)
-    return (out.detach(),) + torch.autograd.grad(out, leaves, grad_out)
+    return forward_and_grads(causal_attention.attention, (q, k, v), grad_out, scale=scale)
 
 
 # --- logits of +-1e4 -----------------------------------------------------------------------

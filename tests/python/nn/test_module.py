@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from attention_testing import dtype_params
+from attention_testing import dtype_params, visible_keys
 from causal_attention import CausalSelfAttention
 from nn_testing import (
     CONFIGS,
@@ -65,7 +65,7 @@ class MultiheadSelfAttention(nn.Module):
     def __init__(self, mha: nn.MultiheadAttention, length: int):
         super().__init__()
         self.mha = mha
-        self.register_buffer("mask", torch.ones(length, length, dtype=torch.bool).triu(1))
+        self.register_buffer("mask", ~visible_keys(length, length))  # True: hidden
 
     def forward(self, x):
         return self.mha(x, x, x, attn_mask=self.mask, need_weights=False)[0]
@@ -149,7 +149,7 @@ def test_key_mask_matches_multihead_attention_key_padding_mask_at_real_positions
         },
         strict=True,
     )
-    causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+    causal = ~visible_keys(length, length)  # MultiheadAttention's attn_mask: True where hidden
     key_mask = left_padded_key_mask([19, 7, 12], length)
     key_mask[2, 10] = False  # a hole among real tokens, too
     x = torch.randn(3, length, embed_dim, dtype=dtype)

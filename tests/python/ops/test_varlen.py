@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import causal_attention
 from attention_testing import (
     DTYPES,
+    RESULT_NAMES,
     Packed,
     abs_magnitudes,
     assert_close_to_reference,
@@ -33,8 +34,6 @@ from attention_testing import (
 
 # Many small calls: on one thread, as test_fuzz.py does.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-NAMES = ("out", "dq", "dk", "dv")
 
 # Together: an empty sequence, single tokens, Lq_i < Lk_i (a chunk against its cache), Lq_i >
 # Lk_i (rows without keys), Lk_i = 0, GQA and MQA, Dv != D, max_seqlen_q <= 32 (the decode path,
@@ -104,7 +103,7 @@ def assert_matches_sequences_alone(packed: Packed, dtype, inputs, grad_out):
         sum_length = lq + lk + packed.d + packed.value_dim
         tolerance = roundoff_tolerance(dtype, packed.d, sum_length, logit_l1(*part[:2], scale))
         singles = (alone.detach(),) + alone_grads
-        for name, single, exact in zip(NAMES, singles, (ref.out,) + ref.grads):
+        for name, single, exact in zip(RESULT_NAMES, singles, (ref.out,) + ref.grads):
             ours, peak = packed_parts[name][i], peaks[name]
             assert ours.shape == single.shape, f"{name}[{i}]"
             assert_close_to_reference(f"{name}[{i}]", ours, exact, peak, tolerance)
@@ -140,7 +139,7 @@ def test_matches_sdpa_on_the_padded_batch_within_twice_its_error(packed, dtype):
 
     ref = unpadded(sdpa_reference(*map(to64, padded), to64(padded_grad), visible=visible))
     same = unpadded(sdpa_reference(*padded, padded_grad, visible=visible))
-    failures = twice_sdpa_error_failures(NAMES, (out,) + grads, same, ref)
+    failures = twice_sdpa_error_failures(RESULT_NAMES, (out,) + grads, same, ref)
     assert not failures, "; ".join(failures)
 
 
@@ -210,7 +209,7 @@ def test_a_sequence_never_sees_another(packed, dtype):
     rows_k[start:stop] = False
     (out, grads, lse), (out2, grads2, lse2) = clean, dirty
     assert torch.equal(out[rows_q], out2[rows_q]) and torch.equal(lse[:, rows_q], lse2[:, rows_q])
-    for name, a, b, rows in zip(NAMES[1:], grads, grads2, (rows_q, rows_k, rows_k)):
+    for name, a, b, rows in zip(RESULT_NAMES[1:], grads, grads2, (rows_q, rows_k, rows_k)):
         assert torch.equal(a[rows], b[rows]), name
     assert out2[~rows_q].isnan().any()  # the poison did reach its own sequence
 
@@ -229,7 +228,7 @@ def test_looser_max_seqlen_changes_nothing(packed, dtype):
     inputs, grad_out = _fresh(packed, dtype)
     tight = _run(packed, inputs, grad_out)
     loose = _run(packed, inputs, grad_out, max_extra=40)
-    for name, a, b in zip(NAMES, (tight[0],) + tight[1], (loose[0],) + loose[1]):
+    for name, a, b in zip(RESULT_NAMES, (tight[0],) + tight[1], (loose[0],) + loose[1]):
         assert torch.equal(a, b), name
 
 
@@ -287,7 +286,7 @@ def test_is_key_mask_attention_on_the_left_padded_batch(dtype):
     sum_length = lq + lk + packed.d + packed.value_dim
     # Both are within the round-off bound of the exact result.
     tolerance = 2 * roundoff_tolerance(dtype, packed.d, sum_length, logit_l1(*batch[:2], scale))
-    for name, ours, theirs in zip(NAMES, (out,) + grads, dense_results):
+    for name, ours, theirs in zip(RESULT_NAMES, (out,) + grads, dense_results):
         assert_close_to_reference(name, ours, theirs, peaks[name], tolerance)
 
 

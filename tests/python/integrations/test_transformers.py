@@ -75,32 +75,38 @@ def assert_same_gradients(ours, ref):
         )
 
 
+def spy_on(monkeypatch, name, record):
+    """Replaces the backend's op ``name`` with one that calls it and appends
+    ``record(*args, **kwargs)`` to the list returned."""
+    calls = []
+    op = getattr(backend, name)
+
+    def spy(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(backend, name, spy)
+    return calls
+
+
 @pytest.fixture
 def op_calls(monkeypatch):
     """Records the key_mask and K/V head count of every call of the op by the backend."""
-    calls = []
-    op = backend.attention
 
-    def spy(q, k, v, *, scale=None, key_mask=None):
-        calls.append(dict(kv_heads=k.size(1), key_mask=key_mask, keys=k.size(2)))
-        return op(q, k, v, scale=scale, key_mask=key_mask)
+    def record(q, k, v, *, scale=None, key_mask=None):
+        return dict(kv_heads=k.size(1), key_mask=key_mask, keys=k.size(2))
 
-    monkeypatch.setattr(backend, "attention", spy)
-    return calls
+    return spy_on(monkeypatch, "attention", record)
 
 
 @pytest.fixture
 def varlen_calls(monkeypatch):
     """Records the cumulative lengths and K/V head count of every packed call by the backend."""
-    calls = []
-    op = backend.varlen_attention
 
-    def spy(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
-        calls.append(dict(kv_heads=k.size(1), cu_q=cu_q.tolist(), cu_k=cu_k.tolist()))
-        return op(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
+    def record(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
+        return dict(kv_heads=k.size(1), cu_q=cu_q.tolist(), cu_k=cu_k.tolist())
 
-    monkeypatch.setattr(backend, "varlen_attention", spy)
-    return calls
+    return spy_on(monkeypatch, "varlen_attention", record)
 
 
 @pytest.fixture

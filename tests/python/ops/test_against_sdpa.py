@@ -12,9 +12,11 @@ import torch
 
 import causal_attention
 from attention_testing import (
+    RESULT_NAMES,
     Case,
     dtype_params,
     empty_rows,
+    forward_and_grads,
     make_tensor,
     sdpa_reference,
     to64,
@@ -90,11 +92,10 @@ EMPTY_ROW_CASES = [p for p in CASES if p.values[0].lq > p.values[0].lk]
 
 def _ours_with_grads(case: Case, dtype: torch.dtype):
     """Runs our op forward and backward; returns inputs, grad_out, out and (dq, dk, dv)."""
-    q, k, v = case.inputs(dtype, requires_grad=True)
+    inputs = case.inputs(dtype)
     grad_out = make_tensor(case.out_shape, dtype)
-    out = causal_attention.attention(q, k, v)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    return (q, k, v), grad_out, out, grads
+    out, *grads = forward_and_grads(causal_attention.attention, inputs, grad_out)
+    return inputs, grad_out, out, tuple(grads)
 
 
 @pytest.mark.parametrize("dtype", dtype_params())
@@ -104,7 +105,7 @@ def test_matches_sdpa_within_twice_its_error(case, dtype):
     ref_out, ref_grads = sdpa_reference(*(to64(t) for t in inputs), to64(grad_out))
     same_out, same_grads = sdpa_reference(*inputs, grad_out)
 
-    names = ("out", "dq", "dk", "dv")
+    names = RESULT_NAMES
     for name, ours, input_ in zip(names, (out,) + tuple(grads), (None,) + tuple(inputs)):
         expected_shape = case.out_shape if input_ is None else input_.shape
         assert ours.shape == expected_shape, f"{name}: shape {tuple(ours.shape)}"

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import causal_attention
-from attention_testing import DTYPES
+from attention_testing import DTYPES, assert_bitwise_equal, forward_and_grads
 
 THREADS = 16
 CALLS_PER_THREAD = 50
@@ -29,16 +29,14 @@ def _inputs(seed: int):
 
 
 def _forward_backward(q, k, v, grad_out):
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out = causal_attention.attention(*leaves)
-    return (out.detach(),) + torch.autograd.grad(out, leaves, grad_out)
+    return forward_and_grads(causal_attention.attention, (q, k, v), grad_out)
 
 
-def _assert_bitwise_equal(results, expected, label):
+def _assert_calls_bitwise_equal(results, expected, label):
+    """Each call's results are bitwise those of the same call made serially."""
     assert len(results) == len(expected), label
     for i, (got, want) in enumerate(zip(results, expected)):
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            assert torch.equal(a, b), f"{label}: call {i}: {name} differs from the serial call"
+        assert_bitwise_equal(got, want, f"{label}: call {i}: ")
 
 
 def _run_in_threads(work, count):
@@ -97,7 +95,7 @@ def test_16_threads_each_equal_their_serial_results(inputs_and_serial_results):
 
     for thread, results in enumerate(_run_in_threads(work, THREADS)):
         expected = [table[seed][1] for seed in _seeds(thread)]
-        _assert_bitwise_equal(results, expected, f"thread {thread}")
+        _assert_calls_bitwise_equal(results, expected, f"thread {thread}")
 
 
 def test_calls_while_another_thread_changes_the_thread_count(
@@ -131,7 +129,7 @@ def test_calls_while_another_thread_changes_the_thread_count(
     assert outcome[workers] > 1, "the thread count was not changed during the calls"
     for thread in range(workers):
         expected = [table[seed][1] for seed in _seeds(thread)]
-        _assert_bitwise_equal(outcome[thread], expected, f"thread {thread}")
+        _assert_calls_bitwise_equal(outcome[thread], expected, f"thread {thread}")
 
 
 # --- DataLoader workers (fork) -------------------------------------------------------------
@@ -170,6 +168,6 @@ def test_dataloader_fork_workers_neither_hang_nor_differ(restore_num_threads):
         multiprocessing_context="fork",
         timeout=60,  # a hung worker raises RuntimeError instead of blocking the suite
     )
-    _assert_bitwise_equal(list(loader), expected, "DataLoader")
+    _assert_calls_bitwise_equal(list(loader), expected, "DataLoader")
     # And the parent still works after its children are gone.
-    _assert_bitwise_equal([_forward_backward(*_loader_inputs(0))], expected[:1], "parent")
+    _assert_calls_bitwise_equal([_forward_backward(*_loader_inputs(0))], expected[:1], "parent")

@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
-from attention_testing import Case, default_scale, dtype_params, empty_rows, make_tensor
+from attention_testing import (
+    Case,
+    assert_bitwise_equal,
+    default_scale,
+    dtype_params,
+    empty_rows,
+    forward_and_grads,
+    make_tensor,
+)
 
 OPS = torch.ops.causal_attention
 
@@ -165,12 +173,11 @@ def test_result_does_not_depend_on_strides(layout, dtype):
     contiguous = tuple(t.detach().contiguous().requires_grad_(True) for t in strided)
     assert not any(t.is_contiguous() for t in strided)
     grad_out = make_tensor(case.out_shape, dtype)
-    results = []
-    for q, k, v in (strided, contiguous):
-        out = causal_attention.attention(q, k, v)
-        results.append((out,) + torch.autograd.grad(out, (q, k, v), grad_out))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
-        assert torch.equal(a, b), name
+    results = [
+        forward_and_grads(causal_attention.attention, inputs, grad_out)
+        for inputs in (strided, contiguous)
+    ]
+    assert_bitwise_equal(*results)
 
 
 # --- TorchScript ---------------------------------------------------------------------------

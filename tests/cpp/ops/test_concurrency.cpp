@@ -2,7 +2,7 @@
 // another thread keeps changing the intra-op thread count. Every call must give bitwise the result
 // of the same call made serially (the kernels keep no shared mutable state), and all threads must
 // finish.
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 
 #include <ATen/Parallel.h>
 

@@ -1,6 +1,6 @@
 """torch.export of the training GPT (causal_attention.models.GPT) with a dynamic batch and
 sequence length, saved and loaded back: the loaded program keeps our op, runs at other shapes and
-matches eager. (tests/python/test_nn_torchscript_export.py exports TinyGPT at one fixed shape,
+matches eager. (tests/python/nn/test_torchscript_export.py exports TinyGPT at one fixed shape,
 without the round trip.)"""
 
 import torch

@@ -14,6 +14,8 @@ from attention_testing import (
     DTYPE_IDS,
     Case,
     Packed,
+    assert_bitwise_equal,
+    forward_and_grads,
     make_key_mask,
     make_tensor,
     run_python,
@@ -60,15 +62,10 @@ def _case_dtype_params():
 CASE_DTYPE_PARAMS = _case_dtype_params()
 
 
-def _forward_backward(inputs, grad_out, threads):
+def _on_threads(threads, function, inputs, grad_out, *args, **kwargs):
+    """(out, dq, dk, dv) of ``function`` on ``threads`` intra-op threads."""
     torch.set_num_threads(threads)
-    out = causal_attention.attention(*inputs)
-    return (out,) + torch.autograd.grad(out, inputs, grad_out)
-
-
-def _assert_bitwise_equal(a, b):
-    for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
-        assert torch.equal(x, y), name
+    return forward_and_grads(function, inputs, grad_out, *args, **kwargs)
 
 
 def _inputs(case, dtype):
@@ -78,17 +75,17 @@ def _inputs(case, dtype):
 @pytest.mark.parametrize("case,dtype", CASE_DTYPE_PARAMS)
 def test_bitwise_equal_for_one_and_two_threads(case, dtype, restore_num_threads):
     inputs, grad_out = _inputs(case, dtype)
-    one = _forward_backward(inputs, grad_out, threads=1)
-    two = _forward_backward(inputs, grad_out, threads=2)
-    _assert_bitwise_equal(one, two)
+    one = _on_threads(1, causal_attention.attention, inputs, grad_out)
+    two = _on_threads(2, causal_attention.attention, inputs, grad_out)
+    assert_bitwise_equal(one, two)
 
 
 @pytest.mark.parametrize("case,dtype", CASE_DTYPE_PARAMS)
 def test_bitwise_equal_across_repeated_calls(case, dtype, restore_num_threads):
     inputs, grad_out = _inputs(case, dtype)
-    first = _forward_backward(inputs, grad_out, threads=2)
+    first = _on_threads(2, causal_attention.attention, inputs, grad_out)
     for _ in range(2):
-        _assert_bitwise_equal(first, _forward_backward(inputs, grad_out, threads=2))
+        assert_bitwise_equal(first, _on_threads(2, causal_attention.attention, inputs, grad_out))
 
 
 # --- key masks and packed sequences ---------------------------------------------------------
@@ -125,26 +122,15 @@ VARLEN_CASES = [
 ]
 
 
-def _masked_forward_backward(inputs, grad_out, key_mask, threads):
-    torch.set_num_threads(threads)
-    out = causal_attention.attention(*inputs, key_mask=key_mask)
-    return (out,) + torch.autograd.grad(out, inputs, grad_out)
-
-
-def _packed_forward_backward(inputs, grad_out, lengths, threads):
-    torch.set_num_threads(threads)
-    out = causal_attention.varlen_attention(*inputs, *lengths)
-    return (out,) + torch.autograd.grad(out, inputs, grad_out)
-
-
 @pytest.mark.parametrize("case,kind,dtype", KEY_MASK_CASES)
 def test_key_mask_bitwise_equal_for_one_and_two_threads(case, kind, dtype, restore_num_threads):
     inputs, grad_out = _inputs(case, dtype)
     key_mask = make_key_mask(case.key_mask_shape, kind)
-    one = _masked_forward_backward(inputs, grad_out, key_mask, threads=1)
-    two = _masked_forward_backward(inputs, grad_out, key_mask, threads=2)
-    _assert_bitwise_equal(one, two)
-    _assert_bitwise_equal(two, _masked_forward_backward(inputs, grad_out, key_mask, threads=2))
+    attention = causal_attention.attention
+    one = _on_threads(1, attention, inputs, grad_out, key_mask=key_mask)
+    two = _on_threads(2, attention, inputs, grad_out, key_mask=key_mask)
+    assert_bitwise_equal(one, two)
+    assert_bitwise_equal(two, _on_threads(2, attention, inputs, grad_out, key_mask=key_mask))
 
 
 @pytest.mark.parametrize("packed,dtype", VARLEN_CASES)
@@ -152,10 +138,11 @@ def test_varlen_bitwise_equal_for_one_and_two_threads(packed, dtype, restore_num
     inputs = packed.inputs(dtype, requires_grad=True)
     grad_out = make_tensor(packed.out_shape, dtype)
     lengths = packed.lengths_args()
-    one = _packed_forward_backward(inputs, grad_out, lengths, threads=1)
-    two = _packed_forward_backward(inputs, grad_out, lengths, threads=2)
-    _assert_bitwise_equal(one, two)
-    _assert_bitwise_equal(two, _packed_forward_backward(inputs, grad_out, lengths, threads=2))
+    varlen = causal_attention.varlen_attention
+    one = _on_threads(1, varlen, inputs, grad_out, *lengths)
+    two = _on_threads(2, varlen, inputs, grad_out, *lengths)
+    assert_bitwise_equal(one, two)
+    assert_bitwise_equal(two, _on_threads(2, varlen, inputs, grad_out, *lengths))
 
 
 # --- two threads share the work -------------------------------------------------------------

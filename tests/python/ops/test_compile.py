@@ -15,18 +15,22 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.export import Dim
 
 import causal_attention
-from attention_testing import Case, Packed, make_key_mask, make_tensor
-from causal_attention.models import GPT
+from attention_testing import (
+    RESULT_NAMES,
+    Case,
+    Packed,
+    assert_bitwise_equal,
+    forward_and_grads,
+    make_key_mask,
+    make_tensor,
+)
+from fixtures.tiny_gpt import TinyGPT
 from nn_testing import IGNORE_TORCHSCRIPT_DEPRECATION
 
 # Dynamo inspects the attention module's TorchScript-exported methods, which warns.
 pytestmark = IGNORE_TORCHSCRIPT_DEPRECATION
 
-VOCAB = 64
-
-
-def tiny_gpt() -> GPT:
-    return GPT(VOCAB, 32, 32, 4, 2, num_kv_heads=2, value_head_dim=12)
+VOCAB = 64  # TinyGPT's vocabulary
 
 
 def training_step(model, tokens, targets, parameters_of):
@@ -63,13 +67,13 @@ def fresh_dynamo():
 
 
 def test_compiled_fullgraph_matches_eager():
-    eager = tiny_gpt()
+    eager = TinyGPT()
     compiled = torch.compile(eager, fullgraph=True)
     assert_step_matches_eager(eager, compiled, length=20)
 
 
 def test_compiled_dynamic_matches_eager_at_new_lengths_without_recompiling():
-    eager = tiny_gpt()
+    eager = TinyGPT()
     compiled = torch.compile(eager, fullgraph=True, dynamic=True)
     assert_step_matches_eager(eager, compiled, length=20)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -94,7 +98,7 @@ def graph_keeping_backend(graphs):
 def test_compiled_graphs_call_our_forward_and_backward_ops():
     graphs = {}
     backend = graph_keeping_backend(graphs)
-    model = tiny_gpt()
+    model = TinyGPT()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     tokens, targets = torch.randint(0, VOCAB, (2, 2, 9))
     training_step(compiled, tokens, targets, model)
@@ -136,8 +140,8 @@ CALLS = [pytest.param(masked_call, id="key_mask"), pytest.param(packed_call, id=
 
 
 def forward_backward(function, args, grad_out):
-    out = function(*args)
-    return (out.detach(),) + torch.autograd.grad(out, args[:3], grad_out)
+    """(out, dq, dk, dv) of ``function(q, k, v, *rest)`` for ``args = (q, k, v, *rest)``."""
+    return forward_and_grads(function, args[:3], grad_out, *args[3:])
 
 
 @pytest.mark.parametrize("make_call", CALLS)
@@ -146,7 +150,7 @@ def test_compiled_op_forward_and_backward_match_eager(make_call):
     compiled = torch.compile(function, fullgraph=True)
     expected = forward_backward(function, args, grad_out)
     got = forward_backward(compiled, args, grad_out)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+    for name, a, b in zip(RESULT_NAMES, got, expected):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 
 
@@ -166,8 +170,7 @@ def test_compiled_op_graphs_call_our_forward_and_backward_ops(make_call, forward
     compiled = torch.compile(function, backend=backend, fullgraph=True)
     got = forward_backward(compiled, args, grad_out)
     expected = forward_backward(function, args, grad_out)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
-        assert torch.equal(a, b), name  # the same kernels on the same inputs
+    assert_bitwise_equal(got, expected)  # the same kernels on the same inputs
     targets = {kind: {str(node.target) for node in graph.nodes} for kind, graph in graphs.items()}
     assert f"causal_attention.{forward}.default" in targets["forward"], targets["forward"]
     assert f"causal_attention.{backward}.default" in targets["backward"], targets["backward"]
@@ -239,7 +242,7 @@ def test_compiled_dynamic_varlen_takes_new_packings_without_recompiling():
         expected = forward_backward(_varlen, args, grad_out)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             got = forward_backward(compiled, args, grad_out)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        for name, a, b in zip(RESULT_NAMES, got, expected):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"{name} of packing {i}")
 
 

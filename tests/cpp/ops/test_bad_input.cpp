@@ -1,18 +1,19 @@
-// The bad-input battery, from C++: a table of malformed calls of every public entry point
-// (attention, attention_forward, attention_backward, attention_weights; with and without inputs
-// that require grad), each of which must throw exactly c10::ValueError, c10::TypeError or
-// c10::NotImplementedError with a message naming the offending argument.
-// test_attention_errors.cpp checks the messages of the common mistakes in detail; this table is
-// about breadth: undefined tensors, every argument position, exotic dtypes, devices, non-finite
-// scales (in the accumulation dtype), nested and sparse tensors. scripts/sanitize.sh runs it under
-// ASan and UBSan.
-#include "attention_test_utils.h"
+// Bad input, from C++: one table of malformed calls of every public entry point (attention,
+// attention_forward, attention_backward, attention_weights; with and without inputs that require
+// grad), a GoogleTest case per row. Each must throw exactly the documented c10::ValueError (shapes,
+// devices, scale), c10::TypeError (undefined tensors, dtypes) or c10::NotImplementedError (nested
+// and sparse tensors) with a message naming the op and the offending argument and showing what was
+// seen. Then what is not a row: the valid call the table spoils, scales finite in the accumulation
+// dtype, and the refused double backward. scripts/sanitize.sh runs it under ASan and UBSan.
+#include "../attention_test_utils.h"
 
 #include <ATen/ATen.h>
 #include <torch/nested.h>
 
+#include <cctype>
 #include <functional>
 #include <limits>
+#include <ostream>
 #include <set>
 #include <string>
 
@@ -21,12 +22,18 @@ namespace {
 
 enum class Expect { kValueError, kTypeError, kNotImplementedError };
 
+// A row: the case's name, the exception type, what the message contains (argument names among
+// them), and the call.
 struct BadCall {
   std::string name;
   Expect expect;
-  std::vector<const char*> needles;  // the message contains each (argument names among them)
+  std::vector<const char*> needles;
   std::function<void()> call;
 };
+
+void PrintTo(const BadCall& c, std::ostream* os) {
+  *os << c.name;
+}
 
 at::Tensor on_meta(const at::Tensor& t) {
   return t.to(at::TensorOptions().device(at::kMeta));
@@ -40,7 +47,7 @@ at::Tensor nested(const at::Tensor& t) {
   return torch::nested::as_nested_tensor(items);
 }
 
-// A valid call: q (2, 4, 5, 8), k (2, 2, 6, 8), v (2, 2, 6, 3); out (2, 4, 5, 3), lse (2, 4, 5).
+// The valid call: q (2, 4, 5, 8), k (2, 2, 6, 8), v (2, 2, 6, 3); out (2, 4, 5, 3), lse (2, 4, 5).
 struct Valid {
   at::Tensor q = torch::randn({2, 4, 5, 8}), k = torch::randn({2, 2, 6, 8}),
              v = torch::randn({2, 2, 6, 3});
@@ -75,23 +82,41 @@ std::function<void()> forward(at::Tensor q, at::Tensor k, at::Tensor v, double s
   return [=] { causal_attention::attention_forward(q, k, v, scale); };
 }
 
-// The same call with q requiring grad: the Autograd kernel must check before anything else.
+// The same call with q and k requiring grad (where they are floating-point tensors): the
+// Autograd kernel must check before anything else.
 std::function<void()> attention_grad(at::Tensor q, at::Tensor k, at::Tensor v,
                                      std::optional<double> scale = std::nullopt) {
   return [=] {
-    const at::Tensor leaf = q.defined() ? q.detach().requires_grad_(true) : q;
-    const at::Tensor k_leaf = k.defined() ? k.detach().requires_grad_(true) : k;
-    causal_attention::attention(leaf, k_leaf, v, scale);
+    const auto leaf = [](const at::Tensor& t) {
+      return t.defined() && t.is_floating_point() ? t.detach().requires_grad_(true) : t;
+    };
+    causal_attention::attention(leaf(q), leaf(k), v, scale);
   };
 }
 
-std::vector<BadCall> battery() {
+// A bad q, k, v through every forward entry point: attention without and with a scale,
+// attention_forward, and attention on inputs that require grad (floating-point ones).
+void add_forward_rows(std::vector<BadCall>& rows, const std::string& name, Expect expect,
+                      std::vector<const char*> needles, at::Tensor q, at::Tensor k, at::Tensor v) {
+  rows.push_back({name + " attention", expect, needles, attention(q, k, v)});
+  rows.push_back({name + " attention scale 0.5", expect, needles, attention(q, k, v, 0.5)});
+  rows.push_back({name + " forward", expect, needles, forward(q, k, v)});
+  if (q.is_floating_point()) {
+    rows.push_back({name + " attention (grad)", expect, needles, attention_grad(q, k, v)});
+  }
+}
+
+at::Tensor rand(std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat) {
+  return torch::randn(shape, torch::kDouble).to(dtype);
+}
+
+std::vector<BadCall> table() {
   using E = Expect;
   const at::Tensor none;
   const Valid a;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
-  return {
+  std::vector<BadCall> rows = {
       // Undefined tensors: TypeError naming the argument.
       {"attention q undefined", E::kTypeError, {"q must be a tensor"}, attention(none, a.k, a.v)},
       {"attention k undefined", E::kTypeError, {"k must be a tensor"}, attention(a.q, none, a.v)},
@@ -156,10 +181,19 @@ std::vector<BadCall> battery() {
        E::kTypeError,
        {"grad_out.dtype=BFloat16"},
        backward_with("grad_out", a.grad_out.to(at::kBFloat16))},
+      {"backward grad_out half",
+       E::kTypeError,
+       {"grad_out.dtype"},
+       backward_with("grad_out", a.grad_out.to(at::kHalf))},
       {"backward lse int64",
        E::kTypeError,
        {"lse must have dtype Float", "lse.dtype=Long"},
        backward_with("lse", a.lse.to(at::kLong))},
+      {"backward lse double",
+       E::kTypeError,
+       {"lse.dtype"},
+       backward_with("lse", a.lse.to(at::kDouble))},
+      {"backward k double", E::kTypeError, {"k.dtype"}, backward_with("k", a.k.to(at::kDouble))},
       // Shapes: ValueError naming the argument and showing the shapes.
       {"q 1-D",
        E::kValueError,
@@ -212,10 +246,26 @@ std::vector<BadCall> battery() {
        E::kValueError,
        {"grad_out.shape=[2, 4, 5, 8]"},
        backward_with("grad_out", torch::randn({2, 4, 5, 8}))},
+      {"backward grad_out Lq",
+       E::kValueError,
+       {"grad_out.shape"},
+       backward_with("grad_out", torch::randn({2, 4, 6, 3}))},
+      {"backward grad_out 3-D",
+       E::kValueError,
+       {"grad_out.shape"},
+       backward_with("grad_out", torch::randn({4, 5, 3}))},
+      {"backward grad_out 5-D",
+       E::kValueError,
+       {"grad_out.shape"},
+       backward_with("grad_out", torch::randn({2, 4, 5, 3}).unsqueeze(0))},
       {"backward out Lq",
        E::kValueError,
        {"out.shape=[2, 4, 6, 3]"},
        backward_with("out", torch::randn({2, 4, 6, 3}))},
+      {"backward out D",
+       E::kValueError,
+       {"out.shape"},
+       backward_with("out", torch::randn({2, 4, 5, 8}))},
       {"backward lse keepdim",
        E::kValueError,
        {"lse.shape=[2, 4, 5, 1]"},
@@ -224,27 +274,27 @@ std::vector<BadCall> battery() {
        E::kValueError,
        {"lse.shape=[2, 2, 5]"},
        backward_with("lse", torch::randn({2, 2, 5}))},
+      {"backward lse Lq",
+       E::kValueError,
+       {"lse.shape"},
+       backward_with("lse", torch::randn({2, 4, 6}))},
+      {"backward lse 2-D",
+       E::kValueError,
+       {"lse.shape"},
+       backward_with("lse", torch::randn({5, 5}))},
       {"backward q head dim",
        E::kValueError,
        {"head dimension D", "q.shape=[2, 4, 5, 9]"},
        backward_with("q", torch::randn({2, 4, 5, 9}))},
-      // Scale: ValueError.
-      {"attention scale NaN",
+      {"backward k, v lengths differ",
        E::kValueError,
-       {"scale must be finite"},
-       attention(a.q, a.k, a.v, nan)},
+       {"k.shape", "v.shape"},
+       backward_with("v", a.v.narrow(-2, 0, 5))},
+      // Scale: ValueError showing it (a non-finite one through each op: after this list).
       {"attention (grad) scale inf",
        E::kValueError,
        {"scale must be finite", "scale=inf"},
        attention_grad(a.q, a.k, a.v, inf)},
-      {"forward scale -inf",
-       E::kValueError,
-       {"scale must be finite", "scale=-inf"},
-       forward(a.q, a.k, a.v, -inf)},
-      {"backward scale NaN",
-       E::kValueError,
-       {"scale must be finite"},
-       backward_with("q", a.q, nan)},
       // Finite doubles, but inf in float32, where the kernels compute for all but float64.
       {"attention scale 1e39",
        E::kValueError,
@@ -321,42 +371,118 @@ std::vector<BadCall> battery() {
        {"out and lse must be on q's device cpu"},
        backward_with("out", on_meta(a.out))},
   };
-}
-
-TEST(BadInputs, BatteryIsLargeAndNamesAreUnique) {
-  const auto table = battery();
-  EXPECT_GE(table.size(), 40u);
-  std::set<std::string> names;
-  for (const BadCall& c : table) {
-    EXPECT_TRUE(names.insert(c.name).second) << "duplicate case " << c.name;
+  // Non-finite scales through each op, as the message shows them (C++ may print a NaN as "nan"
+  // or "-nan").
+  struct NonFinite {
+    const char* name;
+    const char* shown;
+    double scale;
+  };
+  for (const NonFinite& bad :
+       {NonFinite{" scale nan", "nan", nan}, NonFinite{" scale inf", "scale=inf", inf},
+        NonFinite{" scale -inf", "scale=-inf", -inf}}) {
+    const std::vector<const char*> needles = {"scale must be finite", bad.shown};
+    const double scale = bad.scale;
+    rows.push_back({std::string("attention") + bad.name, E::kValueError, needles,
+                    attention(a.q, a.k, a.v, scale)});
+    rows.push_back({std::string("forward") + bad.name, E::kValueError, needles,
+                    forward(a.q, a.k, a.v, scale)});
+    rows.push_back({std::string("backward") + bad.name, E::kValueError, needles,
+                    backward_with("q", a.q, scale)});
   }
+  // q, k and v wrong together, through every forward entry point.
+  const at::Tensor ints = torch::ones({2, 8, 4}, torch::kLong);
+  add_forward_rows(rows, "q, k, v 1-D", E::kValueError, {"q.shape", "q must"}, rand({8}), rand({8}),
+                   rand({8}));
+  add_forward_rows(rows, "k 1-D", E::kValueError, {"k.shape"}, rand({8, 4}), rand({4}),
+                   rand({8, 4}));
+  add_forward_rows(rows, "v 1-D", E::kValueError, {"v.shape"}, rand({8, 4}), rand({8, 4}),
+                   rand({4}));
+  add_forward_rows(rows, "3-D q, 4-D k", E::kValueError,
+                   {"number of dimensions", "q.shape", "k.shape"}, rand({2, 8, 4}),
+                   rand({1, 2, 8, 4}), rand({1, 2, 8, 4}));
+  add_forward_rows(rows, "3-D q and k, 2-D v", E::kValueError, {"number of dimensions", "v.shape"},
+                   rand({2, 8, 4}), rand({2, 8, 4}), rand({8, 4}));
+  add_forward_rows(rows, "batch differs", E::kValueError, {"leading", "q.shape", "k.shape"},
+                   rand({2, 2, 8, 4}), rand({3, 2, 8, 4}), rand({3, 2, 8, 4}));
+  add_forward_rows(rows, "5-D v inner batch differs", E::kValueError, {"leading", "v.shape"},
+                   rand({2, 3, 2, 8, 4}), rand({2, 3, 2, 8, 4}), rand({2, 1, 2, 8, 4}));
+  add_forward_rows(rows, "head dims differ", E::kValueError, {"head dimension", "q.shape"},
+                   rand({1, 2, 8, 4}), rand({1, 2, 8, 5}), rand({1, 2, 8, 4}));
+  add_forward_rows(rows, "v lengths differ", E::kValueError, {"Lk", "k.shape", "v.shape"},
+                   rand({1, 2, 8, 4}), rand({1, 2, 8, 4}), rand({1, 2, 9, 4}));
+  add_forward_rows(rows, "v heads differ", E::kValueError, {"heads", "k.shape", "v.shape"},
+                   rand({1, 2, 8, 4}), rand({1, 2, 8, 4}), rand({1, 1, 8, 4}));
+  add_forward_rows(rows, "Hq 3, Hkv 2", E::kValueError, {"multiple", "q.shape", "k.shape"},
+                   rand({1, 3, 8, 4}), rand({1, 2, 8, 4}), rand({1, 2, 8, 4}));
+  add_forward_rows(rows, "Hkv 0", E::kValueError, {"multiple", "q.shape"}, rand({1, 2, 8, 4}),
+                   rand({1, 0, 8, 4}), rand({1, 0, 8, 4}));
+  add_forward_rows(rows, "head dim 0", E::kValueError, {"head dimension", "q.shape"},
+                   rand({1, 2, 8, 0}), rand({1, 2, 8, 0}), rand({1, 2, 8, 4}));
+  add_forward_rows(rows, "double k", E::kTypeError, {"same dtype", "q.dtype", "k.dtype"},
+                   rand({2, 8, 4}), rand({2, 8, 4}, at::kDouble), rand({2, 8, 4}));
+  add_forward_rows(rows, "bfloat16 q and k, half v", E::kTypeError, {"same dtype", "v.dtype"},
+                   rand({2, 8, 4}, at::kBFloat16), rand({2, 8, 4}, at::kBFloat16),
+                   rand({2, 8, 4}, at::kHalf));
+  add_forward_rows(rows, "int64 q, k, v", E::kTypeError, {"q.dtype"}, ints, ints, ints);
+  add_forward_rows(rows, "int32 k", E::kTypeError, {"k.dtype"}, rand({2, 8, 4}),
+                   ints.to(torch::kInt), rand({2, 8, 4}));
+  add_forward_rows(rows, "bool v", E::kTypeError, {"v.dtype"}, rand({2, 8, 4}), rand({2, 8, 4}),
+                   torch::ones({2, 8, 4}, torch::kBool));
+  return rows;
 }
 
-TEST(BadInputs, EveryCallThrowsItsDocumentedTypeNamingTheArgument) {
-  torch::manual_seed(0);
-  for (const BadCall& c : battery()) {
-    SCOPED_TRACE(c.name);
-    std::vector<const char*> needles = c.needles;
-    needles.push_back("causal_attention.");  // and the op
-    if (c.expect == Expect::kValueError) {
-      expect_error<c10::ValueError>(c.call, needles);
-    } else if (c.expect == Expect::kTypeError) {
-      expect_error<c10::TypeError>(c.call, needles);
-    } else {
-      expect_error<c10::NotImplementedError>(c.call, needles);
+// gtest's test names: the row's name with every character but letters and digits as '_'.
+std::string row_name(const ::testing::TestParamInfo<BadCall>& info) {
+  std::string name = info.param.name;
+  for (char& c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) {
+      c = '_';
     }
   }
+  return name;
 }
 
-TEST(BadInputs, ValidCallOfTheBatterySucceeds) {
+class BadInput : public ::testing::TestWithParam<BadCall> {};
+
+TEST_P(BadInput, ThrowsItsDocumentedTypeNamingTheArgument) {
+  const BadCall& c = GetParam();
+  std::vector<const char*> needles = c.needles;
+  needles.push_back("causal_attention.");  // and the op
+  if (c.expect == Expect::kValueError) {
+    expect_error<c10::ValueError>(c.call, needles);
+  } else if (c.expect == Expect::kTypeError) {
+    expect_error<c10::TypeError>(c.call, needles);
+  } else {
+    expect_error<c10::NotImplementedError>(c.call, needles);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadInput, ::testing::ValuesIn(table()), row_name);
+
+TEST(BadInputTable, IsLargeAndNamesAreUnique) {
+  const auto rows = table();
+  EXPECT_GE(rows.size(), 40u);
+  std::set<std::string> names;
+  for (const BadCall& c : rows) {
+    EXPECT_TRUE(names.insert(row_name({c, 0})).second) << "duplicate case " << c.name;
+  }
+}
+
+TEST(BadInputTable, TheValidCallItSpoilsSucceeds) {
   // The replacements above are what makes each call bad: the base call is fine.
-  backward_with("q", Valid().q)();
-  attention_grad(Valid().q, Valid().k, Valid().v)();
-  forward(Valid().q, Valid().k, Valid().v)();
-  attention(Valid().q, Valid().k, Valid().v, std::nullopt, torch::ones({2, 6}, torch::kBool))();
+  const Valid a;
+  auto [dq, dk, dv] =
+      causal_attention::attention_backward(a.grad_out, a.q, a.k, a.v, a.out, a.lse, 0.5);
+  EXPECT_EQ(dq.sizes(), a.q.sizes());
+  EXPECT_EQ(dk.sizes(), a.k.sizes());
+  EXPECT_EQ(dv.sizes(), a.v.sizes());
+  attention_grad(a.q, a.k, a.v)();
+  forward(a.q, a.k, a.v)();
+  attention(a.q, a.k, a.v, std::nullopt, torch::ones({2, 6}, torch::kBool))();
 }
 
-TEST(BadInputs, ScalesFiniteInTheAccumulationDtypeAreAccepted) {
+TEST(BadInputTable, ScalesFiniteInTheAccumulationDtypeAreAccepted) {
   // float64 inputs accumulate in float64, where 1e39 is an ordinary number; float32 takes up
   // to FLT_MAX.
   const at::Tensor zeros = torch::zeros({2, 3, 4}, torch::kDouble);
@@ -365,6 +491,28 @@ TEST(BadInputs, ScalesFiniteInTheAccumulationDtypeAreAccepted) {
   const double float32_max = std::numeric_limits<float>::max();
   const at::Tensor zeros32 = zeros.to(at::kFloat);
   EXPECT_NO_THROW(causal_attention::attention(zeros32, zeros32, zeros32, float32_max));
+}
+
+TEST(DoubleBackward, RaisesNamedError) {
+  torch::manual_seed(0);
+  const at::Tensor q = rand({2, 3, 12, 8}, at::kDouble).requires_grad_(true);
+  const at::Tensor k = rand({2, 3, 12, 8}, at::kDouble).requires_grad_(true);
+  const at::Tensor v = rand({2, 3, 12, 8}, at::kDouble).requires_grad_(true);
+  const at::Tensor out = causal_attention::attention(q, k, v);
+  auto grads = torch::autograd::grad({out}, {q, k, v}, {torch::randn_like(out)},
+                                     /*retain_graph=*/true, /*create_graph=*/true);
+  ASSERT_EQ(grads.size(), 3u);
+  ASSERT_TRUE(grads[0].requires_grad());
+  ASSERT_NE(grads[0].grad_fn(), nullptr);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    SCOPED_TRACE(i);
+    expect_error<c10::Error>(
+        [&] {
+          torch::autograd::grad({grads[i].sum()}, {q, k, v}, {}, /*retain_graph=*/true,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+        },
+        {"double backward"});
+  }
 }
 
 }  // namespace

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import Case, dtype_params
+from attention_testing import Case, dtype_params, visible_keys
 
 CASES = [
     pytest.param(Case(17, 17, 8, hq=4, hkv=2), id="L17-gqa2"),
@@ -20,10 +20,6 @@ CASES = [
 ]
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}
-
-
-def visible_keys(len_q, len_k):
-    return torch.ones(len_q, len_k, dtype=torch.bool).tril(len_k - len_q)
 
 
 def naive_weights(q, k, scale):

@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent(
 
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     import causal_attention
 
@@ -63,8 +64,7 @@ SCRIPT = textwrap.dedent(
 
     def reference(q, k, v, grad_out):
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        lq, lk = q.shape[-2], k.shape[-2]
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        mask = causal_lower_right(q.shape[-2], k.shape[-2])
         out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
         return [out.detach(), *torch.autograd.grad(out, leaves, grad_out.double())]
 

@@ -1,6 +1,6 @@
 // Meta kernels: shapes, dtypes and validation without data, for all three ops, directly and
 // through C++ autograd.
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 
 namespace causal_attention::tests {
 namespace {

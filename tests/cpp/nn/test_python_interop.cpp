@@ -4,12 +4,12 @@
 // - the scripted TinyGPT runs forward and backward here and matches Python's logits and
 //   gradients;
 // - the Python module's weights load into the C++ module, which then matches Python's output;
-// - the C++ module's state_dict is written there for tests/python/test_nn_cpp_interop.py;
+// - the C++ module's state_dict is written there for tests/python/nn/test_cpp_interop.py;
 // - the README's C++ example compiles (it is included below) and runs.
 // A missing directory or file fails the tests, saying how to make it; nothing is skipped.
 #include "causal_attention/nn.h"
 
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 #include "interop_files.h"
 #include "readme_use_in_model.h"
 
@@ -132,7 +132,7 @@ TEST(PythonInterop, CppWeightsAreWrittenForPython) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "cpp_attention.pt", std::ios::binary).write(bytes.data(), bytes.size());
 
-  // Read back as tests/python/test_nn_cpp_interop.py does: options, weights, output.
+  // Read back as tests/python/nn/test_cpp_interop.py does: options, weights, output.
   const auto read = load_python_dict(dir / "cpp_attention.pt");
   nn::CausalSelfAttention reloaded(options_from(read, ""));
   std::map<std::string, at::Tensor> reloaded_state;

@@ -1,7 +1,7 @@
 // CPU kernels through the public C++ API and C++ autograd: values and gradients against
 // at::scaled_dot_product_attention, lse, rows with no visible key, determinism across thread
 // counts, and grad modes.
-#include "attention_test_utils.h"
+#include "../attention_test_utils.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
