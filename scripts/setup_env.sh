@@ -1,4 +1,4 @@
-# Sourced by training/run.sh, scripts/test.sh and scripts/sanitize.sh: brings a fresh machine to a
+# Sourced by scripts/run.sh, scripts/test.sh and scripts/sanitize.sh: brings a fresh machine to a
 # built checkout, and does nothing the second time (no install when present, no rebuild when
 # nothing changed).
 #   - system packages (compiler, CMake, Ninja, GoogleTest): installed when root, else named;

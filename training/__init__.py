@@ -3,5 +3,6 @@
 - ``python -m training.train``: one training run (``train.py``), on the bytes of Python's
   standard library (``byte_corpus.py``), logging every step to CSV (``training_log.py``);
 - ``python -m training.compare_runs``: how closely runs' loss curves agree, and their speed;
-- ``bash training/run.sh``: the main job, the same run on both attentions, then the comparison.
+- ``bash scripts/run.sh`` (with the other entry points, test.sh and sanitize.sh): the main job,
+  the same run on both attentions, then the comparison.
 """

@@ -1,6 +1,6 @@
 """Compares training runs of training.train (their --out directories): how closely the loss
 curves agree step by step, the final losses, the speed of each, and one plot with every curve.
-Run by training/run.sh on the causal_attention and sdpa runs.
+Run by scripts/run.sh on the causal_attention and sdpa runs.
 
     python -m training.compare_runs runs/causal_attention runs/sdpa --plot runs/loss_curves.png
 """

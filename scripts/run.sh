@@ -3,7 +3,7 @@
 # small byte-level GPT twice — with causal_attention's op and with torch's SDPA in the attention
 # call, same seed — and prints how closely the loss curves agree and the speed of each, leaving
 # the plot in runs/loss_curves.png. Extra arguments go to both training runs (e.g. --steps 100).
-source "$(dirname "${BASH_SOURCE[0]}")/../scripts/setup_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 setup_everything
 
 cd "$ROOT"
