@@ -8,14 +8,24 @@ import runpy
 from nn_testing import IGNORE_TORCHSCRIPT_DEPRECATION, ROOT
 
 SECTION = "## Use it in your model"
+DEPLOYMENT_SECTION = "## Deploying to C++"
 
 
-def section_blocks(language):
+def section_blocks(language, section_title=SECTION):
     readme = (ROOT / "README.md").read_text()
-    start = readme.index(SECTION)
-    end = readme.find("\n## ", start + len(SECTION))
+    start = readme.index(section_title)
+    end = readme.find("\n## ", start + len(section_title))
     section = readme[start : end if end != -1 else len(readme)]
     return re.findall(rf"^```{language}\n(.*?)^```$", section, flags=re.S | re.M)
+
+
+def run_blocks(blocks, directory):
+    """Runs each block from a file in ``directory`` (TorchScript reads the source of what it
+    scripts, so not from exec'd text)."""
+    for number, block in enumerate(blocks):
+        path = directory / f"readme_block_{number}.py"
+        path.write_text(block)
+        runpy.run_path(str(path), run_name="readme_example")
 
 
 @IGNORE_TORCHSCRIPT_DEPRECATION
@@ -23,12 +33,17 @@ def test_python_blocks_run(tmp_path, monkeypatch):
     blocks = section_blocks("python")
     assert blocks, f"no python block under {SECTION!r} in README.md"
     monkeypatch.chdir(tmp_path)  # the example saves a file
-    for number, block in enumerate(blocks):
-        # From a file rather than exec'd text: TorchScript reads the source of what it scripts.
-        path = tmp_path / f"readme_block_{number}.py"
-        path.write_text(block)
-        runpy.run_path(str(path), run_name="readme_example")
+    run_blocks(blocks, tmp_path)
     assert (tmp_path / "block.pt").exists()
+
+
+def test_deployment_block_compiles_a_package_that_matches_eager(tmp_path, monkeypatch):
+    blocks = section_blocks("python", DEPLOYMENT_SECTION)
+    assert len(blocks) == 1, f"expected one python block under {DEPLOYMENT_SECTION!r}"
+    assert "assert_close" in blocks[0]
+    monkeypatch.chdir(tmp_path)  # the example writes gpt.pt2
+    run_blocks(blocks, tmp_path)
+    assert (tmp_path / "gpt.pt2").exists()
 
 
 def test_cpp_block_is_the_compiled_example():
