@@ -1,9 +1,45 @@
 """Typed Python wrappers around the ``torch.ops.causal_attention`` operators."""
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+# The score options every op takes (issue 14), applied in FlashAttention's order:
+# ``S = scale * q k^T`` -> softcap -> ALiBi -> visibility (window, key_mask) -> softmax (sinks join
+# the denominator) -> dropout.
+_SCORE_OPTIONS_DOC = """
+        window: ``(left, right)``: query row ``i`` sees key ``j`` iff
+            ``i + off - left <= j <= i + off + right``, ``off = Lk - Lq`` (bottom-right
+            alignment), ``-1`` unbounded on that side. The default ``(-1, 0)`` is causal
+            attention, ``(-1, -1)`` full attention, ``(W - 1, 0)`` a sliding window of ``W`` keys;
+            key blocks outside every row's window are never touched.
+        softcap: ``S -> softcap * tanh(S / softcap)`` (Gemma 2's logit soft-capping), ``> 0``.
+        alibi_slopes: float32 ``(Hq,)`` or ``(*batch, Hq)``: adds ``-slope * |i + off - j|``.
+            Not differentiable.
+        sinks: ``(Hq,)`` logits (q's dtype or float32) that join each row's softmax denominator
+            and nothing else (gpt-oss); differentiable. ``lse`` includes them.
+        dropout_p: drops each probability with probability ``p`` in ``[0, 1)`` and scales the
+            kept ones by ``1 / (1 - p)``, with a counter-based mask regenerated in the backward
+            (nothing of size ``L^2`` is stored; bitwise the same at any thread count).
+        generator: the ``torch.Generator`` dropout's seed is drawn from (the default CPU generator
+            when None), as ``torch.empty(2, dtype=torch.int64).random_(generator=generator)``,
+            only when ``dropout_p > 0``: the same generator state gives the same mask."""
+
+
+def _window(window: Sequence[int]) -> Tuple[int, int]:
+    """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError (the
+    schema would broadcast a single int to both sides)."""
+    if (
+        isinstance(window, (str, bytes))
+        or not isinstance(window, Sequence)
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(
+            f"causal_attention: window must be two ints (left, right), got window={window!r}"
+        )
+    return (window[0], window[1])
 
 
 def attention(
@@ -13,6 +49,12 @@ def attention(
     *,
     scale: Optional[float] = None,
     key_mask: Optional[Tensor] = None,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """Exact causal scaled-dot-product attention, differentiable, without an L x L matrix.
 
@@ -25,8 +67,8 @@ def attention(
         key_mask: optional bool ``(..., Lk)`` with ``q``'s leading (batch) dims (``(Lk,)`` for a
             call without them), True where a key may be attended (SDPA's boolean-mask and
             transformers' ``attention_mask`` convention). It is broadcast over heads and query
-            rows and combined with causality; key blocks it hides entirely are skipped. A row
-            left with no visible key returns zeros; hidden keys get zero gradient.
+            rows and combined with the window; key blocks it hides entirely are skipped. A row
+            left with no visible key returns zeros; hidden keys get zero gradient.{options}
 
     Returns:
         ``(..., Hq, Lq, Dv)`` in the inputs' dtype (float64, float32, bfloat16 or float16;
@@ -41,16 +83,46 @@ def attention(
     accumulation dtype (``1e39`` is inf in float32), bad dtypes ``TypeError``, nested or sparse
     tensors ``NotImplementedError``.
     """
-    return torch.ops.causal_attention.attention(q, k, v, scale=scale, key_mask=key_mask)
+    return torch.ops.causal_attention.attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        key_mask=key_mask,
+        window=_window(window),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        generator=generator,
+    )
+
+
+attention.__doc__ = attention.__doc__.replace("{options}", _SCORE_OPTIONS_DOC)
 
 
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, key_mask: Optional[Tensor] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    key_mask: Optional[Tensor] = None,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The forward kernel: ``(out, lse)``, where ``lse`` ``(..., Hq, Lq)`` is the natural-log
-    sum of the exponentiated scaled scores of each row (``-inf`` for a row with no visible key),
-    float32 (float64 for float64 inputs). Differentiable in ``out``; ``lse`` is not."""
-    return torch.ops.causal_attention.attention_forward(q, k, v, scale, key_mask)
+    sum of the exponentiated modified scores of each row and its sink (``-inf`` for a row with no
+    visible key and no sink), float32 (float64 for float64 inputs). Differentiable in ``out`` and
+    ``sinks``; ``lse`` is not. The options are :func:`attention`'s; ``dropout_seed`` is the int64
+    ``(2,)`` tensor ``(seed, offset)`` of the dropout mask, required when ``dropout_p > 0``."""
+    return torch.ops.causal_attention.attention_forward(
+        q, k, v, scale, key_mask, _window(window), softcap, alibi_slopes, sinks, dropout_p,
+        dropout_seed
+    )
 
 
 def attention_backward(
@@ -62,11 +134,19 @@ def attention_backward(
     lse: Tensor,
     scale: float,
     key_mask: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """The backward kernel: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``.
-    Not differentiable itself (double backward raises)."""
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: ``(dq, dk, dv, dsinks)`` from the forward's ``out`` and ``lse``,
+    called with the forward's options; ``dsinks`` ``(Hq,)`` in the sinks' dtype (empty ``(0,)``
+    without sinks). Not differentiable itself (double backward raises)."""
     return torch.ops.causal_attention.attention_backward(
-        grad_out, q, k, v, out, lse, scale, key_mask
+        grad_out, q, k, v, out, lse, scale, key_mask, _window(window), softcap, alibi_slopes,
+        sinks, dropout_p, dropout_seed
     )
 
 
@@ -77,19 +157,39 @@ def attention_weights(
     *,
     scale: Optional[float] = None,
     key_mask: Optional[Tensor] = None,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """The attention probabilities that :func:`attention` applies to ``v``, materialized.
 
-    Returns ``(..., Hq, Lq, Lk)`` in the inputs' dtype: row ``i`` is the softmax of
-    ``scale * q_i k^T`` over the keys ``j <= i + (Lk - Lq)`` (bottom-right causal alignment, as
-    :func:`attention`) that ``key_mask`` keeps, zero elsewhere, and all zeros for a row with no
-    visible key.
+    Returns ``(..., Hq, Lq, Lk)`` in the inputs' dtype: row ``i`` is the softmax (with the sink
+    in its denominator) of the modified scores over the keys of its window that ``key_mask``
+    keeps, zero elsewhere, and all zeros for a row with no visible key. With ``dropout_p > 0``,
+    the dropped probabilities are zero and the kept ones scaled by ``1 / (1 - p)``: with the same
+    generator state, ``attention(...) == attention_weights(...) @ v`` up to rounding, with exactly
+    the mask :func:`attention` uses.
     Arguments and errors are those of :func:`attention`; ``v`` is only validated.
 
     This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
-    Differentiable in ``q`` and ``k``.
+    Differentiable in ``q``, ``k`` and ``sinks``.
     """
-    return torch.ops.causal_attention.attention_weights(q, k, v, scale=scale, key_mask=key_mask)
+    return torch.ops.causal_attention.attention_weights(
+        q,
+        k,
+        v,
+        scale=scale,
+        key_mask=key_mask,
+        window=_window(window),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        generator=generator,
+    )
 
 
 def varlen_attention(
@@ -102,6 +202,12 @@ def varlen_attention(
     max_seqlen_k: int,
     *,
     scale: Optional[float] = None,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """Causal attention over packed sequences (FlashAttention's varlen layout), differentiable.
 
@@ -114,9 +220,12 @@ def varlen_attention(
             ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of ``k`` and ``v``.
         max_seqlen_q, max_seqlen_k: upper bounds of the sequences' lengths.
         scale: defaults to ``1 / sqrt(D)``.
+        window, softcap, alibi_slopes, sinks, dropout_p, generator: as :func:`attention`, per
+            sequence (``alibi_slopes`` ``(Hq,)`` or ``(N, Hq)``; dropout's batch index is the
+            sequence's).
 
     Returns:
-        ``(total_q, Hq, Dv)``. Each sequence attends only to itself, causal and bottom-right
+        ``(total_q, Hq, Dv)``. Each sequence attends only to itself, windowed and bottom-right
         aligned as :func:`attention` (so a sequence with fewer queries than keys is a chunk
         against its own cache, and one with more has rows that see nothing and return zeros).
         The work is proportional to the sum of the sequences' squared lengths, never to
@@ -124,7 +233,20 @@ def varlen_attention(
         not int32).
     """
     return torch.ops.causal_attention.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale=scale,
+        window=_window(window),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        generator=generator,
     )
 
 
@@ -137,11 +259,19 @@ def varlen_attention_forward(
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The packed forward kernel: ``(out, lse)``, ``lse`` ``(Hq, total_q)`` (FlashAttention's
-    varlen layout) in float32 (float64 for float64 inputs)."""
+    varlen layout) in float32 (float64 for float64 inputs); options as
+    :func:`attention_forward`'s."""
     return torch.ops.causal_attention.varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, _window(window),
+        softcap, alibi_slopes, sinks, dropout_p, dropout_seed
     )
 
 
@@ -157,8 +287,16 @@ def varlen_attention_backward(
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """The packed backward kernel: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``."""
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The packed backward kernel: ``(dq, dk, dv, dsinks)`` from the forward's ``out`` and
+    ``lse``, called with the forward's options."""
     return torch.ops.causal_attention.varlen_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
+        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+        _window(window), softcap, alibi_slopes, sinks, dropout_p, dropout_seed
     )

@@ -1,13 +1,18 @@
 // attention_weights: the probabilities that `attention` applies to v, materialized as
-// (..., Hq, Lq, Lk) for inspection. It is O(Lq * Lk) by design, so it is written with ATen ops as
-// a CompositeImplicitAutograd kernel: autograd, Meta, torch.compile and torch.export all come from
-// the decomposition, and no hand-written backward can drift from the forward.
+// (..., Hq, Lq, Lk) for inspection, with every score option (ops.h) applied by its definition,
+// in the same order, and the dropout mask of the kernels (dropout_keep_mask). It is O(Lq * Lk) by
+// design, so it is written with ATen ops as a CompositeImplicitAutograd kernel: autograd, Meta,
+// torch.compile and torch.export all come from the decomposition, and no hand-written backward can
+// drift from the forward.
+#include "causal_attention/ops.h"
 #include "checks.h"
 #include "shapes.h"
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -34,36 +39,78 @@ at::Tensor grouped_scores(const at::Tensor& q, const at::Tensor& k, double scale
   return scores.reshape_symint(flat);
 }
 
+// A per-head tensor (Hq,) or (*batch, Hq) (slopes, sinks) as (*batch, Hq, 1, 1), to broadcast
+// against scores (..., Hq, Lq, Lk); (1, 1) for a 2-D call, which has no heads dim.
+at::Tensor per_head(const at::Tensor& q, const at::Tensor& t) {
+  return q.dim() == 2 ? t.reshape({1, 1}) : t.unsqueeze(-1).unsqueeze(-1);
+}
+
 at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, std::optional<double> scale,
-                                       const std::optional<at::Tensor>& key_mask) {
+                                       const std::optional<at::Tensor>& key_mask,
+                                       at::IntArrayRef window, std::optional<double> softcap,
+                                       const std::optional<at::Tensor>& alibi_slopes,
+                                       const std::optional<at::Tensor>& sinks, double dropout_p,
+                                       std::optional<at::Generator> generator) {
   constexpr const char* op = "causal_attention.attention_weights";
-  detail::check_attention_inputs(op, q, k, v);
-  detail::check_key_mask(op, q, k, key_mask);
-  const double resolved = detail::resolve_scale(op, q, scale);
-  const at::Tensor scores = grouped_scores(q, k, resolved);
+  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask, window, softcap,
+                                                       alibi_slopes, sinks, dropout_p, op);
+  at::Tensor scores = grouped_scores(q, k, resolved);
+  if (softcap.has_value()) {
+    scores = scores.div(*softcap).tanh().mul(*softcap);
+  }
 
   const c10::SymInt len_q = q.sym_size(-2);
   const c10::SymInt len_k = k.sym_size(-2);
   const auto index_options = q.options().dtype(at::kLong);
-  const at::Tensor rows = at::arange(len_q, index_options).unsqueeze(-1);
   const at::Tensor cols = at::arange(len_k, index_options);
-  // (Lq, Lk): key j is hidden from query row i iff j > i + (Lk - Lq), bottom-right aligned, or
-  // the key mask hides it.
-  at::Tensor hidden = cols.gt(rows.add(c10::Scalar(len_k - len_q)));
+  // (Lq, Lk): i + off - j for query row i and key j, off = Lk - Lq (bottom-right alignment).
+  const at::Tensor distance =
+      at::arange(len_q, index_options).add(c10::Scalar(len_k - len_q)).unsqueeze(-1).sub(cols);
+  if (alibi_slopes.has_value()) {
+    scores = scores.sub(per_head(q, *alibi_slopes)
+                            .to(scores.scalar_type())
+                            .mul(distance.abs().to(scores.scalar_type())));
+  }
+  // Key j is hidden from row i outside the window i + off - left <= j <= i + off + right, or
+  // where the key mask hides it.
+  at::Tensor hidden = at::zeros_like(distance, distance.options().dtype(at::kBool));
+  if (window[0] >= 0) {
+    hidden = hidden.logical_or(distance.gt(window[0]));
+  }
+  if (window[1] >= 0) {
+    hidden = hidden.logical_or(distance.lt(-window[1]));
+  }
   if (key_mask.has_value()) {
     hidden = hidden.logical_or(detail::key_mask_over_scores(q, *key_mask).logical_not());
   }
 
-  // A row with no visible key would be a softmax over nothing but -inf, which is NaN in value
-  // and gradient. Such rows keep their finite scores through the softmax and are zeroed after
-  // it, which gives zeros and a zero gradient.
-  const at::Tensor row_sees_a_key = hidden.logical_not().any(-1, /*keepdim=*/true);
-  const at::Tensor probabilities =
-      at::softmax(scores.masked_fill(hidden.logical_and(row_sees_a_key),
-                                     -std::numeric_limits<double>::infinity()),
-                  -1);
-  return probabilities.masked_fill(hidden, 0).to(q.scalar_type());
+  at::Tensor probabilities;
+  if (sinks.has_value()) {
+    // The sink is one more column of the softmax, dropped after it: it only joins the
+    // denominator, and keeps a row that sees no key finite (all its weight on the sink).
+    const at::Tensor masked = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+    std::vector<c10::SymInt> sink_sizes(masked.sym_sizes().begin(), masked.sym_sizes().end());
+    sink_sizes.back() = 1;
+    const at::Tensor sink_column =
+        per_head(q, *sinks).to(scores.scalar_type()).expand_symint(sink_sizes);
+    probabilities = at::softmax(at::cat({masked, sink_column}, -1), -1).narrow_symint(-1, 0, len_k);
+  } else {
+    // A row with no visible key would be a softmax over nothing but -inf, which is NaN in
+    // value and gradient. Such rows keep their finite scores through the softmax and are zeroed
+    // after it, which gives zeros and a zero gradient.
+    const at::Tensor row_sees_a_key = hidden.logical_not().any(-1, /*keepdim=*/true);
+    probabilities = at::softmax(scores.masked_fill(hidden.logical_and(row_sees_a_key),
+                                                   -std::numeric_limits<double>::infinity()),
+                                -1);
+  }
+  probabilities = probabilities.masked_fill(hidden, 0);
+  if (dropout_p > 0) {
+    const at::Tensor keep = dropout_keep_mask(*detail::draw_dropout_seed(dropout_p, generator),
+                                              probabilities.sym_sizes(), dropout_p);
+    probabilities = probabilities.mul(keep).div(1 - dropout_p);
+  }
+  return probabilities.to(q.scalar_type());
 }
 
 }  // namespace

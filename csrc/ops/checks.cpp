@@ -2,6 +2,7 @@
 
 #include "shapes.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -157,20 +158,121 @@ void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
                     " for q.shape=", q.sym_sizes(), ", k.shape=", k.sym_sizes());
 }
 
+void check_score_options(const char* op, const at::Tensor& q, c10::SymIntArrayRef batch,
+                         const c10::SymInt& heads_q, at::IntArrayRef window,
+                         std::optional<double> softcap,
+                         const std::optional<at::Tensor>& alibi_slopes,
+                         const std::optional<at::Tensor>& sinks, double dropout_p) {
+  TORCH_CHECK_VALUE(window.size() == 2, op,
+                    ": window must be two ints (left, right), got window=", window);
+  TORCH_CHECK_VALUE(
+      window[0] >= -1 && window[1] >= -1, op,
+      ": window entries must be >= -1 (-1: unbounded on that side), got window=", window);
+  if (softcap.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*softcap) && *softcap > 0, op,
+                      ": softcap must be finite and > 0 (None: off), got softcap=", *softcap);
+  }
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    check_dense_tensor(op, "alibi_slopes", slopes);
+    TORCH_CHECK_TYPE(
+        slopes.scalar_type() == at::kFloat, op,
+        ": alibi_slopes must be float32, got alibi_slopes.dtype=", slopes.scalar_type());
+    TORCH_CHECK_VALUE(slopes.device() == q.device(), op, ": alibi_slopes must be on q's device ",
+                      q.device(), ", got alibi_slopes.device=", slopes.device());
+    std::vector<c10::SymInt> batched(batch.begin(), batch.end());
+    batched.push_back(heads_q);
+    const bool per_head = slopes.dim() == 1 && slopes.sym_size(0) == heads_q;
+    TORCH_CHECK_VALUE(per_head || slopes.sym_sizes() == c10::SymIntArrayRef(batched), op,
+                      ": alibi_slopes must have shape (Hq,)=(", heads_q,
+                      ",) or (*batch, Hq)=", c10::SymIntArrayRef(batched),
+                      ", got alibi_slopes.shape=", slopes.sym_sizes());
+  }
+  if (sinks.has_value()) {
+    const at::Tensor& sink_logits = *sinks;
+    check_dense_tensor(op, "sinks", sink_logits);
+    TORCH_CHECK_TYPE(
+        sink_logits.scalar_type() == q.scalar_type() || sink_logits.scalar_type() == at::kFloat, op,
+        ": sinks must have q's dtype ", q.scalar_type(),
+        " or float32, got sinks.dtype=", sink_logits.scalar_type());
+    TORCH_CHECK_VALUE(sink_logits.device() == q.device(), op, ": sinks must be on q's device ",
+                      q.device(), ", got sinks.device=", sink_logits.device());
+    TORCH_CHECK_VALUE(sink_logits.dim() == 1 && sink_logits.sym_size(0) == heads_q, op,
+                      ": sinks must have shape (Hq,)=(", heads_q,
+                      ",), one logit per query head, got sinks.shape=", sink_logits.sym_sizes());
+  }
+  TORCH_CHECK_VALUE(dropout_p >= 0 && dropout_p < 1, op,
+                    ": dropout_p must be in [0, 1), got dropout_p=", dropout_p);
+}
+
+void check_dropout_seed(const char* op, double dropout_p,
+                        const std::optional<at::Tensor>& dropout_seed) {
+  if (dropout_p == 0) {
+    return;
+  }
+  TORCH_CHECK_VALUE(dropout_seed.has_value(), op,
+                    ": dropout_p > 0 needs dropout_seed, an int64 (2,) tensor (seed, offset), "
+                    "got dropout_p=",
+                    dropout_p, " and dropout_seed=None");
+  const at::Tensor& seed = *dropout_seed;
+  check_dense_tensor(op, "dropout_seed", seed);
+  TORCH_CHECK_TYPE(
+      seed.scalar_type() == at::kLong, op,
+      ": dropout_seed must be int64 (seed, offset), got dropout_seed.dtype=", seed.scalar_type());
+  // The Meta device too: torch.compile and torch.export trace with meta (fake) tensors.
+  TORCH_CHECK_VALUE(seed.dim() == 1 && seed.sym_size(0) == 2 && (seed.is_cpu() || seed.is_meta()),
+                    op,
+                    ": dropout_seed must be a CPU tensor of shape (2,) (seed, offset), got "
+                    "dropout_seed.shape=",
+                    seed.sym_sizes(), " on ", seed.device());
+}
+
+std::optional<at::Tensor> draw_dropout_seed(double dropout_p,
+                                            const std::optional<at::Generator>& generator) {
+  if (dropout_p == 0) {
+    return std::nullopt;
+  }
+  return at::empty({2}, at::TensorOptions().dtype(at::kLong)).random_(generator);
+}
+
+namespace {
+
+// The leading (batch) dims of a dense q, and its query heads (1 for a 2-D call).
+std::vector<c10::SymInt> dense_batch(const at::Tensor& q) {
+  return std::vector<c10::SymInt>(q.sym_sizes().begin(),
+                                  q.sym_sizes().end() - std::min<int64_t>(q.dim(), 3));
+}
+c10::SymInt dense_heads(const at::Tensor& q) {
+  return q.dim() >= 3 ? q.sym_size(-3) : c10::SymInt(1);
+}
+
+}  // namespace
+
 void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                        const std::optional<at::Tensor>& key_mask) {
+                        const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+                        std::optional<double> softcap,
+                        const std::optional<at::Tensor>& alibi_slopes,
+                        const std::optional<at::Tensor>& sinks, double dropout_p,
+                        const std::optional<at::Tensor>& dropout_seed) {
   constexpr const char* op = "causal_attention.attention_forward";
   check_attention_inputs(op, q, k, v);
   check_scale(op, scale, q.scalar_type());
   check_key_mask(op, q, k, key_mask);
+  check_score_options(op, q, dense_batch(q), dense_heads(q), window, softcap, alibi_slopes, sinks,
+                      dropout_p);
+  check_dropout_seed(op, dropout_p, dropout_seed);
 }
 
 double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::optional<double> scale,
-                            const std::optional<at::Tensor>& key_mask) {
-  constexpr const char* op = "causal_attention.attention";
+                            std::optional<double> scale, const std::optional<at::Tensor>& key_mask,
+                            at::IntArrayRef window, std::optional<double> softcap,
+                            const std::optional<at::Tensor>& alibi_slopes,
+                            const std::optional<at::Tensor>& sinks, double dropout_p,
+                            const char* op) {
   check_attention_inputs(op, q, k, v);
   check_key_mask(op, q, k, key_mask);
+  check_score_options(op, q, dense_batch(q), dense_heads(q), window, softcap, alibi_slopes, sinks,
+                      dropout_p);
   return resolve_scale(op, q, scale);
 }
 
@@ -196,11 +298,18 @@ void check_saved_forward(const char* op, const at::Tensor& q, const at::Tensor& 
 
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                           double scale, const std::optional<at::Tensor>& key_mask) {
+                           double scale, const std::optional<at::Tensor>& key_mask,
+                           at::IntArrayRef window, std::optional<double> softcap,
+                           const std::optional<at::Tensor>& alibi_slopes,
+                           const std::optional<at::Tensor>& sinks, double dropout_p,
+                           const std::optional<at::Tensor>& dropout_seed) {
   constexpr const char* op = "causal_attention.attention_backward";
   check_dense_tensor(op, "grad_out", grad_out);
   check_attention_inputs(op, q, k, v);
   check_key_mask(op, q, k, key_mask);
+  check_score_options(op, q, dense_batch(q), dense_heads(q), window, softcap, alibi_slopes, sinks,
+                      dropout_p);
+  check_dropout_seed(op, dropout_p, dropout_seed);
   check_dense_tensor(op, "out", out);
   check_dense_tensor(op, "lse", lse);
   check_scale(op, scale, q.scalar_type());
@@ -261,23 +370,42 @@ void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
                     max_seqlen_q, ", max_seqlen_k=", max_seqlen_k);
 }
 
+// The score options of a packed call: N sequences, q (total_q, Hq, D).
+void check_varlen_score_options(const char* op, const at::Tensor& q, const at::Tensor& cu_seqlens_q,
+                                at::IntArrayRef window, std::optional<double> softcap,
+                                const std::optional<at::Tensor>& alibi_slopes,
+                                const std::optional<at::Tensor>& sinks, double dropout_p) {
+  const std::vector<c10::SymInt> sequences{cu_seqlens_q.sym_size(0) - 1};
+  check_score_options(op, q, sequences, q.sym_size(1), window, softcap, alibi_slopes, sinks,
+                      dropout_p);
+}
+
 }  // namespace
 
 void check_varlen_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
-                               double scale) {
+                               double scale, at::IntArrayRef window, std::optional<double> softcap,
+                               const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks, double dropout_p,
+                               const std::optional<at::Tensor>& dropout_seed) {
   constexpr const char* op = "causal_attention.varlen_attention_forward";
   check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_scale(op, scale, q.scalar_type());
+  check_varlen_score_options(op, q, cu_seqlens_q, window, softcap, alibi_slopes, sinks, dropout_p);
+  check_dropout_seed(op, dropout_p, dropout_seed);
 }
 
 double check_varlen_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                    const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
-                                   std::optional<double> scale) {
+                                   std::optional<double> scale, at::IntArrayRef window,
+                                   std::optional<double> softcap,
+                                   const std::optional<at::Tensor>& alibi_slopes,
+                                   const std::optional<at::Tensor>& sinks, double dropout_p) {
   constexpr const char* op = "causal_attention.varlen_attention";
   check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_varlen_score_options(op, q, cu_seqlens_q, window, softcap, alibi_slopes, sinks, dropout_p);
   return resolve_scale(op, q, scale);
 }
 
@@ -285,9 +413,15 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& 
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
                                   const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
-                                  const c10::SymInt& max_seqlen_k, double scale) {
+                                  const c10::SymInt& max_seqlen_k, double scale,
+                                  at::IntArrayRef window, std::optional<double> softcap,
+                                  const std::optional<at::Tensor>& alibi_slopes,
+                                  const std::optional<at::Tensor>& sinks, double dropout_p,
+                                  const std::optional<at::Tensor>& dropout_seed) {
   constexpr const char* op = "causal_attention.varlen_attention_backward";
   check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_varlen_score_options(op, q, cu_seqlens_q, window, softcap, alibi_slopes, sinks, dropout_p);
+  check_dropout_seed(op, dropout_p, dropout_seed);
   check_dense_tensor(op, "grad_out", grad_out);
   check_dense_tensor(op, "out", out);
   check_dense_tensor(op, "lse", lse);

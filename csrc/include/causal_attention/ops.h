@@ -2,14 +2,31 @@
 //
 // Shapes: q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); a 2-D (L, D) call is one
 // head. Hq % Hkv == 0: query head h reads K/V head h / (Hq / Hkv). Query row i may attend key j iff
-// j <= i + (Lk - Lq) (bottom-right alignment). A row with no visible key returns zeros, lse = -inf
-// and zero gradient. Accumulation is float32 for half/bfloat16/float32 and float64 for float64.
+// i + off - left <= j <= i + off + right, off = Lk - Lq (bottom-right alignment), for the window
+// (left, right), -1 unbounded; the default (-1, 0) is causal attention. A row with no visible key
+// returns zeros, lse = -inf (the sink with sinks) and zero gradient. Accumulation is float32 for
+// half/bfloat16/float32 and float64 for float64.
+//
+// The score options, applied in FlashAttention's order: S = scale q k^T -> softcap ->
+// ALiBi -> visibility -> softmax with sinks -> dropout.
+//   window:       (left, right) as above; (-1, -1) is full attention, (W - 1, 0) a sliding
+//                 window of W keys. Key blocks outside every row's window are never touched.
+//   softcap:      S -> softcap * tanh(S / softcap), softcap > 0 (Gemma 2).
+//   alibi_slopes: float32 (Hq,) or (*batch, Hq); adds -slope * |i + off - j|. No gradient.
+//   sinks:        (Hq,) logits in q's dtype or float32 that join each row's softmax denominator
+//                 (gpt-oss); differentiable. lse includes them.
+//   dropout_p:    drops each probability with probability p in [0, 1) and scales the kept ones
+//                 by 1 / (1 - p), with a counter-based mask keyed by (seed, offset, batch, head,
+//                 row, key), regenerated in the backward. The differentiable ops draw
+//                 (seed, offset) as at::empty({2}, at::kLong).random_(generator) (the default CPU
+//                 generator when none is given); the kernel ops take them as dropout_seed.
 //
 // Every function goes through the dispatcher (cached operator handles), so C++ callers get the
 // same autograd, Meta and device dispatch as Python callers. Bad input raises c10::ValueError
 // (shapes, devices, scale) or c10::TypeError (dtypes), naming the argument.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -19,52 +36,90 @@ namespace causal_attention {
 
 // The public, differentiable op: returns out (..., Hq, Lq, Dv). `scale` defaults to 1/sqrt(D).
 // key_mask: bool (*batch, Lk), True where a key may be attended (q's leading dims; (Lk,) for a
-// call without them), broadcast over heads and query rows and combined with causality. A row
+// call without them), broadcast over heads and query rows and combined with the window. A row
 // left with no visible key returns zeros; a hidden key gets zero gradient.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      std::optional<double> scale = std::nullopt,
-                     const std::optional<at::Tensor>& key_mask = std::nullopt);
+                     const std::optional<at::Tensor>& key_mask = std::nullopt,
+                     at::IntArrayRef window = {-1, 0}, std::optional<double> softcap = std::nullopt,
+                     const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                     const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
+                     std::optional<at::Generator> generator = std::nullopt);
 
 // Kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64 inputs).
+// dropout_seed: int64 (2,) (seed, offset), required when dropout_p > 0.
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& key_mask = std::nullopt);
+    const std::optional<at::Tensor>& key_mask = std::nullopt, at::IntArrayRef window = {-1, 0},
+    std::optional<double> softcap = std::nullopt,
+    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
 // The attention probabilities (..., Hq, Lq, Lk) that `attention` applies to v, materialized for
-// inspection: O(Lq * Lk) memory, unlike `attention`. Zero above the causal boundary, at hidden
-// keys and in rows with no visible key. Differentiable in q and k. `scale` defaults to
-// 1/sqrt(D).
+// inspection: O(Lq * Lk) memory, unlike `attention`. Zero outside the window, at hidden keys and
+// in rows with no visible key; with dropout, the dropped and rescaled probabilities (the same
+// generator state gives the mask `attention` uses). Differentiable in q, k and sinks.
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              std::optional<double> scale = std::nullopt,
-                             const std::optional<at::Tensor>& key_mask = std::nullopt);
+                             const std::optional<at::Tensor>& key_mask = std::nullopt,
+                             at::IntArrayRef window = {-1, 0},
+                             std::optional<double> softcap = std::nullopt,
+                             const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                             const std::optional<at::Tensor>& sinks = std::nullopt,
+                             double dropout_p = 0.0,
+                             std::optional<at::Generator> generator = std::nullopt);
 
-// Gradients of `attention` given the forward's out and lse: returns (dq, dk, dv).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+// Gradients of `attention` given the forward's out and lse: returns (dq, dk, dv, dsinks), dsinks
+// (Hq,) in sinks' dtype, empty (0,) without sinks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale,
-    const std::optional<at::Tensor>& key_mask = std::nullopt);
+    const std::optional<at::Tensor>& key_mask = std::nullopt, at::IntArrayRef window = {-1, 0},
+    std::optional<double> softcap = std::nullopt,
+    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
 // Packed sequences (FlashAttention's varlen layout): q (total_q, Hq, D), k (total_k, Hkv, D),
 // v (total_k, Hkv, Dv); sequence i is rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and
 // [cu_seqlens_k[i], cu_seqlens_k[i + 1]) of k and v (int32, (N + 1,), from 0), at most
-// max_seqlen_q / max_seqlen_k long. Causal and bottom-right aligned inside each sequence.
-// Returns out (total_q, Hq, Dv); differentiable.
+// max_seqlen_q / max_seqlen_k long. The window is bottom-right aligned inside each sequence, and
+// the score options are those of `attention` (alibi_slopes (Hq,) or (N, Hq); dropout's batch
+// index is the sequence's). Returns out (total_q, Hq, Dv); differentiable.
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                             c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                            std::optional<double> scale = std::nullopt);
+                            std::optional<double> scale = std::nullopt,
+                            at::IntArrayRef window = {-1, 0},
+                            std::optional<double> softcap = std::nullopt,
+                            const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                            const std::optional<at::Tensor>& sinks = std::nullopt,
+                            double dropout_p = 0.0,
+                            std::optional<at::Generator> generator = std::nullopt);
 
 // Its kernel entry: (out, lse), lse (Hq, total_q) in the accumulation dtype.
 std::tuple<at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale);
+    double scale, at::IntArrayRef window = {-1, 0}, std::optional<double> softcap = std::nullopt,
+    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
-// Its gradients: (dq, dk, dv).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
+// Its gradients: (dq, dk, dv, dsinks).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale);
+    double scale, at::IntArrayRef window = {-1, 0}, std::optional<double> softcap = std::nullopt,
+    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
+
+// The dropout keep mask of `attention` for scores of `shape` (..., Hq, Lq, Lk), as bool: what
+// attention_weights multiplies by. dropout_seed as attention_forward's.
+at::Tensor dropout_keep_mask(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,
+                             double dropout_p);
 
 }  // namespace causal_attention

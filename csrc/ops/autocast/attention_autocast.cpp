@@ -24,40 +24,58 @@ struct AutocastInputs {
   at::Tensor cast(const at::Tensor& t) const { return at::autocast::cached_cast(dtype, t, device); }
 };
 
+// Sinks and ALiBi slopes are left as they are: float32 ones suit q in any dtype.
 template <c10::DeviceType device>
 at::Tensor attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               std::optional<double> scale,
-                              const std::optional<at::Tensor>& key_mask) {
+                              const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+                              std::optional<double> softcap,
+                              const std::optional<at::Tensor>& alibi_slopes,
+                              const std::optional<at::Tensor>& sinks, double dropout_p,
+                              std::optional<at::Generator> generator) {
   const AutocastInputs<device> in;
-  return attention(in.cast(q), in.cast(k), in.cast(v), scale, key_mask);
+  return attention(in.cast(q), in.cast(k), in.cast(v), scale, key_mask, window, softcap,
+                   alibi_slopes, sinks, dropout_p, std::move(generator));
 }
 
 template <c10::DeviceType device>
 std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& key_mask) {
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed) {
   const AutocastInputs<device> in;
-  return attention_forward(in.cast(q), in.cast(k), in.cast(v), scale, key_mask);
+  return attention_forward(in.cast(q), in.cast(k), in.cast(v), scale, key_mask, window, softcap,
+                           alibi_slopes, sinks, dropout_p, dropout_seed);
 }
 
 template <c10::DeviceType device>
 at::Tensor varlen_attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                      c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                                     std::optional<double> scale) {
+                                     std::optional<double> scale, at::IntArrayRef window,
+                                     std::optional<double> softcap,
+                                     const std::optional<at::Tensor>& alibi_slopes,
+                                     const std::optional<at::Tensor>& sinks, double dropout_p,
+                                     std::optional<at::Generator> generator) {
   const AutocastInputs<device> in;
   return varlen_attention(in.cast(q), in.cast(k), in.cast(v), cu_seqlens_q, cu_seqlens_k,
-                          std::move(max_seqlen_q), std::move(max_seqlen_k), scale);
+                          std::move(max_seqlen_q), std::move(max_seqlen_k), scale, window, softcap,
+                          alibi_slopes, sinks, dropout_p, std::move(generator));
 }
 
 template <c10::DeviceType device>
 std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_autocast(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale) {
+    double scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   const AutocastInputs<device> in;
   return varlen_attention_forward(in.cast(q), in.cast(k), in.cast(v), cu_seqlens_q, cu_seqlens_k,
-                                  std::move(max_seqlen_q), std::move(max_seqlen_k), scale);
+                                  std::move(max_seqlen_q), std::move(max_seqlen_k), scale, window,
+                                  softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
 }
 
 }  // namespace

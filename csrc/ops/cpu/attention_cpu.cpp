@@ -2,9 +2,11 @@
 // outputs and hands them to the kernels built for this CPU's instruction set. attention and
 // varlen_attention reach these through their one kernel (ops/attention.cpp).
 #include "../checks.h"
+#include "../dropout_hash.h"
 #include "../shapes.h"
 #include "kernels/kernel_api.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -78,10 +80,59 @@ void set_key_mask(Tensors& t, const std::optional<at::Tensor>& key_mask) {
   t.kept_keys_before.narrow(1, 1, len_k).copy_(t.key_mask.cumsum(1, at::kInt));
 }
 
+// The score options as the kernels read them (kernel_api.h), for tensors already viewed as
+// (batch, heads, rows, dim) and, for packed sequences, with their sequences set.
+template <typename Tensors>
+void set_score_options(Tensors& t, at::IntArrayRef window, std::optional<double> softcap,
+                       const std::optional<at::Tensor>& alibi_slopes,
+                       const std::optional<at::Tensor>& sinks, double dropout_p,
+                       const std::optional<at::Tensor>& dropout_seed) {
+  ScoreOptions& options = t.options;
+  options.window_left = window[0];
+  options.window_right = window[1];
+  options.softcap = softcap.value_or(0.0);
+  const int64_t batch = t.sequences.packed() ? t.sequences.cu_q.numel() - 1 : t.q.size(0);
+  const int64_t heads_q = t.q.size(1);
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    options.alibi_slopes =
+        (slopes.dim() == 1 ? slopes.expand({batch, heads_q}) : slopes.reshape({batch, heads_q}))
+            .contiguous();
+  }
+  if (sinks.has_value()) {
+    options.sinks = sinks->to(detail::accumulation_dtype(t.q.scalar_type())).contiguous();
+  }
+  options.dropout_p = dropout_p;
+  if (dropout_p > 0) {
+    const at::Tensor seed = dropout_seed->contiguous();
+    options.dropout_seed = uint64_t(seed.data_ptr<int64_t>()[0]);
+    options.dropout_offset = uint64_t(seed.data_ptr<int64_t>()[1]);
+  }
+}
+
+// The sinks' gradient in the backward: accumulated by the kernel in the accumulation dtype, and
+// returned in the sinks' dtype; (0,) without sinks.
+template <typename Tensors>
+void allocate_sink_gradient(Tensors& t, const std::optional<at::Tensor>& sinks) {
+  if (sinks.has_value()) {
+    t.dsinks = at::zeros({sinks->size(0)},
+                         sinks->options().dtype(detail::accumulation_dtype(t.q.scalar_type())));
+  }
+}
+
+at::Tensor sink_gradient(const at::Tensor& dsinks, const at::Tensor& q,
+                         const std::optional<at::Tensor>& sinks) {
+  return sinks.has_value() ? dsinks.to(sinks->scalar_type()) : at::empty({0}, q.options());
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& key_mask) {
-  detail::check_forward_call(q, k, v, scale, key_mask);
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed) {
+  detail::check_forward_call(q, k, v, scale, key_mask, window, softcap, alibi_slopes, sinks,
+                             dropout_p, dropout_seed);
   ForwardTensors t{as_batch_heads_rows(q),
                    as_batch_heads_rows(k),
                    as_batch_heads_rows(v),
@@ -92,6 +143,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
                    {},
                    {}};
   set_key_mask(t, key_mask);
+  set_score_options(t, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
   t.out = at::empty({t.q.size(0), t.q.size(1), t.q.size(2), t.v.size(3)}, q.options());
   t.lse = at::empty({t.q.size(0), t.q.size(1), t.q.size(2)}, detail::lse_options(q));
   if (t.lse.numel() > 0) {
@@ -101,11 +153,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
           t.lse.view_symint(detail::lse_sym_sizes(q))};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale,
-    const std::optional<at::Tensor>& key_mask) {
-  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale, key_mask);
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed) {
+  detail::check_backward_inputs(grad_out, q, k, v, out, lse, scale, key_mask, window, softcap,
+                                alibi_slopes, sinks, dropout_p, dropout_seed);
   BackwardTensors t{as_batch_heads_rows(grad_out),
                     as_batch_heads_rows(q),
                     as_batch_heads_rows(k),
@@ -120,6 +176,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
                     {},
                     {}};
   set_key_mask(t, key_mask);
+  set_score_options(t, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
+  allocate_sink_gradient(t, sinks);
   t.lse = lse.reshape({t.q.size(0), t.q.size(1), t.q.size(2)}).contiguous();
   t.dq = at::empty(t.q.sizes(), q.options());
   t.dk = at::empty(t.k.sizes(), k.options());
@@ -128,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     run_kernel(t, AVX512::backward_kernel, AVX2::backward_kernel, DEFAULT::backward_kernel);
   }
   return {t.dq.view_symint(q.sym_sizes()), t.dk.view_symint(k.sym_sizes()),
-          t.dv.view_symint(v.sym_sizes())};
+          t.dv.view_symint(v.sym_sizes()), sink_gradient(t.dsinks, q, sinks)};
 }
 
 // Packed sequences: a (total, heads, dim) tensor as the kernels' (1, heads, total, dim).
@@ -150,9 +208,12 @@ PackedSequences packed_sequences(const char* op, const at::Tensor& q, const at::
 std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale) {
+    double scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   detail::check_varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    scale);
+                                    scale, window, softcap, alibi_slopes, sinks, dropout_p,
+                                    dropout_seed);
   at::Tensor out = at::empty_symint(detail::varlen_output_sym_sizes(q, v), q.options());
   at::Tensor lse = at::empty_symint(detail::varlen_lse_sym_sizes(q), detail::lse_options(q));
   ForwardTensors t{packed_as_batch_heads_rows(q),
@@ -167,19 +228,23 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
   t.sequences =
       packed_sequences("causal_attention.varlen_attention_forward", q, k, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q.expect_int(), max_seqlen_k.expect_int());
+  set_score_options(t, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
   if (out.numel() > 0 && t.sequences.cu_q.numel() > 1) {
     run_kernel(t, AVX512::forward_kernel, AVX2::forward_kernel, DEFAULT::forward_kernel);
   }
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale) {
+    double scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   detail::check_varlen_backward_inputs(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                       max_seqlen_q, max_seqlen_k, scale);
+                                       max_seqlen_q, max_seqlen_k, scale, window, softcap,
+                                       alibi_slopes, sinks, dropout_p, dropout_seed);
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
@@ -199,10 +264,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   t.sequences =
       packed_sequences("causal_attention.varlen_attention_backward", q, k, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q.expect_int(), max_seqlen_k.expect_int());
+  set_score_options(t, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
+  allocate_sink_gradient(t, sinks);
   if ((dq.numel() > 0 || dk.numel() > 0 || dv.numel() > 0) && t.sequences.cu_q.numel() > 1) {
     run_kernel(t, AVX512::backward_kernel, AVX2::backward_kernel, DEFAULT::backward_kernel);
   }
-  return {dq, dk, dv};
+  return {dq, dk, dv, sink_gradient(t.dsinks, q, sinks)};
+}
+
+// The dropout keep mask of scores (..., Hq, Lq, Lk), from the kernels' own hash (batch = the
+// flat index of the leading dims).
+at::Tensor dropout_keep_mask_cpu(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,
+                                 double dropout_p) {
+  constexpr const char* op = "causal_attention.dropout_keep_mask";
+  detail::check_dropout_seed(op, dropout_p, dropout_seed);
+  TORCH_CHECK_VALUE(shape.size() >= 2, op,
+                    ": shape must be (..., Lq, Lk) with at least 2 dims, got shape=", shape);
+  const std::vector<int64_t> sizes = C10_AS_INTARRAYREF_SLOW(shape).vec();
+  at::Tensor mask = at::empty(sizes, dropout_seed.options().dtype(at::kBool));
+  const int64_t len_k = sizes.back(), len_q = sizes[sizes.size() - 2];
+  const int64_t heads = sizes.size() >= 3 ? sizes[sizes.size() - 3] : 1;
+  const int64_t rows = mask.numel() / std::max<int64_t>(len_k, 1);
+  const at::Tensor seed = dropout_seed.contiguous();
+  const detail::DropoutHash hash(dropout_p, uint64_t(seed.data_ptr<int64_t>()[0]),
+                                 uint64_t(seed.data_ptr<int64_t>()[1]));
+  bool* out = mask.data_ptr<bool>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t bh = row / std::max<int64_t>(len_q, 1);
+      const uint32_t row_key = hash.row_key(bh / heads, bh % heads, row % len_q);
+      for (int64_t key = 0; key < len_k; ++key) {
+        out[row * len_k + key] = hash.kept(row_key, key);
+      }
+    }
+  });
+  return mask;
 }
 
 }  // namespace
@@ -213,4 +309,5 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("attention_backward", causal_attention::cpu::attention_backward_cpu);
   m.impl("varlen_attention_forward", causal_attention::cpu::varlen_attention_forward_cpu);
   m.impl("varlen_attention_backward", causal_attention::cpu::varlen_attention_backward_cpu);
+  m.impl("dropout_keep_mask", causal_attention::cpu::dropout_keep_mask_cpu);
 }

@@ -203,13 +203,14 @@ TEST(Backward, ExplicitOpsMatchAutograd) {
   const Inputs in = make_inputs(s);
   const double scale = default_scale(in.q);
   auto [out, lse] = causal_attention::attention_forward(in.q, in.k, in.v, scale);
-  auto [dq, dk, dv] =
+  auto [dq, dk, dv, dsinks] =
       causal_attention::attention_backward(in.grad_out, in.q, in.k, in.v, out, lse, scale);
   const ForwardBackward autograd = ours(in, std::nullopt);
   EXPECT_TRUE(torch::equal(out, autograd.out));
   EXPECT_TRUE(torch::equal(dq, autograd.dq));
   EXPECT_TRUE(torch::equal(dk, autograd.dk));
   EXPECT_TRUE(torch::equal(dv, autograd.dv));
+  EXPECT_EQ(dsinks.numel(), 0);  // no sinks
   const ForwardBackward ref = reference(in, std::nullopt);
   EXPECT_LE(max_abs_diff(dq, ref.dq), 1e-10);
   EXPECT_LE(max_abs_diff(dk, ref.dk), 1e-10);

@@ -64,13 +64,14 @@ TEST_P(Meta, BackwardShapesAndDtypes) {
     const at::Tensor q = torch::empty(s.q, meta(dtype));
     const at::Tensor k = torch::empty(s.k, meta(dtype));
     const at::Tensor v = torch::empty(s.v, meta(dtype));
-    auto [dq, dk, dv] = causal_attention::attention_backward(
+    auto [dq, dk, dv, dsinks] = causal_attention::attention_backward(
         torch::empty(s.out, meta(dtype)), q, k, v, torch::empty(s.out, meta(dtype)),
         torch::empty(s.lse, meta(lse_dtype(dtype))), 0.125);
     EXPECT_TRUE(dq.is_meta());
     EXPECT_EQ(dq.sizes(), s.q);
     EXPECT_EQ(dk.sizes(), s.k);
     EXPECT_EQ(dv.sizes(), s.v);
+    EXPECT_EQ(dsinks.numel(), 0);  // no sinks
     EXPECT_EQ(dq.scalar_type(), dtype);
     EXPECT_EQ(dk.scalar_type(), dtype);
     EXPECT_EQ(dv.scalar_type(), dtype);

@@ -472,11 +472,12 @@ TEST(BadInputTable, IsLargeAndNamesAreUnique) {
 TEST(BadInputTable, TheValidCallItSpoilsSucceeds) {
   // The replacements above are what makes each call bad: the base call is fine.
   const Valid a;
-  auto [dq, dk, dv] =
+  auto [dq, dk, dv, dsinks] =
       causal_attention::attention_backward(a.grad_out, a.q, a.k, a.v, a.out, a.lse, 0.5);
   EXPECT_EQ(dq.sizes(), a.q.sizes());
   EXPECT_EQ(dk.sizes(), a.k.sizes());
   EXPECT_EQ(dv.sizes(), a.v.sizes());
+  EXPECT_EQ(dsinks.numel(), 0);  // no sinks
   attention_grad(a.q, a.k, a.v)();
   forward(a.q, a.k, a.v)();
   attention(a.q, a.k, a.v, std::nullopt, torch::ones({2, 6}, torch::kBool))();

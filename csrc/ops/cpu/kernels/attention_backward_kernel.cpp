@@ -17,6 +17,7 @@
 // where a row sees few keys. There the dQ pass runs first and computes delta exactly as
 // sum_j P_ij dP_ij in float32, using dQ_i = scale (sum_j P_ij dP_ij K_j - delta_i sum_j P_ij K_j)
 // so that it needs delta only at the end (one more block product); the dK, dV pass then uses it.
+// (Under softcap, P_ij here is P_ij g_ij; score_modifiers.h, softmax_gradient_row.)
 #include "backward_block_pair.h"
 #include "dispatch.h"
 #include "kernel_api.h"
@@ -27,6 +28,7 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <cmath>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -43,11 +45,20 @@ class BackwardKernel {
  public:
   explicit BackwardKernel(const BackwardTensors& t)
       : delta_(padded_query_rows(AttentionDims(t))),
+        dsinks_(t.dsinks),
         pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data()),
         dims_(pair_.dims),
         blocks_(pair_.blocks) {}
 
   void run() {
+    gradients();
+    if (pair_.modifiers.has_sinks()) {
+      sink_gradients();
+    }
+  }
+
+ private:
+  void gradients() {
     if constexpr (kDeltaFromOutput) {
       compute_delta_from_output();
       if (dims_.batch * dims_.heads_kv >= kMinOnePassItems) {
@@ -93,7 +104,27 @@ class BackwardKernel {
                          });
   }
 
- private:
+  // dsink_h = -sum over the rows of head h of exp(sink_h - lse) delta: the sink's probability
+  // times the row's delta = dO . O, since d out / d sink = -P_sink out. Summed per head in a
+  // fixed order.
+  void sink_gradients() const {
+    acc_t* dsinks = dsinks_.data_ptr<acc_t>();
+    at::parallel_for(0, dims_.heads_q, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t h = begin; h < end; ++h) {
+        const acc_t sink = pair_.modifiers.sink(h);
+        acc_t sum = 0;
+        for (int64_t b = 0; b < dims_.batch; ++b) {
+          const acc_t* lse = pair_.lse.row(b, h, 0);
+          const acc_t* delta = delta_.data() + (b * dims_.heads_q + h) * dims_.len_q;
+          for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
+            sum += std::exp(sink - lse[r * pair_.lse.row_stride]) * delta[r];
+          }
+        }
+        dsinks[h] = -sum;
+      }
+    });
+  }
+
   // One delta per query row of every (batch, query head), the longest sequence's rows each.
   static int64_t padded_query_rows(const AttentionDims& d) { return d.batch * d.heads_q * d.len_q; }
 
@@ -143,15 +174,19 @@ class BackwardKernel {
       std::fill_n(s.key_gradient(t, dims_), cols * dims_.head_dim, acc_t(0));
       std::fill_n(s.value_gradient(t, dims_), cols * dims_.value_dim, acc_t(0));
     }
+    // The query blocks with a row that sees a key of the tile.
     const int64_t first_q0 =
         dims_.first_row_seeing(b, k0) / blocks_.query_rows * blocks_.query_rows;
+    const int64_t rows_end = dims_.rows_seeing_before(b, tile_end);
     for (int64_t h = h_kv * dims_.group(); h < (h_kv + 1) * dims_.group(); ++h) {
-      for (int64_t q0 = first_q0; q0 < dims_.rows_q(b); q0 += blocks_.query_rows) {
+      for (int64_t q0 = first_q0; q0 < rows_end; q0 += blocks_.query_rows) {
         const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
+        const int64_t key_begin = dims_.key_begin(b, q0);
         const int64_t key_end = std::min(tile_end, dims_.key_end(b, q0 + rows - 1));
         for (int64_t t = 0; k0 + t * blocks_.keys < key_end; ++t) {
           const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
-          if (dims_.kept_keys(b, kj, cols) > 0) {  // a block the key mask hides gets zeros
+          // Blocks before the window of every row, or that the key mask hides, get zeros.
+          if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0) {
             pair_gradients(b, h, q0, rows, kj, cols, ko[t], t, with_dq, s);
           }
         }
@@ -202,7 +237,8 @@ class BackwardKernel {
       std::fill_n(delta, rows, acc_t(0));
     }
     const int64_t key_end = dims_.key_end(b, q0 + rows - 1);
-    for (int64_t k0 = 0; k0 < key_end; k0 += blocks_.keys) {
+    const int64_t first_block = dims_.key_begin(b, q0) / blocks_.keys * blocks_.keys;
+    for (int64_t k0 = first_block; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
       if (dims_.kept_keys(b, k0, cols) == 0) {
         continue;  // the key mask hides the whole block
@@ -213,7 +249,7 @@ class BackwardKernel {
       if constexpr (!kDeltaFromOutput) {
         pair_.add_query_product(s.p.data(), b, h_kv, q0, rows, k0, cols, p_times_k, D, s);
         for (int64_t r = 0; r < rows; ++r) {
-          delta[r] += row_sum(s.ds.data() + r * cols, cols);
+          delta[r] += s.delta_shares[r];
         }
       }
     }
@@ -227,6 +263,7 @@ class BackwardKernel {
   }
 
   std::vector<acc_t> delta_;
+  const at::Tensor dsinks_;
   const Pair pair_;
   const AttentionDims& dims_;
   const BlockSizes& blocks_;

@@ -35,13 +35,13 @@ class ForwardKernel {
         q_(t.q, dims_.cu_q),
         k_(t.k, dims_.cu_k),
         v_(t.v, dims_.cu_k),
+        modifiers_(t),
         output_{HeadRows<scalar_t>(t.out, dims_.cu_q), HeadRows<acc_t>(t.lse, dims_.cu_q),
-                dims_.heads_q, dims_.value_dim},
-        scale_(static_cast<acc_t>(t.scale)) {}
+                dims_.heads_q, dims_.value_dim, modifiers_} {}
 
   void run() {
     if (dims_.len_q <= kMaxDecodeQueryRows) {
-      DecodeForward<scalar_t>(dims_, q_, k_, v_, output_, scale_).run();
+      DecodeForward<scalar_t>(dims_, q_, k_, v_, output_, modifiers_).run();
       return;
     }
     const int64_t num_heads = dims_.batch * dims_.heads_q;
@@ -58,8 +58,7 @@ class ForwardKernel {
       if (rows <= 0) {
         return 0;
       }
-      const auto [key_begin, key_end] =
-          splits.key_range(item % splits.count(), dims_.key_end(b, t0 + rows - 1));
+      const auto [key_begin, key_end] = tile_keys(b, t0, rows, item % splits.count(), splits);
       return rows + dims_.visible_pairs(b, t0, t0 + rows, key_begin, key_end);
     };
     schedule_head_blocks(
@@ -76,7 +75,8 @@ class ForwardKernel {
   struct Scratch {
     std::vector<gemm_t> q_tile, p_tile, v_tile;
     std::vector<acc_t> scores;
-    std::vector<int64_t> visible;  // keys of the current block each row of a query block sees
+    // The keys of the current block each row of a query block sees: [first_visible, visible).
+    std::vector<int64_t> first_visible, visible;
     NonFiniteRowGuard<scalar_t> v_guard;
     RowState<acc_t> state;  // every row of the tile
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile_rows)
@@ -84,16 +84,25 @@ class ForwardKernel {
           p_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
           v_tile(Pack::scratch_size(blocks.keys, d.value_dim)),
           scores(blocks.query_rows * blocks.keys),
+          first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           state(tile_rows, d.value_dim) {}
   };
+
+  // The keys of chunk `split` that query rows [t0, t0 + rows) of batch item b see, from the
+  // first key block any of them sees.
+  std::pair<int64_t, int64_t> tile_keys(int64_t b, int64_t t0, int64_t rows, int64_t split,
+                                        const KeySplits<scalar_t, acc_t>& splits) const {
+    const int64_t first_block = dims_.key_begin(b, t0) / blocks_.keys * blocks_.keys;
+    return splits.key_range(split, first_block, dims_.key_end(b, t0 + rows - 1));
+  }
 
   // Query rows [t0, t0 + tile_rows_) of head bh against the keys of chunk `split`.
   void query_tile(int64_t bh, int64_t t0, int64_t split, const Packed& packed,
                   KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
     const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
     const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
-    const auto [key_begin, key_end] = splits.key_range(split, dims_.key_end(b, t0 + rows - 1));
+    const auto [key_begin, key_end] = tile_keys(b, t0, rows, split, splits);
     s.state.reset(rows);
     const Operand<gemm_t> q_rows =
         Pack::a(q_.row(b, h, t0), rows, dims_.head_dim, q_.row_stride, s.q_tile.data());
@@ -102,10 +111,11 @@ class ForwardKernel {
         const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
         const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
         const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
-        // Blocks past the causal boundary, or that the key mask hides entirely, are skipped.
-        if (cols > 0 && dims_.kept_keys(b, k0, cols) > 0) {
+        // Blocks outside the window of every row of the query block, or that the key mask hides
+        // entirely, are skipped.
+        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0) {
           const Operand<gemm_t> q_block{q_rows.data + (q0 - t0) * q_rows.ld, q_rows.ld};
-          key_block(b, h / dims_.group(), q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
+          key_block(b, h, q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
         }
       }
     }
@@ -114,20 +124,23 @@ class ForwardKernel {
     }
   }
 
-  // One query block (rows [q0, q0 + rows), state rows from first_state_row) against the `cols`
-  // keys from k0.
-  void key_block(int64_t b, int64_t h_kv, Operand<gemm_t> q_block, int64_t q0,
-                 int64_t first_state_row, int64_t rows, int64_t k0, int64_t cols,
-                 const Packed& packed, Scratch& s) const {
+  // One query block of head h (rows [q0, q0 + rows), state rows from first_state_row) against
+  // the `cols` keys from k0.
+  void key_block(int64_t b, int64_t h, Operand<gemm_t> q_block, int64_t q0, int64_t first_state_row,
+                 int64_t rows, int64_t k0, int64_t cols, const Packed& packed, Scratch& s) const {
+    const int64_t h_kv = h / dims_.group();
     // S = Q_i K_j^T
     multiply(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0), s.scores.data(), cols,
              /*accumulate=*/false);
-    // m' = max(m, rowmax(S)); P = exp(S - m'); l = e^(m-m') l + rowsum(P); O = e^(m-m') O
+    // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
+    // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
     const bool* kept = dims_.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      s.visible[r] = dims_.visible_in_block(b, q0 + r, k0, cols);
-      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, s.visible[r], cols, scale_,
-                       kept);
+      const KeyRange range = dims_.visible_in_block(b, q0 + r, k0, cols);
+      s.first_visible[r] = range.begin;
+      s.visible[r] = range.end;
+      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, range, cols,
+                       modifiers_.row(dims_, b, h, q0 + r, k0, kept));
     }
     // O += P V_j
     accumulate_values(b, h_kv, q0, rows, k0, cols, kept, packed,
@@ -149,8 +162,8 @@ class ForwardKernel {
     };
     s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols), rows, dims_.value_dim,
                            cols, p,
-                           MaskedFactor<acc_t>{s.scores.data(), cols, s.visible.data(),
-                                               /*transposed=*/false, kept},
+                           MaskedFactor<acc_t>{s.scores.data(), cols, s.first_visible.data(),
+                                               s.visible.data(), /*transposed=*/false, kept},
                            v_rows, pack_values, out, dims_.value_dim);
   }
 
@@ -158,8 +171,8 @@ class ForwardKernel {
   const BlockSizes blocks_;
   const int64_t tile_rows_;
   const HeadRows<const scalar_t> q_, k_, v_;
+  const ScoreModifiers<acc_t> modifiers_;
   const OutputRows<scalar_t, acc_t> output_;
-  const acc_t scale_;
 };
 
 }  // namespace

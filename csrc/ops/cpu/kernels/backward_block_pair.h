@@ -1,9 +1,10 @@
 // The steps of the backward on one block pair (query rows [q0, q0 + rows) of head h, keys
 // [k0, k0 + cols) of its KV head), shared by its one-pass and two-pass schedules:
-//   S = Q_i K_j^T;  P = exp(scale * S - lse);  dP = dO_i V_j^T;  dS = P o (dP - delta)
+//   S = Q_i K_j^T;  P = exp(x(S) - lse);  dP = dO_i V_j^T;  dS = P o (dP - delta) o x'(S)
 //   dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dQ_i += dS K_j
-// (the factor `scale` of dK and dQ is applied once, when they are stored). P is recomputed from
-// the saved lse, never stored.
+// with x the modified scores of score_modifiers.h (x' / scale = 1 - tanh^2 under softcap, else 1)
+// and, under dropout, P and dP masked and scaled by 1 / (1 - p) (the factor `scale` of dK and dQ
+// is applied once, when they are stored). P is recomputed from the saved lse, never stored.
 #pragma once
 
 #include "geometry.h"
@@ -12,6 +13,7 @@
 #include "online_softmax.h"
 #include "operands.h"
 #include "schedule.h"
+#include "score_modifiers.h"
 
 #include <ATen/OpMathType.h>
 
@@ -30,9 +32,10 @@ class BlockPairGradients {
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile, k_rows, p_tile, ds_tile;
-    std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums;
-    std::vector<int64_t> visible;  // keys of the current block each query row sees
-    const bool* kept = nullptr;    // the key mask of the current block, if it hides some keys
+    std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums, delta_shares, softcap_grad;
+    // The keys of the current block each query row sees: [first_visible, visible).
+    std::vector<int64_t> first_visible, visible;
+    const bool* kept = nullptr;  // the key mask of the current block, if it hides some keys
     NonFiniteRowGuard<scalar_t> guard;
     // For key tiles of up to `tile` blocks.
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
@@ -49,6 +52,9 @@ class BlockPairGradients {
           grad_b(tile * blocks.keys * d.value_dim),
           grad_c(blocks.query_rows * d.head_dim),
           row_sums(blocks.query_rows),
+          delta_shares(blocks.query_rows),
+          softcap_grad(blocks.keys),
+          first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           key_slot(Pack::scratch_size(blocks.keys, d.head_dim)),
           value_slot(Pack::scratch_size(blocks.keys, d.value_dim)),
@@ -89,7 +95,8 @@ class BlockPairGradients {
         dv(t.dv, dims.cu_k),
         lse(t.lse, dims.cu_q),
         delta(delta),
-        scale(static_cast<acc_t>(t.scale)) {}
+        scale(static_cast<acc_t>(t.scale)),
+        modifiers(t) {}
 
   QueryOperands query_operands(int64_t b, int64_t h, int64_t q0, int64_t rows, Scratch& s) const {
     return {Pack::a(q.row(b, h, q0), rows, dims.head_dim, q.row_stride, s.q_tile.data()),
@@ -106,8 +113,9 @@ class BlockPairGradients {
                                s.v_tile.data() + t * s.value_slot)};
   }
 
-  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.visible and s.kept the keys each
-  // row sees; without `with_delta`, dS = P o dP (the exact-delta form of the two-pass dQ).
+  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.first_visible, s.visible and
+  // s.kept the keys each row sees; without `with_delta`, the exact-delta form of the two-pass
+  // dQ (softmax_gradient_row), each row's share of delta in s.delta_shares.
   void probabilities_and_gradients(int64_t bh, const QueryOperands& qo, const KeyOperands& ko,
                                    int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                                    bool with_delta, Scratch& s) const {
@@ -120,10 +128,15 @@ class BlockPairGradients {
     const acc_t* row_delta = delta + bh * dims.len_q + q0;
     s.kept = dims.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      // P = exp(scale * S - lse);  dS = P o (dP - delta)
-      s.visible[r] = softmax_gradient_row(s.p.data() + r * cols, s.ds.data() + r * cols,
-                                          dims.visible_in_block(b, q0 + r, k0, cols), cols, scale,
-                                          row_lse[r], with_delta ? row_delta[r] : acc_t(0), s.kept);
+      // P = exp(x - lse);  dS = P o (dP - delta) o x'
+      const GradientRow row = softmax_gradient_row(
+          s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
+          cols, modifiers.row(dims, b, bh % dims.heads_q, q0 + r, k0, s.kept), row_lse[r],
+          with_delta ? row_delta[r] : acc_t(0), modifiers.keep_scale(),
+          /*exact_delta_form=*/!with_delta, s.softcap_grad.data());
+      s.first_visible[r] = row.range.begin;
+      s.visible[r] = row.range.end;
+      s.delta_shares[r] = acc_t(row.delta_share);
     }
   }
 
@@ -152,7 +165,8 @@ class BlockPairGradients {
     const Operand<gemm_t> a = Pack::a(a_values, rows, cols, cols, s.ds_tile.data());
     s.guard.multiply_add(
         dims.has_masked_entries(b, q0, rows, k0, cols), rows, dims.head_dim, cols, a,
-        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/false, s.kept},
+        MaskedFactor<acc_t>{a_values, cols, s.first_visible.data(), s.visible.data(),
+                            /*transposed=*/false, s.kept},
         Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
         [&](Operand<scalar_t> source) {
           return Pack::b(source.data, cols, dims.head_dim, source.ld, s.k_rows.data());
@@ -167,6 +181,7 @@ class BlockPairGradients {
   const HeadRows<const acc_t> lse;
   const acc_t* const delta;  // (batch * heads_q, len_q)
   const acc_t scale;
+  const ScoreModifiers<acc_t> modifiers;
 
  private:
   // acc (cols x width) += A^T B_i, B_i the query rows `rows_of_b` (rows x width).
@@ -176,7 +191,8 @@ class BlockPairGradients {
                               Scratch& s) const {
     s.guard.multiply_add(
         dims.has_masked_entries(b, q0, rows, k0, cols), cols, width, rows, a_t,
-        MaskedFactor<acc_t>{a_values, cols, s.visible.data(), /*transposed=*/true, s.kept},
+        MaskedFactor<acc_t>{a_values, cols, s.first_visible.data(), s.visible.data(),
+                            /*transposed=*/true, s.kept},
         rows_of_b,
         [&](Operand<scalar_t> source) {
           return Pack::b(source.data, rows, width, source.ld, b_scratch);

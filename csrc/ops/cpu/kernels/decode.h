@@ -35,8 +35,8 @@ class DecodeForward {
  public:
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q,
                 const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
-                const OutputRows<scalar_t, acc_t>& output, acc_t scale)
-      : dims_(d), q_(q), k_(k), v_(v), output_(output), scale_(scale) {}
+                const OutputRows<scalar_t, acc_t>& output, const ScoreModifiers<acc_t>& modifiers)
+      : dims_(d), q_(q), k_(k), v_(v), output_(output), modifiers_(modifiers) {}
 
   void run() const {
     const int64_t items = dims_.batch * dims_.heads_kv * row_chunks(dims_);
@@ -48,8 +48,7 @@ class DecodeForward {
       if (t.rows <= 0) {
         return 0;
       }
-      const auto [key_begin, key_end] =
-          splits.key_range(split, dims_.key_end(t.b, dims_.rows_q(t.b) - 1));
+      const auto [key_begin, key_end] = task_keys(t, split, splits);
       const int64_t keys =
           key_end > key_begin ? dims_.kept_keys(t.b, key_begin, key_end - key_begin) : 0;
       return t.rows * (1 + keys);
@@ -84,7 +83,7 @@ class DecodeForward {
 
   struct Scratch {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
-    std::vector<int64_t> visible;
+    std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     RowState<acc_t> state;
     NonFiniteRowGuard<scalar_t> guard;
     explicit Scratch(const AttentionDims& d)
@@ -93,6 +92,7 @@ class DecodeForward {
           keys(kKeyBlock * d.head_dim),
           scores(task_rows(d) * kKeyBlock),
           scores_t(padded(task_rows(d)) * kKeyBlock),
+          first_visible(task_rows(d)),
           visible(task_rows(d)),
           state(task_rows(d), d.value_dim) {}
   };
@@ -115,6 +115,21 @@ class DecodeForward {
             std::min(kMaxTaskRows, dims_.group() * rows_per_head - first_row), rows_per_head};
   }
 
+  // The keys of chunk `split` that the task's rows see, from the first key block one of them
+  // sees.
+  std::pair<int64_t, int64_t> task_keys(const TaskRows& t, int64_t split,
+                                        const KeySplits<scalar_t, acc_t>& splits) const {
+    int64_t first_key = dims_.rows_k(t.b);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      first_key = std::min(first_key, dims_.key_begin(t.b, t.query_row(r)));
+    }
+    int64_t key_end = 0;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      key_end = std::max(key_end, dims_.key_end(t.b, t.query_row(r)));
+    }
+    return splits.key_range(split, first_key / kKeyBlock * kKeyBlock, key_end);
+  }
+
   // The task's rows against the keys of one split.
   void run_item(int64_t item, int64_t split, KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
     const TaskRows t = task(item);
@@ -128,8 +143,7 @@ class DecodeForward {
     if (padded(t.rows) > 0) {
       transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
     }
-    const auto [key_begin, key_end] =
-        splits.key_range(split, dims_.key_end(t.b, t.rows_per_head - 1));
+    const auto [key_begin, key_end] = task_keys(t, split, splits);
     s.state.reset(t.rows);
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyBlock) {
       const int64_t cols = std::min(kKeyBlock, key_end - k0);
@@ -168,20 +182,25 @@ class DecodeForward {
       query_key_scores(s.queries.data(), D, rows, k_block, k_.row_stride, cols, D, s.scores.data(),
                        cols, stream);
     }
-    // m' = max(m, rowmax(S)); P = exp(S - m'); l = e^(m-m') l + rowsum(P); O = e^(m-m') O
+    // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
+    // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
     for (int64_t r = 0; r < rows; ++r) {
-      s.visible[r] = dims_.visible_in_block(b, t.query_row(r), k0, cols);
-      s.state.fold_row(s.scores.data() + r * cols, r, s.visible[r], cols, scale_, kept);
+      const KeyRange range = dims_.visible_in_block(b, t.query_row(r), k0, cols);
+      s.first_visible[r] = range.begin;
+      s.visible[r] = range.end;
+      s.state.fold_row(s.scores.data() + r * cols, r, range, cols,
+                       modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, kept));
     }
     // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
-    accumulate_weighted_values(s.scores.data(), cols, rows, s.visible.data(), values.data,
-                               values.ld, Dv, s.state.out.data(), Dv, stream);
+    accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
+                               s.visible.data(), values.data, values.ld, Dv, s.state.out.data(), Dv,
+                               stream);
   }
 
   const AttentionDims dims_;
   const HeadRows<const scalar_t> q_, k_, v_;
   const OutputRows<scalar_t, acc_t> output_;
-  const acc_t scale_;
+  const ScoreModifiers<acc_t> modifiers_;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

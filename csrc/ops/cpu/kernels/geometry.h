@@ -19,7 +19,12 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// The problem's sizes, with what narrows causal visibility: packed sequences (varlen), where
+// Keys [begin, end) of a block, relative to its first key; begin == end when empty.
+struct KeyRange {
+  int64_t begin, end;
+};
+
+// The problem's sizes, with what narrows visibility: the window, packed sequences (varlen), where
 // batch item b is the query rows [cu_q[b], cu_q[b + 1]) and keys [cu_k[b], cu_k[b + 1]) of
 // tensors viewed as (1, heads, total rows, dim), and a key mask (batch, len_k) that hides keys
 // from every row. len_q and len_k are the longest sequence's, which size the scratch.
@@ -33,8 +38,9 @@ struct AttentionDims {
   int64_t value_dim;
   const int32_t* cu_q = nullptr;  // packed sequences: cumulative lengths (batch + 1), else null
   const int32_t* cu_k = nullptr;
-  const bool* key_mask = nullptr;        // (batch, len_k), true where a key may be attended
-  const int32_t* kept_before = nullptr;  // (batch, len_k + 1): kept keys before each key
+  const bool* key_mask = nullptr;              // (batch, len_k), true where a key may be attended
+  const int32_t* kept_before = nullptr;        // (batch, len_k + 1): kept keys before each key
+  int64_t window_left = -1, window_right = 0;  // see key_begin, key_end
 
   template <typename Tensors>
   explicit AttentionDims(const Tensors& t)
@@ -44,7 +50,9 @@ struct AttentionDims {
         len_q(t.sequences.packed() ? t.sequences.max_len_q : t.q.size(2)),
         len_k(t.sequences.packed() ? t.sequences.max_len_k : t.k.size(2)),
         head_dim(t.q.size(3)),
-        value_dim(t.v.size(3)) {
+        value_dim(t.v.size(3)),
+        window_left(t.options.window_left),
+        window_right(t.options.window_right) {
     if (t.sequences.packed()) {
       cu_q = t.sequences.cu_q.template data_ptr<int32_t>();
       cu_k = t.sequences.cu_k.template data_ptr<int32_t>();
@@ -62,20 +70,39 @@ struct AttentionDims {
   int64_t rows_q(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : len_q; }
   int64_t rows_k(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : len_k; }
 
-  // Causal visibility, bottom-right aligned within batch item b: query row `row` sees keys
-  // [0, key_end(b, row)), i.e. key j iff j <= row + (rows_k - rows_q), less the keys the key
-  // mask hides (see hidden_keys).
+  // Visibility, bottom-right aligned within batch item b: query row `row` sees keys
+  // [key_begin(b, row), key_end(b, row)), i.e. key j iff
+  // row + off - window_left <= j <= row + off + window_right with off = rows_k - rows_q (-1:
+  // unbounded on that side), less the keys the key mask hides (see hidden_keys). Both bounds
+  // never decrease from one row to the next, which the block skipping below relies on.
+  int64_t key_begin(int64_t b, int64_t row) const {
+    return window_left < 0
+               ? 0
+               : std::clamp<int64_t>(row + (rows_k(b) - rows_q(b)) - window_left, 0, rows_k(b));
+  }
   int64_t key_end(int64_t b, int64_t row) const {
-    return std::clamp<int64_t>(row + (rows_k(b) - rows_q(b)) + 1, 0, rows_k(b));
+    return window_right < 0 ? rows_k(b)
+                            : std::clamp<int64_t>(row + (rows_k(b) - rows_q(b)) + window_right + 1,
+                                                  0, rows_k(b));
   }
-  // The first query row that sees key `key` (every later row sees it too).
+  // The first query row that sees key `key` (or a later key).
   int64_t first_row_seeing(int64_t b, int64_t key) const {
-    return std::max<int64_t>(key - (rows_k(b) - rows_q(b)), 0);
+    return window_right < 0
+               ? 0
+               : std::clamp<int64_t>(key - (rows_k(b) - rows_q(b)) - window_right, 0, rows_q(b));
   }
-  // How many of the `cols` keys from k0 row `row` reaches causally (they are a prefix; the
-  // key mask may hide some of them).
-  int64_t visible_in_block(int64_t b, int64_t row, int64_t k0, int64_t cols) const {
-    return std::clamp<int64_t>(key_end(b, row) - k0, 0, cols);
+  // One past the last query row that sees a key before `key_end_excl`.
+  int64_t rows_seeing_before(int64_t b, int64_t key_end_excl) const {
+    return window_left < 0
+               ? rows_q(b)
+               : std::clamp<int64_t>(key_end_excl - (rows_k(b) - rows_q(b)) + window_left, 0,
+                                     rows_q(b));
+  }
+  // The keys of the `cols` from k0 that row `row` reaches, relative to k0 (the key mask may
+  // hide some of them).
+  KeyRange visible_in_block(int64_t b, int64_t row, int64_t k0, int64_t cols) const {
+    const int64_t begin = std::clamp<int64_t>(key_begin(b, row) - k0, 0, cols);
+    return {begin, std::clamp<int64_t>(key_end(b, row) - k0, begin, cols)};
   }
   // How many of keys [k0, k0 + cols) the key mask keeps.
   int64_t kept_keys(int64_t b, int64_t k0, int64_t cols) const {
@@ -91,8 +118,9 @@ struct AttentionDims {
                         int64_t key_end) const {
     int64_t pairs = 0;
     for (int64_t row = row_begin; row < row_end; ++row) {
+      const int64_t begin = std::max(key_begin, this->key_begin(b, row));
       const int64_t end = std::min(key_end, this->key_end(b, row));
-      pairs += end > key_begin ? kept_keys(b, key_begin, end - key_begin) : 0;
+      pairs += end > begin ? kept_keys(b, begin, end - begin) : 0;
     }
     return pairs;
   }
@@ -102,10 +130,13 @@ struct AttentionDims {
     return kept_keys(b, k0, cols) < cols ? key_mask + b * len_k + k0 : nullptr;
   }
   // Whether some row of [q0, q0 + rows) misses a key of [k0, k0 + cols): the block pair
-  // straddles the causal boundary or holds keys the mask hides, so its products carry masked
-  // zeros. Causally the first row sees the fewest keys, so it alone decides.
+  // straddles a window boundary or holds keys the mask hides, so its products carry masked
+  // zeros. The bounds never decrease, so the first row has the lowest end and the last the
+  // highest begin.
   bool has_masked_entries(int64_t b, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
-    return visible_in_block(b, q0, k0, cols) < cols || hidden_keys(b, k0, cols) != nullptr;
+    return visible_in_block(b, q0, k0, cols).end < cols ||
+           visible_in_block(b, q0 + rows - 1, k0, cols).begin > 0 ||
+           hidden_keys(b, k0, cols) != nullptr;
   }
 };
 

@@ -16,6 +16,21 @@ struct PackedSequences {
   bool packed() const { return cu_q.defined(); }
 };
 
+// What the kernels do to the scores besides causal visibility (issue 14's options, applied in
+// FlashAttention's order: scale -> softcap -> ALiBi -> visibility -> softmax with sinks ->
+// dropout). Query row i sees key j iff i + off - window_left <= j <= i + off + window_right
+// (off = len_k - len_q of its sequence), -1 meaning unbounded on that side. softcap 0 is off.
+// alibi_slopes: contiguous float32 (batch, heads_q), sinks: contiguous (heads_q,) in the
+// accumulation dtype, each undefined when not used. dropout_p 0 is off; else the counter-based
+// mask of dropout_hash.h keyed by (dropout_seed, dropout_offset, batch, head, row, key).
+struct ScoreOptions {
+  int64_t window_left = -1, window_right = 0;
+  double softcap = 0;
+  at::Tensor alibi_slopes, sinks;
+  double dropout_p = 0;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+};
+
 // q, k, v, out: (batch, heads, rows, dim) with unit stride along dim; lse: (batch, heads_q,
 // len_q) with unit stride along rows, in the accumulation dtype. Packed sequences: batch 1, the
 // rows of every sequence one after the other, lse (1, heads_q, total rows). key_mask: contiguous
@@ -26,14 +41,18 @@ struct ForwardTensors {
   double scale;
   at::Tensor key_mask, kept_keys_before;
   PackedSequences sequences;
+  ScoreOptions options;
 };
 
-// As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v.
+// As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v, and with
+// sinks dsinks (heads_q,) in the accumulation dtype.
 struct BackwardTensors {
   at::Tensor grad_out, q, k, v, out, lse, dq, dk, dv;
   double scale;
   at::Tensor key_mask, kept_keys_before;
   PackedSequences sequences;
+  ScoreOptions options;
+  at::Tensor dsinks;
 };
 
 #define CAUSAL_ATTENTION_DECLARE_KERNELS(capability)    \

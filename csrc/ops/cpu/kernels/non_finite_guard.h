@@ -18,7 +18,7 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
 // The A operand of a guarded product as the kernel holds it, untransposed: values[r * ld + c],
-// where row r sees the first visible[r] columns, less the columns c with kept[c] false where
+// where row r sees columns [first[r], visible[r]), less the columns c with kept[c] false where
 // `kept` (the key mask of the block) is not null. With `transposed`, the product multiplies by
 // its transpose, so B's rows are indexed by r (dV += P^T dO, dK += dS^T Q); else by c
 // (O += P V, dQ += dS K).
@@ -26,11 +26,14 @@ template <typename acc_t>
 struct MaskedFactor {
   const acc_t* values;
   int64_t ld;
+  const int64_t* first;
   const int64_t* visible;
   bool transposed;
   const bool* kept;
 
-  bool sees(int64_t r, int64_t c) const { return c < visible[r] && (!kept || kept[c]); }
+  bool sees(int64_t r, int64_t c) const {
+    return c >= first[r] && c < visible[r] && (!kept || kept[c]);
+  }
 };
 
 template <typename scalar_t>
@@ -49,7 +52,7 @@ class NonFiniteRowGuard {
       const scalar_t* bad = b_rows.data + i * b_rows.ld;
       if (factor.transposed) {
         // Row i of B meets column i of A^T: row i of `values`, on the keys it sees.
-        for (int64_t j = 0; j < factor.visible[i]; ++j) {
+        for (int64_t j = factor.first[i]; j < factor.visible[i]; ++j) {
           if (factor.sees(i, j)) {
             axpy(factor.values[i * factor.ld + j], bad, N, c + j * ldc);
           }

@@ -1,9 +1,12 @@
 // The online softmax: the per-row state (running max m, sum l and unnormalized output O) that a
-// query block carries across its key blocks, its fused update, the finish into out and lse, and
+// query block carries across its key blocks, its fused update (the score modifiers of
+// score_modifiers.h inside it), the finish into out and lse (sinks joining the denominator), and
 // the backward's recomputation of P and dS from lse. Vectorized with at::vec.
 #pragma once
 
+#include "geometry.h"
 #include "row_ops.h"
+#include "score_modifiers.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -35,72 +38,62 @@ inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
 // scale = 1e10 and float32 the two differ by up to half an ulp of 1e11 (4096), and exp(+-4096)
 // overflows or vanishes, turning rows into NaN or zeros.
 
-// row[c] = scale * row[c] for c < visible, or -inf where `kept` (when not null) hides the key:
-// the softmax then gives a hidden key exactly zero probability, whatever its score (NaN and
-// inf included).
+// row[c] *= scale for c in [begin, end), returning their max (NaN if one is NaN, -inf if
+// none), in one pass: the plain scores' fast path.
 template <typename acc_t>
-inline void scale_and_hide(acc_t* row, int64_t visible, const bool* kept, acc_t scale) {
-  if (kept) {
-    for (int64_t c = 0; c < visible; ++c) {
-      row[c] = kept[c] ? row[c] * scale : -std::numeric_limits<acc_t>::infinity();
-    }
-  } else {
-    using Vec = at::vec::Vectorized<acc_t>;
-    const Vec scale_vec(scale);
-    at::vec::map<acc_t>([&](Vec x) { return x * scale_vec; }, row, row, visible);
-  }
-}
-
-// scale_and_hide, returning the max of the result over c < visible (NaN if any is NaN, -inf if
-// none). Without a mask, in one pass over the row.
-template <typename acc_t>
-inline acc_t scale_hide_and_max(acc_t* row, int64_t visible, const bool* kept, acc_t scale) {
+inline acc_t scale_and_max(acc_t* row, int64_t begin, int64_t end, acc_t scale) {
   using Vec = at::vec::Vectorized<acc_t>;
-  if (kept) {
-    scale_and_hide(row, visible, kept, scale);
-    scale = acc_t(1);  // already applied
-  }
   const Vec scale_vec(scale);
   Vec max_vec(-std::numeric_limits<acc_t>::infinity());
-  int64_t c = 0;
-  for (; c + Vec::size() <= visible; c += Vec::size()) {
+  int64_t c = begin;
+  for (; c + Vec::size() <= end; c += Vec::size()) {
     const Vec x = Vec::loadu(row + c) * scale_vec;
     x.store(row + c);
     max_vec = at::vec::maximum(max_vec, x);
   }
   acc_t result = at::vec::vec_reduce_all<acc_t>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, max_vec);
-  for (; c < visible; ++c) {
+  for (; c < end; ++c) {
     row[c] *= scale;
-    result = std::isnan(row[c]) ? row[c] : std::max(result, row[c]);
+    result = std::isnan(row[c]) || std::isnan(result) ? std::numeric_limits<acc_t>::quiet_NaN()
+                                                      : std::max(result, row[c]);
   }
   return result;
 }
 
-// row[c] = exp(min(row[c] - shift, 0)) for c < visible, 0 for visible <= c < cols; returns the
-// sum of the exponentials. shift = the row max in the forward, lse in the backward, so the
+// The scores x of row[begin, end) (score_modifiers.h), returning their max.
+template <typename acc_t>
+inline acc_t score_row(const RowScoring<acc_t>& scoring, acc_t* row, int64_t begin, int64_t end,
+                       acc_t* softcap_grad = nullptr) {
+  return scoring.plain() ? scale_and_max(row, begin, end, scoring.scale)
+                         : scoring.apply(row, begin, end, softcap_grad);
+}
+
+// row[c] = exp(min(row[c] - shift, 0)) for c in [begin, end), 0 for the other c < cols; returns
+// the sum of the exponentials. shift = the row max in the forward, lse in the backward, so the
 // argument is never positive in exact arithmetic. The backward may recompute a score in another
 // summation order than the forward did (the decode path's dot products against the block
 // products): at an absurd scale (scale * |q.k| above ~1e9 in float32) that rounding difference
 // alone exceeds exp's range, and the clamp keeps P a probability instead of inf.
 template <typename acc_t>
-inline acc_t exp_and_sum(acc_t* row, int64_t visible, int64_t cols, acc_t shift) {
+inline acc_t exp_and_sum(acc_t* row, int64_t begin, int64_t end, int64_t cols, acc_t shift) {
   using Vec = at::vec::Vectorized<acc_t>;
   const Vec shift_vec(shift), zero(acc_t(0));
   Vec sum_vec(acc_t(0));
-  int64_t c = 0;
-  for (; c + Vec::size() <= visible; c += Vec::size()) {
+  int64_t c = begin;
+  for (; c + Vec::size() <= end; c += Vec::size()) {
     const Vec p = vec_exp(at::vec::minimum(Vec::loadu(row + c) - shift_vec, zero));
     p.store(row + c);
     sum_vec = sum_vec + p;
   }
-  if (c < visible) {
-    const int64_t tail = visible - c;
+  if (c < end) {
+    const int64_t tail = end - c;
     const Vec p = vec_exp(at::vec::minimum(Vec::loadu(row + c, tail) - shift_vec, zero));
     p.store(row + c, tail);
     sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);
   }
-  std::fill(row + visible, row + cols, acc_t(0));
+  std::fill(row, row + begin, acc_t(0));
+  std::fill(row + end, row + cols, acc_t(0));
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
@@ -119,14 +112,14 @@ struct RowState {
     std::fill_n(out.begin(), rows * value_dim, acc_t(0));
   }
 
-  // Folds one block of raw scores q.k of row r (the first `visible` of `cols` keys visible, less
-  // those `kept` hides where it is not null) into its state, and leaves the block's
-  // probabilities (relative to the new max) in `scores`:
-  //   m' = max(m, rowmax(scale S)); P = exp(scale S - m'); l = e^(m - m') l + rowsum(P);
-  //   O = e^(m - m') O  (the caller then adds P V).
-  void fold_row(acc_t* scores, int64_t r, int64_t visible, int64_t cols, acc_t scale,
-                const bool* kept) {
-    const acc_t block_max = scale_hide_and_max(scores, visible, kept, scale);
+  // Folds one block of raw scores q.k of row r (keys [range.begin, range.end) of `cols`
+  // visible, less those the key mask hides) into its state, and leaves the block's
+  // probabilities (relative to the new max, zero where dropout drops them) in `scores`:
+  //   m' = max(m, rowmax(x)); P = exp(x - m'); l = e^(m - m') l + rowsum(P);
+  //   O = e^(m - m') O  (the caller then adds P V; finish_row applies 1 / (1 - p)).
+  void fold_row(acc_t* scores, int64_t r, KeyRange range, int64_t cols,
+                const RowScoring<acc_t>& scoring) {
+    const acc_t block_max = score_row(scoring, scores, range.begin, range.end);
     const acc_t old_max = max[r];
     const acc_t new_max = std::isnan(block_max) ? block_max : std::max(old_max, block_max);
     if (new_max == -std::numeric_limits<acc_t>::infinity() || std::isnan(new_max)) {
@@ -137,57 +130,92 @@ struct RowState {
       return;
     }
     const acc_t correction = std::exp(old_max - new_max);
-    sum[r] = sum[r] * correction + exp_and_sum(scores, visible, cols, new_max);
+    sum[r] = sum[r] * correction + exp_and_sum(scores, range.begin, range.end, cols, new_max);
     max[r] = new_max;
+    if (scoring.dropout) {
+      scoring.drop(scores, range.begin, range.end, acc_t(1));
+    }
     if (correction != acc_t(1)) {
       scale_row(out.data() + r * value_dim, value_dim, correction);
     }
   }
 };
 
-// out = O / l and lse = m + log(l); a row with no visible key gets zeros and -inf, a poisoned
-// row (NaN max) NaN.
+// The sink (-inf without one) joins the denominator: m* = max(m, sink),
+// l* = e^(m - m*) l + e^(sink - m*);  out = O e^(m - m*) keep / l*  and  lse = m* + log(l*),
+// keep = 1 / (1 - p) under dropout, else 1. A row with no visible key and no sink gets zeros and
+// lse = -inf (with a sink: zeros and lse = sink), a poisoned row (NaN max) NaN.
 template <typename acc_t, typename scalar_t>
-inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim, scalar_t* out,
-                       acc_t* lse) {
+inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim, acc_t sink,
+                       acc_t keep, scalar_t* out, acc_t* lse) {
+  const acc_t shift = std::max(max, sink);
   if (std::isnan(max)) {
     std::fill(out, out + value_dim, static_cast<scalar_t>(max));
     *lse = max;
-  } else if (sum == acc_t(0)) {
+  } else if (shift == -std::numeric_limits<acc_t>::infinity()) {
     std::fill(out, out + value_dim, scalar_t(0));
     *lse = -std::numeric_limits<acc_t>::infinity();
   } else {
-    store_scaled_row(acc, value_dim, acc_t(1) / sum, out);
-    *lse = max + std::log(sum);
+    const acc_t rows_share = std::exp(max - shift);
+    const acc_t total = sum * rows_share + std::exp(sink - shift);
+    store_scaled_row(acc, value_dim, acc_t(1) / total * rows_share * keep, out);
+    *lse = shift + std::log(total);
   }
 }
 
 // The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
-//   P = exp(scale * S - lse);  dS = P o (dP - delta)
-// over the `visible` first columns less the keys `kept` hides (where not null), zeros elsewhere
-// (a row with lse = -inf sees nothing). Returns the prefix of columns the row reaches.
+//   P = exp(x - lse);  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
+// over the keys of `range` less those the key mask hides, zeros elsewhere (a row with
+// lse = -inf sees nothing); g = dx/d(scale S) / scale (1 - tanh^2 under softcap, else 1). Then P
+// is the dropped P o keep / (1 - p) that dV needs. In the exact-delta form of the two-pass dQ,
+// instead, delta is taken as 0 (dS = P o dP' o g), P is left undropped as P o g, and the row's
+// share of delta, sum P o dP', is returned with the range of columns the row reaches.
+// softcap_grad: scratch of `cols`.
+struct GradientRow {
+  KeyRange range;
+  double delta_share;
+};
 template <typename acc_t>
-inline int64_t softmax_gradient_row(acc_t* p, acc_t* ds, int64_t visible, int64_t cols, acc_t scale,
-                                    acc_t lse, acc_t delta, const bool* kept) {
+inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
+                                        const RowScoring<acc_t>& scoring, acc_t lse, acc_t delta,
+                                        acc_t keep_scale, bool exact_delta_form,
+                                        acc_t* softcap_grad) {
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
-    visible = 0;
+    range.end = range.begin;
   }
-  scale_and_hide(p, visible, kept, scale);
-  exp_and_sum(p, visible, cols, lse);
+  const int64_t begin = range.begin, end = range.end;
+  score_row(scoring, p, begin, end, softcap_grad);
+  exp_and_sum(p, begin, end, cols, lse);
+  if (scoring.dropout) {
+    scoring.drop(ds, begin, end, keep_scale);
+  }
   using Vec = at::vec::Vectorized<acc_t>;
-  const Vec delta_vec(delta);
+  const Vec delta_vec(exact_delta_form ? acc_t(0) : delta);
   // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
-  at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds, p, ds, visible);
-  std::fill(ds + visible, ds + cols, acc_t(0));
-  if (kept) {
+  at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds + begin, p + begin,
+                       ds + begin, end - begin);
+  std::fill(ds, ds + begin, acc_t(0));
+  std::fill(ds + end, ds + cols, acc_t(0));
+  if (scoring.kept) {
     // Likewise for the hidden keys, whose dP may be non-finite (0 * inf), as may P in a
     // poisoned row (exp(-inf - NaN)).
-    for (int64_t c = 0; c < visible; ++c) {
-      p[c] = kept[c] ? p[c] : acc_t(0);
-      ds[c] = kept[c] ? ds[c] : acc_t(0);
+    for (int64_t c = begin; c < end; ++c) {
+      p[c] = scoring.kept[c] ? p[c] : acc_t(0);
+      ds[c] = scoring.kept[c] ? ds[c] : acc_t(0);
     }
   }
-  return visible;
+  const double delta_share = exact_delta_form ? double(row_sum(ds + begin, end - begin)) : 0.0;
+  if (scoring.softcap != acc_t(0)) {
+    const auto times_grad = [](Vec x, Vec g) { return x * g; };
+    at::vec::map2<acc_t>(times_grad, ds + begin, ds + begin, softcap_grad + begin, end - begin);
+    if (exact_delta_form) {
+      at::vec::map2<acc_t>(times_grad, p + begin, p + begin, softcap_grad + begin, end - begin);
+    }
+  }
+  if (scoring.dropout && !exact_delta_form) {
+    scoring.drop(p, begin, end, keep_scale);
+  }
+  return {range, delta_share};
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

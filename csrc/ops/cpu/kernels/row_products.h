@@ -162,13 +162,13 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
   accumulate_tail_columns(p, begin, end, v, ld_v, c, dim_v, out);
 }
 
-// out[r * ld_out + c] += sum over j < visible[r] of p[r * ld_p + j] * v[j * ld_v + c], for
-// r < rows and c < dim_v. A row reads only the value rows it sees, so a non-finite value row
+// out[r * ld_out + c] += sum over j in [first[r], visible[r]) of p[r * ld_p + j] * v[j * ld_v + c],
+// for r < rows and c < dim_v. A row reads only the value rows it sees, so a non-finite value row
 // never reaches a query row the mask hides it from.
 template <typename acc_t, typename src_t>
-void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, const int64_t* visible,
-                                const src_t* v, int64_t ld_v, int64_t dim_v, acc_t* out,
-                                int64_t ld_out, const StreamAhead& stream) {
+void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, const int64_t* first,
+                                const int64_t* visible, const src_t* v, int64_t ld_v, int64_t dim_v,
+                                acc_t* out, int64_t ld_out, const StreamAhead& stream) {
   // Four rows by two vectors: eight accumulators, six loads per eight FMAs (measured faster
   // than one by eight, two by four and three by four).
   constexpr int64_t kRows = 4, kVecs = 2;
@@ -177,25 +177,33 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
   for (; r + kRows <= rows; r += kRows) {
     stream.next_key_share(r, r + kRows, rows);
     // The keys every row of the tile sees go through the tile; the rest row by row.
-    const int64_t shared = *std::min_element(visible + r, visible + r + kRows);
+    const int64_t shared_begin = *std::max_element(first + r, first + r + kRows);
+    const int64_t shared_end =
+        std::max(shared_begin, *std::min_element(visible + r, visible + r + kRows));
     const acc_t* weights = p + r * ld_p;
     acc_t* out_rows = out + r * ld_out;
     int64_t c = 0;
     for (; c + kVecs * N <= dim_v; c += kVecs * N) {
-      rank_one_tile<kRows, kVecs, true>(weights, ld_p, v + c, ld_v, 0, shared, out_rows + c,
-                                        ld_out);
+      rank_one_tile<kRows, kVecs, true>(weights, ld_p, v + c, ld_v, shared_begin, shared_end,
+                                        out_rows + c, ld_out);
     }
     for (; c + N <= dim_v; c += N) {
-      rank_one_tile<kRows, 1, true>(weights, ld_p, v + c, ld_v, 0, shared, out_rows + c, ld_out);
+      rank_one_tile<kRows, 1, true>(weights, ld_p, v + c, ld_v, shared_begin, shared_end,
+                                    out_rows + c, ld_out);
     }
     for (int64_t i = r; i < r + kRows; ++i) {
-      accumulate_tail_columns(p + i * ld_p, 0, shared, v, ld_v, c, dim_v, out + i * ld_out);
-      accumulate_one_row(p + i * ld_p, shared, visible[i], v, ld_v, dim_v, out + i * ld_out);
+      const acc_t* row_p = p + i * ld_p;
+      acc_t* row_out = out + i * ld_out;
+      accumulate_tail_columns(row_p, shared_begin, shared_end, v, ld_v, c, dim_v, row_out);
+      accumulate_one_row(row_p, first[i], std::min(shared_begin, visible[i]), v, ld_v, dim_v,
+                         row_out);
+      accumulate_one_row(row_p, std::max(shared_end, first[i]), visible[i], v, ld_v, dim_v,
+                         row_out);
     }
   }
   stream.next_key_share(r, rows, rows);
   for (; r < rows; ++r) {
-    accumulate_one_row(p + r * ld_p, 0, visible[r], v, ld_v, dim_v, out + r * ld_out);
+    accumulate_one_row(p + r * ld_p, first[r], visible[r], v, ld_v, dim_v, out + r * ld_out);
   }
 }
 

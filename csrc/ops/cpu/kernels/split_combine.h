@@ -7,6 +7,7 @@
 #include "geometry.h"
 #include "online_softmax.h"
 #include "row_ops.h"
+#include "score_modifiers.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -26,11 +27,13 @@ struct OutputRows {
   HeadRows<scalar_t> out;
   HeadRows<acc_t> lse;
   int64_t heads_q, value_dim;
+  ScoreModifiers<acc_t> modifiers;  // the sinks and dropout's 1 / (1 - p)
 
   // Finishes query row q_row of head bh (= batch * heads_q + head).
   void finish(int64_t bh, int64_t q_row, acc_t max, acc_t sum, const acc_t* acc) const {
     const int64_t b = bh / heads_q, h = bh % heads_q;
-    finish_row(max, sum, acc, value_dim, out.row(b, h, q_row), lse.row(b, h, q_row));
+    finish_row(max, sum, acc, value_dim, modifiers.sink(h), modifiers.keep_scale(),
+               out.row(b, h, q_row), lse.row(b, h, q_row));
   }
 };
 
@@ -53,12 +56,12 @@ class KeySplits {
 
   int64_t count() const { return num_splits_; }
 
-  // The first key of chunk `split`, and the end of the keys of that chunk that a row seeing
-  // [0, key_end) needs.
-  std::pair<int64_t, int64_t> key_range(int64_t split, int64_t key_end) const {
+  // The keys of chunk `split` that rows seeing [first_key, key_end) need. first_key is the
+  // first key of a key block, as is every chunk's.
+  std::pair<int64_t, int64_t> key_range(int64_t split, int64_t first_key, int64_t key_end) const {
     const int64_t chunk =
         ceil_div(ceil_div(dims_.len_k, num_splits_), kChunkAlignment) * kChunkAlignment;
-    return {split * chunk, std::min(key_end, (split + 1) * chunk)};
+    return {std::max(first_key, split * chunk), std::min(key_end, (split + 1) * chunk)};
   }
 
   // Row r of `state` is query row q_row of head bh: finished into the output when keys are not

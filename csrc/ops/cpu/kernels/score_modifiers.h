@@ -1,0 +1,144 @@
+// The score modifiers: what happens to a row of raw scores S = q.k of one block before its
+// softmax (scale, softcap, ALiBi, the key mask's -inf) and to its probabilities after (dropout),
+// and the sinks that join each row's denominator. Each is a step inside the online softmax's
+// pass over the row (online_softmax.h), forward and backward, never a pass of its own over
+// Lq x Lk. In FlashAttention's order:
+//   x = scale S;  x = softcap tanh(x / softcap);  x -= slope |i + off - j|;  hidden keys -inf;
+//   P = exp(x - lse), lse including exp(sink);  P *= keep / (1 - p).
+#pragma once
+
+#include "../../dropout_hash.h"
+#include "geometry.h"
+#include "kernel_api.h"
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// The modifiers of one query row against one key block, made by ScoreModifiers::row.
+template <typename acc_t>
+struct RowScoring {
+  acc_t scale;
+  acc_t softcap;  // 0: off
+  acc_t slope;    // ALiBi; 0: off
+  // The block's column at distance 0 from the row (row + off - k0), for ALiBi.
+  int64_t diagonal;
+  const bool* kept;  // the block's key mask where it hides some keys, else null
+  // Dropout: the row's key, the block's first key and the generator; null generator: off.
+  const DropoutHash* dropout;
+  uint32_t dropout_row;
+  int64_t k0;
+
+  // Only the scale: the fused fast path.
+  bool plain() const { return softcap == acc_t(0) && slope == acc_t(0) && kept == nullptr; }
+
+  // x = modified row[c] for c in [begin, end), in place; returns their max (NaN if one is NaN,
+  // -inf if none). With softcap, softcap_grad[c] = dx/d(scale S) / scale = 1 - tanh^2 where not
+  // null (the backward's chain rule).
+  acc_t apply(acc_t* row, int64_t begin, int64_t end, acc_t* softcap_grad = nullptr) const {
+    using Vec = at::vec::Vectorized<acc_t>;
+    constexpr int64_t N = Vec::size();
+    const Vec scale_vec(scale), cap(softcap), inv_cap(softcap == acc_t(0) ? 0 : 1 / softcap);
+    const Vec minus_slope(-slope), one(acc_t(1)), diagonal_vec{acc_t(diagonal)};
+    const bool capped = softcap != acc_t(0), biased = slope != acc_t(0);
+    for (int64_t c = begin; c < end; c += N) {
+      const int64_t n = std::min<int64_t>(N, end - c);
+      Vec x = Vec::loadu(row + c, n) * scale_vec;
+      if (capped) {
+        const Vec t = (x * inv_cap).tanh();
+        x = cap * t;
+        if (softcap_grad) {
+          (one - t * t).store(softcap_grad + c, n);
+        }
+      }
+      if (biased) {
+        const Vec distance = (diagonal_vec - Vec::arange(acc_t(c), acc_t(1))).abs();
+        x = at::vec::fmadd(minus_slope, distance, x);
+      }
+      x.store(row + c, n);
+    }
+    if (kept) {
+      // A hidden key's score is -inf whatever it was (NaN included): zero probability.
+      for (int64_t c = begin; c < end; ++c) {
+        row[c] = kept[c] ? row[c] : -std::numeric_limits<acc_t>::infinity();
+      }
+    }
+    return row_max(row, begin, end);
+  }
+
+  // max of row[begin, end), NaN if one is NaN, -inf if the range is empty.
+  static acc_t row_max(const acc_t* row, int64_t begin, int64_t end) {
+    using Vec = at::vec::Vectorized<acc_t>;
+    constexpr int64_t N = Vec::size();
+    const Vec lowest(-std::numeric_limits<acc_t>::infinity());
+    Vec max_vec = lowest;
+    for (int64_t c = begin; c < end; c += N) {
+      const int64_t n = std::min<int64_t>(N, end - c);
+      max_vec = at::vec::maximum(max_vec, Vec::set(lowest, Vec::loadu(row + c, n), n));
+    }
+    return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                          max_vec);
+  }
+
+  // row[c] = kept ? row[c] * factor : 0 for c in [begin, end) under the dropout mask.
+  void drop(acc_t* row, int64_t begin, int64_t end, acc_t factor) const {
+    for (int64_t c = begin; c < end; ++c) {
+      row[c] = dropout->kept(dropout_row, k0 + c) ? row[c] * factor : acc_t(0);
+    }
+  }
+};
+
+// The modifiers of a call, from its ScoreOptions.
+template <typename acc_t>
+class ScoreModifiers {
+ public:
+  template <typename Tensors>
+  explicit ScoreModifiers(const Tensors& t)
+      : scale_(static_cast<acc_t>(t.scale)),
+        softcap_(static_cast<acc_t>(t.options.softcap)),
+        slopes_(t.options.alibi_slopes.defined() ? t.options.alibi_slopes.template data_ptr<float>()
+                                                 : nullptr),
+        sinks_(t.options.sinks.defined() ? t.options.sinks.template data_ptr<acc_t>() : nullptr),
+        heads_q_(t.q.size(1)),
+        dropout_(t.options.dropout_p, t.options.dropout_seed, t.options.dropout_offset),
+        keep_scale_(acc_t(1) / acc_t(1 - t.options.dropout_p)) {}
+
+  // Query row `row` of batch item b, query head h, against the keys from k0.
+  RowScoring<acc_t> row(const AttentionDims& d, int64_t b, int64_t h, int64_t row, int64_t k0,
+                        const bool* kept) const {
+    return {scale_,
+            softcap_,
+            slopes_ ? acc_t(slopes_[b * heads_q_ + h]) : acc_t(0),
+            row + (d.rows_k(b) - d.rows_q(b)) - k0,
+            kept,
+            dropout_.active() ? &dropout_ : nullptr,
+            dropout_.active() ? dropout_.row_key(b, h, row) : 0u,
+            k0};
+  }
+
+  // The sink logit of query head h, -inf without sinks (exp(-inf) joins no denominator).
+  acc_t sink(int64_t h) const {
+    return sinks_ ? sinks_[h] : -std::numeric_limits<acc_t>::infinity();
+  }
+  bool has_sinks() const { return sinks_ != nullptr; }
+  bool dropout() const { return dropout_.active(); }
+  // 1 / (1 - p): the factor of the kept probabilities.
+  acc_t keep_scale() const { return keep_scale_; }
+  acc_t scale() const { return scale_; }
+
+ private:
+  acc_t scale_, softcap_;
+  const float* slopes_;
+  const acc_t* sinks_;
+  int64_t heads_q_;
+  DropoutHash dropout_;
+  acc_t keep_scale_;
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
