@@ -222,9 +222,9 @@ def causal(lq: int, lk: int, device: torch.device, left: int = -1) -> Tensor:
 def look_back(mask: Tensor, lk: int) -> int:
     """The window's ``left`` that ``mask (..., Lq, Lk)`` shows: the farthest any query sees
     back from its diagonal ``i + Lk - Lq``; -1 (causal) when that is the whole length or no query
-    sees a key. Padding can make it shorter than the model's window only where the window hides
-    no key the padding does not (a key it hides from one query is the first one the query whose
-    window starts there sees), and then the mask is causality with padding."""
+    sees a key. It is the model's window whenever that hides a key padding does not (the query
+    whose window starts at that key sees it first); shorter, the mask is causality with padding,
+    which is read before any window."""
     lq = mask.size(-2)
     sees = mask.any(dim=-1)
     if not bool(sees.any()):
