@@ -1,8 +1,9 @@
 """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
-It serves exactly the calls whose result our op reproduces, and refuses every other call with
-``NotImplementedError`` naming the argument, so that swapping it in can never silently change a
-model's results. An argument of a type SDPA refuses is refused with SDPA's exception type.
+It serves exactly the calls whose result our op reproduces (with dropout, the same computation
+with its own random stream), and refuses every other call with ``NotImplementedError`` naming
+the argument, so that swapping it in can never silently change a model's results. An argument
+of a type SDPA refuses is refused with SDPA's exception type.
 """
 
 import sys
@@ -79,38 +80,45 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> Tensor:
     """Same signature and result as ``torch.nn.functional.scaled_dot_product_attention`` for
-    the calls it serves: ``is_causal=True``, ``attn_mask=None``, ``dropout_p=0``, equal query
-    and key lengths, and key/value heads fewer than query heads only with ``enable_gqa=True``.
+    the calls it serves: ``attn_mask=None``; ``is_causal=False`` (full attention, any query and
+    key lengths) or ``is_causal=True`` with equal query and key lengths; ``0 <= dropout_p < 1``;
+    and key/value heads fewer than query heads only with ``enable_gqa=True``.
 
-    Shapes are SDPA's: ``query (..., Hq, L, E)``, ``key (..., Hkv, L, E)``,
-    ``value (..., Hkv, L, Ev)`` -> ``(..., Hq, L, Ev)``. Any other call raises
-    ``NotImplementedError``: masks, dropout and non-causal attention are not implemented, and
-    with ``Lq != Lk`` SDPA's ``is_causal`` aligns top-left while this op aligns bottom-right
-    (call :func:`causal_attention.attention` for the KV-cache alignment). Arguments of a type
-    SDPA refuses raise SDPA's ``TypeError``, a ``scale`` tensor that requires grad included.
+    Shapes are SDPA's: ``query (..., Hq, Lq, E)``, ``key (..., Hkv, Lk, E)``,
+    ``value (..., Hkv, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``. As in SDPA, ``dropout_p > 0`` drops
+    attention probabilities whatever the module's training mode (pass ``dropout_p=0.0`` in
+    evaluation), drawing the dropout mask's seed from torch's default generator: the same
+    generator state gives the same result, bit for bit (SDPA's own random stream differs, so
+    the two agree in distribution, not draw for draw). Any other call raises
+    ``NotImplementedError``: masks are not implemented, ``dropout_p=1`` (SDPA's all-zero
+    output) neither, and with ``Lq != Lk`` SDPA's ``is_causal`` aligns top-left while this op
+    aligns bottom-right (call :func:`causal_attention.attention` for the KV-cache alignment).
+    Arguments of a type SDPA refuses raise SDPA's ``TypeError``, a ``scale`` tensor that
+    requires grad included; a ``dropout_p`` outside ``[0, 1]`` raises ``ValueError``.
     """
     _check_argument_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None:
         raise NotImplementedError(
             "causal_attention.scaled_dot_product_attention: attn_mask is not supported; "
-            "only is_causal=True without a mask is served"
+            "only is_causal=True or False without a mask is served"
         )
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: dropout_p must be 0.0, got "
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(
+            "causal_attention.scaled_dot_product_attention: dropout_p must be in [0, 1], got "
             f"dropout_p={dropout_p}"
         )
-    if not is_causal:
+    if dropout_p == 1.0:
         raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: is_causal=False (full, non-causal "
-            "attention) is not supported; pass is_causal=True"
+            "causal_attention.scaled_dot_product_attention: dropout_p=1.0 (every probability "
+            "dropped, an all-zero output in SDPA) is not supported; dropout_p must be below 1"
         )
-    if query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
+    if is_causal and query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
         raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: query and key lengths differ "
-            f"(query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); SDPA's "
-            "is_causal aligns top-left there, this op bottom-right: call "
-            "causal_attention.attention for KV-cache attention"
+            "causal_attention.scaled_dot_product_attention: is_causal=True with query and key "
+            f"lengths that differ (query.shape={tuple(query.shape)}, key.shape="
+            f"{tuple(key.shape)}); SDPA's is_causal aligns top-left there, this op "
+            "bottom-right: call causal_attention.attention for KV-cache attention"
         )
     if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.size(-3) != key.size(-3):
         raise NotImplementedError(
@@ -118,4 +126,6 @@ def scaled_dot_product_attention(
             f"counts (query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); pass "
             "enable_gqa=True for grouped-query attention"
         )
-    return attention(query, key, value, scale=scale)
+    # is_causal=False is full attention: no bound on either side of the diagonal.
+    window = (-1, 0) if is_causal else (-1, -1)
+    return attention(query, key, value, scale=scale, window=window, dropout_p=dropout_p)

@@ -8,37 +8,51 @@ Code written for flash-attn runs on the CPU by changing one import::
 
 The three functions keep flash-attn 2's signatures (names, order, defaults) and layouts:
 ``q (batch, seqlen, nheads, headdim)``, packed ``(total, nheads, headdim)`` for varlen, K/V with
-fewer heads for GQA/MQA. They serve the calls whose result the op computes exactly, and raise
-``NotImplementedError`` naming the argument and its value for any other, so a program is never
-silently computed differently than with flash-attn. Served:
+fewer heads for GQA/MQA. They compute what flash-attn computes, and raise
+``NotImplementedError`` naming the argument for the little they do not serve, so a program is
+never silently computed differently than with flash-attn. Served, with flash-attn's semantics:
 
-- the mask: bottom-right causal, which is flash-attn's ``causal=True`` (or ``causal=False`` with
-  ``window_size=(-1, 0)``, or any call with at most one query row, where both agree), with any
-  ``window_size`` that hides nothing causality keeps: ``left`` negative or at least the longest
-  key length minus one (``max_seqlen_k - 1`` for varlen), ``right`` anything with
-  ``causal=True``. Rows that see no key return zeros.
-- ``softmax_scale`` (default ``1 / sqrt(headdim)``), ``dropout_p=0``, ``softcap <= 0`` (off),
-  ``alibi_slopes=None``; ``deterministic`` and ``num_splits`` are accepted and change nothing
+- the mask: row i of a sequence with ``seqlen_q`` queries and ``seqlen_k`` keys sees keys
+  ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` for
+  ``window_size=(left, right)``, a negative bound unbounded; ``causal=True`` sets ``right = 0``
+  (bottom-right causal), and ``causal=False`` with ``(-1, -1)`` is full attention. flash-attn's
+  rewriting of the window is reproduced exactly (flash_api.cpp): a bound at least ``seqlen_k``
+  (``max_seqlen_k`` for varlen, the cache's capacity for the KV cache) is unbounded, causal is
+  dropped for one query row without ALiBi, and then a window with one negative bound gets
+  ``seqlen_k`` for it, which only differs from unbounded for rows more than ``seqlen_k`` keys
+  before the last one. Rows that see no key return zeros.
+- ``softcap > 0``: scores ``softcap * tanh(scores / softcap)`` (``<= 0``: off);
+  ``alibi_slopes``, float32 ``(nheads,)`` or ``(batch, nheads)``: a bias of
+  ``-slope * |i + seqlen_k - seqlen_q - j|`` after softcapping; ``dropout_p`` in ``[0, 1)``:
+  dropout on the probabilities, its seed drawn from torch's default (CPU) generator, so the same
+  generator state gives the same result bit for bit (flash-attn draws from the CUDA generator;
+  flash-attn refuses softcap with dropout, which is served here). ``softmax_scale`` defaults to
+  ``1 / sqrt(headdim)``; ``deterministic`` and ``num_splits`` are accepted and change nothing
   (the op is always deterministic and picks its own key splits).
-- ``return_attn_probs=True``: ``(out, softmax_lse, S_dmask)``, ``softmax_lse`` ``(batch, nheads,
-  seqlen_q)`` (varlen: ``(nheads, total_q)``), float32 (float64 for float64 inputs), and
-  ``S_dmask`` the empty tensor flash-attn itself returns when ``dropout_p=0``. The one
-  difference: a row that sees no key has ``lse = -inf`` (the log of an empty sum), where
-  flash-attn's unsplit kernel writes ``+inf``.
-- gradients through ``flash_attn_func`` and ``flash_attn_varlen_func``.
+- ``return_attn_probs=True`` (without dropout): ``(out, softmax_lse, S_dmask)``, ``softmax_lse``
+  ``(batch, nheads, seqlen_q)`` (varlen: ``(nheads, total_q)``), float32 (float64 for float64
+  inputs), and ``S_dmask`` the empty tensor flash-attn itself returns when ``dropout_p=0``. With
+  ALiBi and flash-attn's causal kernel (``window_size`` left unbounded, ``right = 0``),
+  ``softmax_lse`` is flash-attn's: that kernel adds ``slope * j`` rather than the bias above,
+  the same probabilities, but a log-sum-exp larger by ``slope * (i + seqlen_k - seqlen_q)``.
+  The one difference: a row that sees no key has ``lse = -inf`` (the log of an empty sum),
+  where flash-attn's unsplit kernel writes ``+inf``.
+- gradients through ``flash_attn_func`` and ``flash_attn_varlen_func`` (none for the slopes,
+  as in flash-attn).
 - ``flash_attn_with_kvcache``: ``k``/``v`` written into ``k_cache``/``v_cache`` in place at
   ``cache_seqlens`` (an int or an int32 ``(batch,)`` tensor), then every batch row attends to its
-  own keys ``cache_leftpad[b] <= j < cache_seqlens[b] + seqlen_new``, bottom-right aligned to
-  its own length; ``cache_batch_idx`` (rows of the cache), ``cache_leftpad``, ``block_table``
-  (a paged cache, its pages gathered into a copy per call) and rotary embeddings
-  (``rotary_cos``/``rotary_sin``, interleaved or not, applied to ``q`` and the new keys at
-  positions ``cache_seqlens[b] + i`` as flash-attn does) are served; ``return_softmax_lse``
-  returns ``(out, softmax_lse)``. As in flash-attn it is not differentiable (it runs under
-  ``torch.no_grad()``). With repeated ``cache_batch_idx`` entries the last row's new keys are
-  the ones left in the cache, and every row attends to the cache as left after all the writes.
+  own keys ``cache_leftpad[b] <= j < cache_seqlens[b] + seqlen_new``, the mask and ALiBi aligned
+  to its own length (flash-attn counts the ALiBi lse shift from ``cache_leftpad[b]``);
+  ``cache_batch_idx`` (rows of the cache), ``cache_leftpad``, ``block_table`` (a paged cache,
+  its pages gathered into a copy per call) and rotary embeddings (``rotary_cos``/``rotary_sin``,
+  interleaved or not, applied to ``q`` and the new keys at positions ``cache_seqlens[b] + i`` as
+  flash-attn does) are served; ``return_softmax_lse`` returns ``(out, softmax_lse)``. As in
+  flash-attn it is not differentiable (it runs under ``torch.no_grad()``). With repeated
+  ``cache_batch_idx`` entries the last row's new keys are the ones left in the cache, and every
+  row attends to the cache as left after all the writes.
 
-Refused (``NotImplementedError``): ``dropout_p != 0``, ``softcap > 0``, ``alibi_slopes``,
-non-causal attention over more than one query row, a window that bites, ``block_table`` in
+Refused (``NotImplementedError``): ``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn's
+testing-only S_dmask encoding of the dropout pattern), ``block_table`` in
 ``flash_attn_varlen_func``, and ``block_table`` with ``cache_batch_idx`` or ``cache_leftpad``
 (flash-attn refuses those pairs too). flash-attn's CUDA-only limits (fp16/bf16, head
 dimension at most 256, a multiple of 8, page sizes a multiple of 256) do not apply: float32 and
@@ -48,6 +62,7 @@ bad shapes and values ``ValueError``, each naming the argument.
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -75,16 +90,22 @@ def flash_attn_func(
     (batch, seqlen_k, nheads_k, headdim)``, ``v (batch, seqlen_k, nheads_k, headdim_v)`` ->
     ``out (batch, seqlen_q, nheads, headdim_v)``, contiguous, differentiable; with
     ``return_attn_probs=True``, ``(out, softmax_lse (batch, nheads, seqlen_q), S_dmask)``.
-    Causal, bottom-right aligned; see the module docstring for what is served."""
+    The mask, softcap, ALiBi and dropout are flash-attn's; see the module docstring."""
     fn = f"{_PREFIX}.flash_attn_func"
     _check_batched(fn, q, k, v)
-    _check_scores_unmodified(fn, dropout_p, softcap, alibi_slopes)
-    _check_mask_is_causal(fn, causal, window_size, q.size(1), k.size(1), "seqlen_k - 1")
+    batch, lq, heads, _ = q.shape
+    lk = k.size(1)
+    scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, lq, lk, batch, heads)
+    dropout_p = _check_dropout(fn, dropout_p, return_attn_probs)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if return_attn_probs:
-        out, lse = attention_forward(qh, kh, vh, _resolve_scale(softmax_scale, q))
+        out, lse = attention_forward(qh, kh, vh, _resolve_scale(softmax_scale, q),
+                                     **scores.kwargs())
+        if scores.alibi_lse_shift:
+            lse = lse + scores.alibi_slopes.unsqueeze(-1) * (torch.arange(lq) + (lk - lq))
         return out.transpose(1, 2).contiguous(), lse, _no_dropout_mask(q)
-    return attention(qh, kh, vh, scale=softmax_scale).transpose(1, 2).contiguous()
+    out = attention(qh, kh, vh, scale=softmax_scale, dropout_p=dropout_p, **scores.kwargs())
+    return out.transpose(1, 2).contiguous()
 
 
 def flash_attn_varlen_func(
@@ -109,7 +130,8 @@ def flash_attn_varlen_func(
     ``k (total_k, nheads_k, headdim)``, ``v (total_k, nheads_k, headdim_v)``, int32
     ``cu_seqlens_q``/``cu_seqlens_k`` ``(batch + 1,)`` -> ``out (total_q, nheads, headdim_v)``,
     differentiable; with ``return_attn_probs=True``, ``(out, softmax_lse (nheads, total_q),
-    S_dmask)``. Each sequence attends causally to itself, bottom-right aligned."""
+    S_dmask)``. Each sequence attends only to itself, with flash-attn's mask aligned to its own
+    lengths (the window rewritten by ``max_seqlen_q``/``max_seqlen_k``, as flash-attn does)."""
     fn = f"{_PREFIX}.flash_attn_varlen_func"
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(fn, name, t, 3, "(total, nheads, headdim)")
@@ -121,15 +143,27 @@ def flash_attn_varlen_func(
         )
     max_q = _as_int(fn, "max_seqlen_q", max_seqlen_q)
     max_k = _as_int(fn, "max_seqlen_k", max_seqlen_k)
-    _check_scores_unmodified(fn, dropout_p, softcap, alibi_slopes)
-    # The op checks that every sequence fits max_seqlen_q/k, so judging the mask by the bounds
-    # is safe: a call they pass is served exactly or refused by the op.
-    _check_mask_is_causal(fn, causal, window_size, max_q, max_k, "max_seqlen_k - 1")
+    _check_rank(fn, "cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+    # flash-attn rewrites the window by the longest lengths (max_seqlen_k, max_seqlen_q == 1);
+    # the op checks that every sequence fits them.
+    batch = cu_seqlens_q.numel() - 1
+    scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, max_q, max_k, batch,
+                        q.size(1))
+    dropout_p = _check_dropout(fn, dropout_p, return_attn_probs)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     if return_attn_probs:
-        out, lse = varlen_attention_forward(*args, _resolve_scale(softmax_scale, q))
+        out, lse = varlen_attention_forward(*args, _resolve_scale(softmax_scale, q),
+                                            **scores.kwargs())
+        if scores.alibi_lse_shift:
+            lengths_q, lengths_k = (cu.cpu().long().diff() for cu in (cu_seqlens_q, cu_seqlens_k))
+            sequence = torch.repeat_interleave(torch.arange(lengths_q.numel()), lengths_q)
+            start = cu_seqlens_q.cpu().long()[sequence]
+            positions = torch.arange(sequence.numel()) - start + (lengths_k - lengths_q)[sequence]
+            slopes = scores.alibi_slopes
+            slopes = slopes.unsqueeze(-1) if slopes.dim() == 1 else slopes[sequence].T
+            lse = lse + slopes * positions
         return out, lse, _no_dropout_mask(q)
-    return varlen_attention(*args, scale=softmax_scale)
+    return varlen_attention(*args, scale=softmax_scale, dropout_p=dropout_p, **scores.kwargs())
 
 
 def flash_attn_with_kvcache(
@@ -161,24 +195,23 @@ def flash_attn_with_kvcache(
     ``(out, softmax_lse (batch, nheads, seqlen_q))`` with ``return_softmax_lse=True``.
 
     Batch row ``b`` attends to its keys ``cache_leftpad[b] <= j < cache_seqlens[b] +
-    seqlen_new``, causal and bottom-right aligned to that length. Rows whose keys end at the same
-    place are computed together on a view of the cache; with one query row, every row is, its
-    length given to the op as a key mask. Everything is validated before the cache is written.
+    seqlen_new``, flash-attn's mask and ALiBi aligned to that length. Rows whose keys end at the
+    same place are computed together on a view of the cache; with one query row and no ALiBi,
+    every row is, its keys (and window) given to the op as a key mask. Everything is validated
+    before the cache is written.
     """
     fn = f"{_PREFIX}.flash_attn_with_kvcache"
     with torch.no_grad():
         cache = _KVCacheCall(fn, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table)
-        _check_scores_unmodified(fn, 0.0, softcap, alibi_slopes)
-        longest = max((e - s for s, e in zip(cache.starts, cache.ends)), default=0)
-        _check_mask_is_causal(fn, causal, window_size, q.size(1), longest,
-                              "the longest row's key count - 1")
+        scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, q.size(1),
+                            cache.capacity, q.size(0), q.size(2))
         _as_int(fn, "num_splits", num_splits)
         rotary = _Rotary.of(fn, rotary_cos, rotary_sin, rotary_interleaved, q, cache)
         if rotary is not None:
             q, k = rotary.apply(q, cache.seqlens), rotary.apply(k, cache.seqlens)
         cache.append(k, v)
-        return cache.attend(q, _resolve_scale(softmax_scale, q), bool(return_softmax_lse))
+        return cache.attend(q, _resolve_scale(softmax_scale, q), scores, bool(return_softmax_lse))
 
 
 class _KVCacheCall:
@@ -223,9 +256,9 @@ class _KVCacheCall:
                     )
             self.page = k_cache.size(1)
             self.block_table = _check_row_indices(fn, "block_table", block_table, batch, 2)
-            capacity = self.block_table.size(1) * self.page
+            self.capacity = self.block_table.size(1) * self.page
         else:
-            capacity = k_cache.size(1)
+            self.capacity = k_cache.size(1)
             if cache_batch_idx is None:
                 if k_cache.size(0) < batch:
                     raise ValueError(
@@ -249,7 +282,7 @@ class _KVCacheCall:
                     f"{fn}: cache_seqlens must be given with k and v, to say where the new keys "
                     "go; got cache_seqlens=None"
                 )
-            self.seqlens = [capacity] * batch
+            self.seqlens = [self.capacity] * batch
         elif isinstance(cache_seqlens, Tensor):
             self.seqlens = _check_row_indices(fn, "cache_seqlens", cache_seqlens, batch, 1).tolist()
         elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -272,10 +305,10 @@ class _KVCacheCall:
                     f"{fn}: row {b} needs 0 <= cache_leftpad[b] <= cache_seqlens[b], got "
                     f"cache_leftpad[b]={start}, cache_seqlens[b]={length}"
                 )
-            if end > capacity:
+            if end > self.capacity:
                 raise ValueError(
                     f"{fn}: row {b} does not fit the cache: cache_seqlens[b] + k.shape[1] = "
-                    f"{length} + {self.new} = {end} > {capacity}, the cache's "
+                    f"{length} + {self.new} = {end} > {self.capacity}, the cache's "
                     + ("block_table.shape[1] * page_block_size" if self.paged else "seqlen_cache")
                 )
         if self.paged:
@@ -337,15 +370,15 @@ class _KVCacheCall:
             self.k_cache[where] = k[b]
             self.v_cache[where] = v[b]
 
-    def groups(self) -> List[List[int]]:
-        """Batch rows that one op call serves exactly. The op aligns each row's causal boundary to
-        the end of the keys it is given, so rows go together when their keys end at the same
-        place; a single query row sees all its keys, so then any rows go together, each cut at
-        its own end by the key mask."""
+    def groups(self, scores: "_Scores") -> List[List[int]]:
+        """Batch rows that one op call serves exactly. The op aligns each row's mask (and ALiBi
+        distances) to the end of the keys it is given, so rows go together when their keys end
+        at the same place; a single query row without ALiBi sees a range of its keys that a key
+        mask can say, so then any rows go together, each cut to its own range."""
         batch, lq = self.q_shape[:2]
         if batch == 0:
             return []
-        if lq <= 1:
+        if lq <= 1 and scores.alibi_slopes is None:
             return [list(range(batch))]
         by_end: Dict[int, List[int]] = {}
         for b, end in enumerate(self.ends):
@@ -371,11 +404,11 @@ class _KVCacheCall:
             picked = torch.tensor(cache_rows)
         return self.k_cache[picked, :length], self.v_cache[picked, :length]
 
-    def attend(self, q: Tensor, scale: float, with_lse: bool):
+    def attend(self, q: Tensor, scale: float, scores: "_Scores", with_lse: bool):
         """One op call per group, on a view of the cache where its rows are consecutive; a key
         mask only where some row's keys start past 0 or end before the group's."""
         batch, lq, heads, _ = self.q_shape
-        groups = self.groups()
+        groups = self.groups(scores)
         if len(groups) != 1:
             out = q.new_empty(batch, lq, heads, self.v_cache.size(3))
             lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -383,18 +416,31 @@ class _KVCacheCall:
         for rows in groups:
             length = max(self.ends[b] for b in rows)
             k, v = self.keys(rows, length)
-            key_mask = None
+            picked = slice(rows[0], rows[-1] + 1) if _consecutive(rows) else torch.tensor(rows)
+            kwargs = scores.kwargs(picked)
             starts = torch.tensor([self.starts[b] for b in rows])
             ends = torch.tensor([self.ends[b] for b in rows])
-            if bool((starts > 0).any()) or bool((ends < length).any()):
+            first = starts
+            left = scores.window[0]
+            if lq == 1 and scores.alibi_slopes is None and left >= 0:
+                # Rows of one query, whatever their ends (groups): each row's window goes into
+                # the key mask, as the op's would be aligned to the group's end.
+                first = torch.maximum(starts, ends - 1 - left)
+                kwargs["window"] = (-1, -1)
+            key_mask = None
+            if bool((first > 0).any()) or bool((ends < length).any()):
                 j = torch.arange(length)
-                key_mask = (j >= starts.unsqueeze(1)) & (j < ends.unsqueeze(1))
-            picked = slice(rows[0], rows[-1] + 1) if _consecutive(rows) else torch.tensor(rows)
+                key_mask = (j >= first.unsqueeze(1)) & (j < ends.unsqueeze(1))
             qh, kh, vh = (t.transpose(1, 2) for t in (q[picked], k, v))
             if with_lse:
-                o, l = attention_forward(qh, kh, vh, scale, key_mask)
+                o, l = attention_forward(qh, kh, vh, scale, key_mask, **kwargs)
+                if scores.alibi_lse_shift:
+                    # flash-attn's ALiBi distances count from the row's first key, after leftpad.
+                    offsets = ends - starts - lq
+                    positions = torch.arange(lq) + offsets.view(-1, 1, 1)
+                    l = l + kwargs["alibi_slopes"].unsqueeze(-1) * positions
             else:
-                o, l = attention(qh, kh, vh, scale=scale, key_mask=key_mask), None
+                o, l = attention(qh, kh, vh, scale=scale, key_mask=key_mask, **kwargs), None
             if len(groups) == 1:
                 out, lse = o.transpose(1, 2).contiguous(), l
             else:
@@ -464,47 +510,98 @@ class _Rotary:
         return torch.cat((turned.to(x.dtype), x[..., 2 * half :]), dim=-1)
 
 
-def _check_scores_unmodified(fn: str, dropout_p, softcap, alibi_slopes) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"{fn}: dropout on the attention probabilities is not supported, got "
-            f"dropout_p={dropout_p}; pass dropout_p=0.0 (as flash-attn advises for evaluation)"
-        )
-    if softcap > 0.0:
-        raise NotImplementedError(
-            f"{fn}: softcapping is not supported, got softcap={softcap}; pass softcap=0.0"
-        )
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            f"{fn}: ALiBi is not supported, got alibi_slopes={_describe(alibi_slopes)}; "
-            "pass alibi_slopes=None"
-        )
+@dataclass(frozen=True)
+class _Scores:
+    """What flash-attn does to one call's scores, in the op's terms: the window the op takes
+    (flash-attn's, rewritten as flash-attn rewrites it), softcap (``None``: off) and ALiBi
+    slopes; and whether flash-attn's causal kernel runs with ALiBi. That kernel adds
+    ``slope * j`` to row i's scores instead of ``-slope * |i + seqlen_k - seqlen_q - j|``: on the
+    keys causality shows the two differ by ``slope * (i + seqlen_k - seqlen_q)``, a constant of
+    the row, so the probabilities and the output are the same but flash-attn's softmax_lse is the
+    op's plus that constant."""
+
+    window: Tuple[int, int]
+    softcap: Optional[float]
+    alibi_slopes: Optional[Tensor]
+    alibi_lse_shift: bool
+
+    @classmethod
+    def of(cls, fn, causal, window_size, softcap, alibi_slopes, seqlen_q: int, seqlen_k: int,
+           batch: int, heads: int) -> "_Scores":
+        """``seqlen_q``/``seqlen_k`` are the lengths flash-attn rewrites the window by: the
+        call's (``max_seqlen_q``/``max_seqlen_k`` for varlen, the cache's capacity for
+        ``flash_attn_with_kvcache``)."""
+        alibi_slopes = _check_alibi(fn, alibi_slopes, batch, heads)
+        window, causal_kernel = _window(fn, causal, window_size, seqlen_q, seqlen_k,
+                                        alibi_slopes is not None)
+        softcap = _as_float(fn, "softcap", softcap)
+        return cls(window, softcap if softcap > 0.0 else None, alibi_slopes,
+                   causal_kernel and alibi_slopes is not None)
+
+    def kwargs(self, rows=None) -> Dict[str, object]:
+        """The op's keyword arguments; ``rows`` picks the batch rows of ``(batch, nheads)``
+        slopes for a call on those rows."""
+        alibi = self.alibi_slopes
+        if alibi is not None and alibi.dim() == 2 and rows is not None:
+            alibi = alibi[rows]
+        return dict(window=self.window, softcap=self.softcap, alibi_slopes=alibi)
 
 
-def _check_mask_is_causal(fn: str, causal, window_size, lq: int, lk: int, bound: str) -> None:
-    """Raises ``NotImplementedError`` unless flash-attn's mask for this call is bottom-right
-    causality. flash-attn: row i sees keys i + lk - lq - left <= j <= i + lk - lq + right, a
-    negative bound unbounded, and causal=True sets right = 0."""
+def _window(fn: str, causal, window_size, seqlen_q: int, seqlen_k: int,
+            alibi: bool) -> Tuple[Tuple[int, int], bool]:
+    """flash-attn's mask as an op window, and whether flash-attn runs its causal kernel.
+
+    flash-attn (flash_api.cpp): a bound at least ``seqlen_k`` is unbounded (-1, as is any
+    negative one); with one query row and no ALiBi, causal is dropped (the row sees every key
+    either way); causal sets ``right = 0``; ``(left < 0, right == 0)`` is the causal kernel;
+    otherwise a window with one bound negative gets ``seqlen_k`` for it. Row i then sees keys
+    ``i + off - left <= j <= i + off + right`` (off = seqlen_k - seqlen_q of the row's own
+    sequence), as the op's window does. The last rule is not the same as an unbounded side
+    where a row sits more than ``seqlen_k`` before the last key (seqlen_q > seqlen_k + 1), so
+    it is kept."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(
             f"{fn}: window_size must be a pair (left, right), got {_describe(window_size)}"
         )
     left = _as_int(fn, "window_size[0]", window_size[0])
-    right = 0 if causal else _as_int(fn, "window_size[1]", window_size[1])
-    # A single query row already sees every key under causality, so only then may the right
-    # bound be anything but 0.
-    if right != 0 and lq > 1 and lk > 0:
-        raise NotImplementedError(
-            f"{fn}: causal=False, window_size={tuple(window_size)} lets a query row see keys "
-            f"after its own (seqlen_q={lq}); only causal attention is supported: pass causal=True"
+    right = _as_int(fn, "window_size[1]", window_size[1])
+    left = -1 if left < 0 or left >= seqlen_k else left
+    right = -1 if right < 0 or right >= seqlen_k else right
+    if causal and (seqlen_q != 1 or alibi):
+        right = 0
+    if left < 0 and right == 0:
+        return (-1, 0), True
+    if left < 0 and right < 0:
+        return (-1, -1), False
+    return (seqlen_k if left < 0 else left, seqlen_k if right < 0 else right), False
+
+
+def _check_alibi(fn: str, alibi_slopes, batch: int, heads: int) -> Optional[Tensor]:
+    """flash-attn's ALiBi slopes: None, or float32 ``(nheads,)`` or ``(batch, nheads)``."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError(f"{fn}: alibi_slopes must be a tensor, got {_describe(alibi_slopes)}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"{fn}: alibi_slopes must have dtype torch.float32, got "
+                        f"{alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"{fn}: alibi_slopes must be (nheads,) = ({heads},) or (batch, nheads) = ({batch}, "
+            f"{heads}), got alibi_slopes.shape={tuple(alibi_slopes.shape)}"
         )
-    # The last row sees lk keys under causality, so a left bound of lk - 1 or more hides none.
-    if 0 <= left < lk - 1:
+    return alibi_slopes
+
+
+def _check_dropout(fn: str, dropout_p, return_attn_probs) -> float:
+    dropout_p = _as_float(fn, "dropout_p", dropout_p)
+    if dropout_p > 0.0 and return_attn_probs:
         raise NotImplementedError(
-            f"{fn}: window_size={tuple(window_size)} is a sliding window that hides keys causality "
-            f"keeps (left={left} < {bound} = {lk - 1}); sliding windows are not supported: "
-            "pass window_size=(-1, -1)"
+            f"{fn}: return_attn_probs=True with dropout_p={dropout_p} is not supported: "
+            "S_dmask, flash-attn's testing-only encoding of the dropout pattern, is not "
+            "computed; pass return_attn_probs=False, or dropout_p=0.0 for softmax_lse"
         )
+    return dropout_p
 
 
 def _check_batched(fn: str, q, k, v) -> None:
@@ -559,6 +656,12 @@ def _as_int(fn: str, name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{fn}: {name} must be an int, got {_describe(value)}") from None
+
+
+def _as_float(fn: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{fn}: {name} must be a float, got {_describe(value)}")
+    return float(value)
 
 
 def _resolve_scale(softmax_scale, q: Tensor) -> float:

@@ -5,23 +5,33 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="causal_attention")
 
 It serves what the op computes exactly: causal self-attention (GQA included, K/V heads read in
-place), with or without transformers' KV cache (dynamic or static), and
+place), with or without transformers' KV cache (dynamic or static, sliding-window layers'
+included), and
 
 - padded batches, left or right padding (``generate`` on a left-padded batch included): the 4-D
   mask transformers builds is read back into causality and a per-key mask, which the op takes as
   ``key_mask`` (a static cache's unused slots, hidden from every query, are cut off); query
   rows that are padding themselves see no key and return zeros;
+- sliding windows (Mistral, Qwen2, Gemma 2's and gpt-oss's local layers): the band the mask
+  shows, a query seeing itself and the ``W - 1`` keys before it, is read back into the op's
+  ``window=(W - 1, 0)`` (with the per-key mask, for padding); without a mask, the
+  ``sliding_window`` kwarg says it;
 - packed sequences (padding-free training, ``DataCollatorWithFlattening``): from the
   ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs, from the block-diagonal mask transformers builds
   out of restarting ``position_ids``, or, when it builds no mask (it does not while a cache is in
   use), from the restarting ``position_ids`` themselves, as ``flash_attention_2`` does; these go
-  to :func:`causal_attention.varlen_attention`.
+  to :func:`causal_attention.varlen_attention`, a sliding window applying within each sequence;
+- the scores' options the models pass as kwargs: ``softcap`` (Gemma 2's
+  ``attn_logit_softcapping``), ``s_aux`` (gpt-oss's learned attention sinks, which get their
+  gradient), and ``dropout`` (``attn_pdrop``, ``attention_dropout``: models pass it in training
+  only; as with SDPA it is applied whenever it is not 0, its seed drawn from torch's default
+  generator, so the same generator state gives the same result).
 
-Every mask is verified to be exactly one of these before it is used. Anything else — a sliding
-window that bites, a bidirectional or custom mask, a bias in a float mask, attention dropout,
-non-causal or cross-attention, softcapping, attention sinks, position biases — raises an error
-naming it, so a model is never silently computed otherwise than with ``"sdpa"`` (or, for
-packed sequences without a mask, ``"flash_attention_2"``).
+Every mask is verified to be exactly one of these before it is used. Anything else — a
+bidirectional, chunked or custom mask, a bias in a float mask, non-causal or cross-attention,
+position biases — raises an error naming it, so a model is never silently computed otherwise
+than with ``"sdpa"`` or ``"eager"`` (or, for packed sequences without a mask,
+``"flash_attention_2"``).
 """
 
 from dataclasses import dataclass
@@ -62,12 +72,15 @@ class Sequences:
 @dataclass(frozen=True)
 class MaskLayout:
     """What a mask asks of the op: keys ``[0, key_length)`` (the rest are hidden from every
-    query), hidden among them beyond causality where ``key_mask (B, key_length)`` is False
-    (``None``: none hidden); or, instead, ``sequences``, packed in the flattened batch."""
+    query), seen through the op's ``window`` (``(-1, 0)``: causal; ``(W - 1, 0)``: a sliding
+    window of W keys), hidden among them where ``key_mask (B, key_length)`` is False (``None``:
+    none hidden); or, instead of the keys, ``sequences``, packed in the flattened batch, each
+    seen through ``window``."""
 
     key_length: int
     key_mask: Optional[Tensor] = None
     sequences: Optional[Sequences] = None
+    window: Tuple[int, int] = (-1, 0)
 
 
 def attention_forward(
@@ -83,7 +96,8 @@ def attention_forward(
 ) -> Tuple[Tensor, None]:
     """transformers' attention-function contract: ``query (B, Hq, Lq, D)``, ``key (B, Hkv, Lk,
     D)``, ``value (B, Hkv, Lk, Dv)`` -> ``(output (B, Lq, Hq, Dv), None)``; no weights, as SDPA."""
-    check_supported(module, dropout, is_causal, kwargs)
+    check_supported(module, is_causal, kwargs)
+    options = score_options(dropout, kwargs)
     batch, lq, lk = query.size(0), query.size(2), key.size(2)
     explicit = sequences_from_kwargs(kwargs, batch, lq, lk, query.device)
     if attention_mask is not None:
@@ -91,30 +105,30 @@ def attention_forward(
         if explicit is not None:
             check_same_sequences(layout, explicit, batch, lq, lk)
     else:
+        # A mask would show a sliding window; without one only the kwarg says it.
+        window = window_of(kwargs.get("sliding_window"))
         position_ids = kwargs.get("position_ids")
         sequences = explicit or sequences_from_position_ids(position_ids, batch, lq, lk)
         if sequences is not None:
-            layout = MaskLayout(lk, sequences=sequences)
+            layout = MaskLayout(lk, sequences=sequences, window=window)
         elif 1 < lq < lk:
             # No mask means SDPA's is_causal, top-left aligned: transformers passes this only for
             # the prefill of an empty static cache, whose keys past Lq are unused slots. Our op
             # aligns bottom-right, so the slots are cut off, as transformers' SDPA backend does.
-            layout = MaskLayout(lq)
+            layout = MaskLayout(lq, window=window)
         else:
-            layout = MaskLayout(lk)
-        # A mask would carry a sliding window; without one only the kwarg says it, and the op
-        # has no window: refuse it where it would hide a key.
-        check_window_does_not_bite(kwargs.get("sliding_window"), layout)
+            layout = MaskLayout(lk, window=window)
     if layout.sequences is not None:
-        return packed_attention(query, key, value, layout.sequences, scaling), None
+        return packed_attention(query, key, value, layout, scaling, options), None
     key, value = key[:, :, : layout.key_length], value[:, :, : layout.key_length]
-    out = attention(query, key, value, scale=scaling, key_mask=layout.key_mask)
+    out = attention(
+        query, key, value, scale=scaling, key_mask=layout.key_mask, window=layout.window,
+        **options,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
-def check_supported(
-    module: nn.Module, dropout: float, is_causal: Optional[bool], kwargs: Dict[str, Any]
-) -> None:
+def check_supported(module: nn.Module, is_causal: Optional[bool], kwargs: Dict[str, Any]) -> None:
     """Raises ``NotImplementedError`` for what the op does not compute."""
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not is_causal:
@@ -122,22 +136,42 @@ def check_supported(
             f"{NAME}: non-causal attention (is_causal=False, e.g. an encoder or cross-attention "
             f"in {type(module).__name__}) is not supported; use attn_implementation='sdpa'"
         )
-    if dropout != 0.0:
+    if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
-            f"{NAME}: attention dropout is not supported, got dropout={dropout}; set the "
-            "config's attention dropout (attn_pdrop, attention_dropout) to 0 or call model.eval()"
+            f"{NAME}: position_bias (a learned bias added to the scores) is not supported; use "
+            "attn_implementation='sdpa'"
         )
-    for name in ("softcap", "s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{NAME}: {name} is not supported")
+
+
+def score_options(dropout: float, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The op's ``softcap``, ``sinks`` and ``dropout_p`` from what the model passes (the op
+    checks their values)."""
+    softcap = kwargs.get("softcap")
+    return dict(
+        softcap=None if softcap is None else float(softcap),
+        sinks=kwargs.get("s_aux"),
+        dropout_p=float(dropout),
+    )
+
+
+def window_of(sliding_window: Optional[int]) -> Tuple[int, int]:
+    """The op's window for transformers' ``sliding_window`` (a query sees itself and the
+    ``sliding_window - 1`` keys before it; ``None``: causal)."""
+    return (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
 
 
 def packed_attention(
-    query: Tensor, key: Tensor, value: Tensor, sequences: Sequences, scale: Optional[float]
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: MaskLayout,
+    scale: Optional[float],
+    options: Dict[str, Any],
 ) -> Tensor:
-    """``(B, H, L, D)`` tensors whose flattened ``B * L`` rows hold packed sequences ->
-    transformers' ``(B, L, Hq, Dv)``."""
+    """``(B, H, L, D)`` tensors whose flattened ``B * L`` rows hold ``layout``'s packed
+    sequences -> transformers' ``(B, L, Hq, Dv)``."""
     batch, lq = query.size(0), query.size(2)
+    sequences = layout.sequences
 
     def rows(t: Tensor) -> Tensor:
         return t.transpose(1, 2).reshape(-1, t.size(1), t.size(3))
@@ -151,6 +185,8 @@ def packed_attention(
         sequences.max_seqlen_q,
         sequences.max_seqlen_k,
         scale=scale,
+        window=layout.window,
+        **options,
     )
     return out.view(batch, lq, out.size(1), out.size(2))
 
@@ -174,15 +210,36 @@ def as_boolean_mask(mask: Tensor, batch: int, lq: int, lk: int) -> Tensor:
     return mask.expand(batch, -1, -1, -1)
 
 
-def causal(lq: int, lk: int, device: torch.device) -> Tensor:
-    """``(Lq, Lk)``: True where bottom-right causality lets query ``i`` see key ``j``."""
-    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
+def causal(lq: int, lk: int, device: torch.device, left: int = -1) -> Tensor:
+    """``(Lq, Lk)``: True where bottom-right causality lets query ``i`` see key ``j``, within a
+    sliding window where ``left >= 0`` (``j >= i + Lk - Lq - left``): the op's ``window=(left,
+    0)``."""
+    ones = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    seen = ones.tril(lk - lq)
+    return seen if left < 0 else seen & ~ones.tril(lk - lq - left - 1)
+
+
+def look_back(mask: Tensor, lk: int) -> int:
+    """The window's ``left`` that ``mask (..., Lq, Lk)`` shows: the farthest any query sees
+    back from its diagonal ``i + Lk - Lq``; -1 (causal) when that is the whole length or no query
+    sees a key. It is the model's window whenever that hides a key padding does not (the query
+    whose window starts at that key sees it first); shorter, the mask is causality with padding,
+    which is read before any window."""
+    lq = mask.size(-2)
+    sees = mask.any(dim=-1)
+    if not bool(sees.any()):
+        return -1
+    first = mask.to(torch.uint8).argmax(dim=-1)
+    diagonal = torch.arange(lq, device=mask.device) + (lk - lq)
+    left = int((diagonal - first)[sees].max())
+    return left if left < lk - 1 else -1
 
 
 def read_mask(mask: Tensor, lq: int, lk: int) -> MaskLayout:
-    """The layout of a boolean ``mask (B, 1 or H, Lq, Lk)``: causal with a per-key mask
-    (padding, a static cache's unused slots), or block-diagonal causal (packed sequences).
-    Raises ``ValueError``, saying how the mask differs, when it is neither."""
+    """The layout of a boolean ``mask (B, 1 or H, Lq, Lk)``: causal or a sliding window, with a
+    per-key mask (padding, a static cache's unused slots), or block-diagonal, causal or a
+    sliding window within each block (packed sequences). Raises ``ValueError``, saying how the
+    mask differs, when it is none of them."""
     if lq == 0:
         return MaskLayout(lk)
     layout = read_key_mask(mask, lq, lk)
@@ -194,53 +251,63 @@ def read_mask(mask: Tensor, lq: int, lk: int) -> MaskLayout:
         how = "lets a query see keys after it (a bidirectional, prefix or custom mask)"
     else:
         how = (
-            "hides more than padding and packed sequences do (e.g. a sliding window shorter "
-            "than the sequence, or a custom mask)"
+            "hides more than padding, sliding windows and packed sequences do (e.g. chunked "
+            "attention, or a custom mask)"
         )
     raise ValueError(
-        f"{NAME}: attention_mask {how}; the op computes causal attention with a per-key mask "
-        "or over packed sequences only, so this mask cannot be honoured. Use "
-        "attn_implementation='sdpa' for it"
+        f"{NAME}: attention_mask {how}; the op computes causal or sliding-window attention "
+        "with a per-key mask or over packed sequences only, so this mask cannot be honoured. "
+        "Use attn_implementation='sdpa' for it"
     )
 
 
 def read_key_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
-    """``mask[b, :, i, j] == causal(i, j) & key_ok[b, j]`` over the first ``key_length`` keys
-    and False after them, or ``None``. Two key lengths are tried: the keys up to the last one
-    any query sees (a static cache's unused slots sit past it; cut off, they cost nothing, and
-    causality aligns bottom-right on the keys that are left), then all the keys."""
+    """``mask[b, :, i, j] == causal(i, j, left) & key_ok[b, j]`` over the first ``key_length``
+    keys and False after them, or ``None``. Two key lengths are tried: the keys up to the last
+    one any query sees (a static cache's unused slots sit past it; cut off, they cost nothing,
+    and causality aligns bottom-right on the keys that are left), then all the keys; and two
+    windows for each: causal, then the one the mask shows (``look_back``)."""
     visible = mask.any(dim=(0, 1, 2)).nonzero()
     last_seen = int(visible[-1]) + 1 if visible.numel() else 0
     for key_length in dict.fromkeys((last_seen, lk)):
-        # The last query sees every key causality allows, so its row is the key mask.
-        key_ok = mask[:, 0, -1, :key_length]
-        expected = causal(lq, key_length, mask.device) & key_ok[:, None, None, :]
         used = mask[..., :key_length]
-        if torch.equal(used, expected.expand_as(used)) and not bool(mask[..., key_length:].any()):
-            return MaskLayout(key_length, None if bool(key_ok.all()) else key_ok)
+        keys = torch.arange(key_length, device=mask.device)
+        # Every window shows a key to the query on its diagonal (the first query, for keys
+        # before it), so that query's row is the key mask; keys no query sees are kept.
+        diagonal_row = (keys - (key_length - lq)).clamp(0, lq - 1)
+        for left in dict.fromkeys((-1, look_back(used, key_length))):
+            seen = causal(lq, key_length, mask.device, left)
+            key_ok = used[:, 0, diagonal_row, keys] | ~seen.any(dim=0)
+            expected = seen & key_ok[:, None, None, :]
+            if torch.equal(used, expected.expand_as(used)):
+                key_mask = None if bool(key_ok.all()) else key_ok
+                return MaskLayout(key_length, key_mask, window=(left, 0))
     return None
 
 
 def read_packed_sequences(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
-    """``mask[b, :, i, j] == (j <= i) & (i and j are in the same sequence of row b)``, or
-    ``None``: what transformers builds from ``position_ids`` that restart."""
+    """``mask[b, :, i, j] == causal(i, j, left) & (i and j are in the same sequence of row b)``,
+    or ``None``: what transformers builds from ``position_ids`` that restart, with a sliding
+    window or without."""
     if lq != lk:
         return None
-    # In such a mask each query's first visible key is its sequence's first token.
-    first = mask[:, 0].to(torch.uint8).argmax(dim=-1)
-    starts = first == torch.arange(lq, device=mask.device)
-    if not torch.equal(mask, block_causal(starts).expand_as(mask)):
-        return None
-    return MaskLayout(lk, sequences=sequences_from_starts(starts))
+    # In such a mask a query sees the key before it unless it is its sequence's first token.
+    rows = torch.arange(1, lq, device=mask.device)
+    starts = torch.ones(mask.size(0), lq, dtype=torch.bool, device=mask.device)
+    starts[:, 1:] = ~mask[:, 0, rows, rows - 1]
+    for left in dict.fromkeys((-1, look_back(mask, lk))):
+        if torch.equal(mask, block_causal(starts, left).expand_as(mask)):
+            return MaskLayout(lk, sequences=sequences_from_starts(starts), window=(left, 0))
+    return None
 
 
-def block_causal(starts: Tensor) -> Tensor:
+def block_causal(starts: Tensor, left: int = -1) -> Tensor:
     """``(B, 1, L, L)`` block-diagonal causal mask of the sequences starting where ``starts (B,
-    L)`` is True."""
+    L)`` is True, within a sliding window where ``left >= 0``."""
     sequence = starts.cumsum(dim=-1)
     same = sequence[:, :, None] == sequence[:, None, :]
     length = starts.size(-1)
-    return (same & causal(length, length, starts.device)).unsqueeze(1)
+    return (same & causal(length, length, starts.device, left)).unsqueeze(1)
 
 
 def sequences_from_starts(starts: Tensor) -> Sequences:
@@ -329,17 +396,4 @@ def check_same_sequences(
             f"{NAME}: attention_mask and cu_seq_lens_q/cu_seq_lens_k describe different "
             f"sequences (cu_seq_lens_q={given.cu_seqlens_q.tolist()}); pass one of them, or "
             "both for the same packing"
-        )
-
-
-def check_window_does_not_bite(sliding_window: Optional[int], layout: MaskLayout) -> None:
-    """Raises ``NotImplementedError`` when a ``sliding_window`` (a query sees itself and the
-    ``sliding_window - 1`` keys before it) would hide a key the layout shows."""
-    if sliding_window is None:
-        return
-    span = layout.key_length if layout.sequences is None else layout.sequences.max_seqlen_k
-    if span > sliding_window:
-        raise NotImplementedError(
-            f"{NAME}: a sliding window is not supported, got sliding_window={sliding_window} "
-            f"over {span} keys; use attn_implementation='sdpa'"
         )

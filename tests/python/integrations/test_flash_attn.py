@@ -1,9 +1,11 @@
 """causal_attention.integrations.flash_attn: flash-attn 2's three functions in its (batch, seqlen,
-heads, headdim) and packed layouts give what SDPA gives with flash-attn's mask written out as a
-boolean mask (bottom-right causal per batch row or sequence), forward and backward, and what our
-op gives; flash_attn_with_kvcache writes the new keys into the cache in place and honours per-row
-lengths, cache rows, left padding, pages and rotary embeddings; every argument it does not serve
-is refused by name, and bad input gets a typed error naming it."""
+heads, headdim) and packed layouts give what SDPA gives with flash-attn's mask (causal, sliding
+and local windows, rewritten as flash-attn rewrites them) written out as a boolean mask and its
+ALiBi bias as a float one, what a float64 reference gives with softcapping, and what our op's
+attention_weights give with dropout under the same generator state, forward and backward;
+flash_attn_with_kvcache writes the new keys into the cache in place and honours per-row lengths,
+cache rows, left padding, pages, rotary embeddings, windows, ALiBi and softcapping; the little it
+does not serve is refused by name, and bad input gets a typed error naming it."""
 
 import inspect
 import math
@@ -24,27 +26,64 @@ from causal_attention.integrations.flash_attn import (
 FLOATS = dtype_params((torch.float64, torch.float32))
 
 
-def masked_sdpa(q, k, v, visible, scale=None):
+def masked_sdpa(q, k, v, visible, scale=None, bias=None):
     """SDPA in flash-attn's layout (..., L, H, D) with an explicit boolean mask ``visible``
-    (..., Lq, Lk) (True: may attend), rows with no visible key set to zero as flash-attn does
-    (SDPA would give NaN there; the mask is opened for them only to keep its softmax finite, and
-    their zeroed output sends no gradient back)."""
+    (..., Lq, Lk) (True: may attend) and, where given, a float ``bias`` (..., H, Lq, Lk) added
+    to the visible scores; rows with no visible key set to zero as flash-attn does (SDPA would
+    give NaN there; the mask is opened for them only to keep its softmax finite, and their
+    zeroed output sends no gradient back)."""
     qh, kh, vh = (t.transpose(-3, -2) for t in (q, k, v))
     empty = ~visible.any(-1, keepdim=True)
+    attn_mask = (visible | empty).unsqueeze(-3)
+    if bias is not None:
+        attn_mask = torch.where(attn_mask, bias.to(q.dtype), -math.inf)
     out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=(visible | empty).unsqueeze(-3), scale=scale,
-        enable_gqa=qh.size(-3) != kh.size(-3),
+        qh, kh, vh, attn_mask=attn_mask, scale=scale, enable_gqa=qh.size(-3) != kh.size(-3),
     )
     return torch.where(empty.unsqueeze(-3), 0.0, out).transpose(-3, -2)
 
 
-def masked_lse(q, k, visible, scale):
-    """log-sum-exp of each row's visible scaled scores, float64, (..., H, Lq); -inf for a row
-    with no visible key."""
+def masked_lse(q, k, visible, scale, bias=None):
+    """log-sum-exp of each row's visible scaled scores (plus ``bias`` (..., H, Lq, Lk)), float64,
+    (..., H, Lq); -inf for a row with no visible key."""
     qh, kh = (t.transpose(-3, -2).double() for t in (q, k))
     kh = kh.repeat_interleave(qh.size(-3) // kh.size(-3), dim=-3)
-    scores = (qh @ kh.transpose(-2, -1) * scale).masked_fill(~visible.unsqueeze(-3), -math.inf)
+    scores = qh @ kh.transpose(-2, -1) * scale
+    if bias is not None:
+        scores = scores + bias.double()
+    scores = scores.masked_fill(~visible.unsqueeze(-3), -math.inf)
     return torch.logsumexp(scores, -1)
+
+
+def softcapped_reference(q, k, v, visible, scale, softcap):
+    """float64 attention in flash-attn's layout with scores ``softcap * tanh(s / softcap)``,
+    materialized; differentiable in the float64 copies of q, k, v it returns with the output."""
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    qh, kh, vh = (t.transpose(-3, -2) for t in leaves)
+    kh, vh = (t.repeat_interleave(qh.size(-3) // kh.size(-3), dim=-3) for t in (kh, vh))
+    scores = softcap * torch.tanh(qh @ kh.transpose(-2, -1) * scale / softcap)
+    scores = scores.masked_fill(~visible.unsqueeze(-3), -math.inf)
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # rows with no visible key: zeros
+    return (probs @ vh).transpose(-3, -2), leaves
+
+
+def window_visible(lq, lk, left, right):
+    """(lq, lk): flash-attn's documented window: row i sees keys i + lk - lq - left <= j <=
+    i + lk - lq + right, a negative bound unbounded."""
+    diagonal = torch.arange(lq).unsqueeze(1) + (lk - lq)
+    j = torch.arange(lk)
+    visible = torch.ones(lq, lk, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= diagonal - left
+    if right >= 0:
+        visible &= j <= diagonal + right
+    return visible
+
+
+def alibi_bias(slopes, lq, lk):
+    """``-slope * |i + lk - lq - j|`` as (..., H, lq, lk) for slopes (..., H)."""
+    distance = (torch.arange(lq).unsqueeze(1) + (lk - lq) - torch.arange(lk)).abs()
+    return -slopes[..., None, None].double() * distance
 
 
 def grads(out, inputs, grad_out):
@@ -139,6 +178,155 @@ def test_deterministic_changes_nothing():
     )
 
 
+# flash_attn_func's windows: (lq, lk, hq, hkv, causal, window_size), each computed as the
+# documented window (left, right), causal setting right = 0.
+WINDOWS = [
+    pytest.param(20, 20, 2, 2, True, (5, -1), id="sliding"),
+    pytest.param(6, 25, 4, 2, True, (7, 0), id="sliding-chunk-on-cache"),
+    pytest.param(19, 6, 2, 1, True, (2, 3), id="sliding-Lq>Lk"),
+    pytest.param(20, 20, 2, 2, False, (3, 2), id="local"),
+    pytest.param(12, 17, 4, 2, False, (-1, 2), id="right-bounded"),
+    pytest.param(17, 17, 2, 2, False, (4, -1), id="left-bounded-noncausal"),
+    pytest.param(9, 14, 2, 2, False, (-1, -1), id="full"),
+    pytest.param(14, 5, 4, 1, False, (-1, -1), id="full-Lq>Lk"),
+    pytest.param(70, 70, 2, 1, True, (20, 0), id="sliding-two-blocks"),
+]
+
+
+def window_of(lq, lk, causal, window_size):
+    left, right = window_size
+    return window_visible(lq, lk, left, 0 if causal else right)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("lq,lk,hq,hkv,causal,window_size", WINDOWS)
+def test_flash_attn_func_windows_match_masked_sdpa(lq, lk, hq, hkv, causal, window_size, dtype):
+    q, k, v = bshd(2, lq, hq, 16, dtype, True), bshd(2, lk, hkv, 16, dtype, True), \
+        bshd(2, lk, hkv, 8, dtype, True)
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window_size)
+    ref = masked_sdpa(q, k, v, window_of(lq, lk, causal, window_size))
+    torch.testing.assert_close(out, ref)
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(ours, theirs)
+
+
+def rows_seeing(lq, lk, keys_of_row):
+    """(lq, lk) visibility from {row: (first, last)} (inclusive), other rows seeing nothing."""
+    visible = torch.zeros(lq, lk, dtype=torch.bool)
+    for row, (first, last) in keys_of_row.items():
+        visible[row, first : last + 1] = True
+    return visible
+
+
+# flash-attn's rewriting of the window (flash_api.cpp), written out by hand: (lq, lk, kwargs,
+# {row: (first key, last key)} for the rows that see any key).
+REWRITTEN = [
+    # A one-sided window gets seqlen_k for its open side: with Lq = 10 > Lk + 1 = 3 that cuts
+    # rows 0-5, which sit more than seqlen_k = 2 keys before the last one (row i: [i-9, i-6]).
+    pytest.param(10, 2, dict(window_size=(1, -1)), {6: (0, 0), 7: (0, 1), 8: (0, 1), 9: (0, 1)},
+                 id="open-right-becomes-seqlen_k"),
+    # Bounds of at least seqlen_k are unbounded: full attention, every row sees both keys.
+    pytest.param(10, 2, dict(window_size=(100, 2)), {i: (0, 1) for i in range(10)},
+                 id="bounds>=seqlen_k-are-unbounded"),
+    # Any negative bound is unbounded: (-3, 0) is causality.
+    pytest.param(4, 6, dict(window_size=(-3, 0)), {i: (0, i + 2) for i in range(4)},
+                 id="negative-is-unbounded"),
+    # One query row without ALiBi: causal is dropped, and the row sees every key either way.
+    pytest.param(1, 6, dict(causal=True, window_size=(2, 5)), {0: (3, 5)}, id="one-row"),
+]
+
+
+@pytest.mark.parametrize("lq,lk,kwargs,keys_of_row", REWRITTEN)
+def test_flash_attn_func_rewrites_the_window_as_flash_attn(lq, lk, kwargs, keys_of_row):
+    q, k, v = bshd(2, lq, 2, 8, torch.float64), bshd(2, lk, 2, 8, torch.float64), \
+        bshd(2, lk, 2, 8, torch.float64)
+    out = flash_attn_func(q, k, v, **kwargs)
+    torch.testing.assert_close(out, masked_sdpa(q, k, v, rows_seeing(lq, lk, keys_of_row)))
+
+
+# ALiBi: (lq, lk, causal, window_size, slopes per batch row or shared)
+ALIBI = [
+    pytest.param(11, 11, True, (-1, -1), False, id="causal-kernel"),
+    pytest.param(5, 13, True, (-1, -1), True, id="causal-kernel-on-cache-per-batch"),
+    pytest.param(11, 11, True, (4, 0), True, id="sliding"),
+    pytest.param(9, 14, False, (-1, -1), False, id="full"),
+    pytest.param(1, 9, True, (-1, -1), True, id="one-row-stays-causal"),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("lq,lk,causal,window_size,per_batch", ALIBI)
+def test_flash_attn_func_alibi_matches_biased_sdpa(lq, lk, causal, window_size, per_batch, dtype):
+    batch, heads = 2, 4
+    slopes = torch.rand(batch, heads) if per_batch else torch.rand(heads)
+    q, k, v = bshd(batch, lq, heads, 16, dtype, True), bshd(batch, lk, 2, 16, dtype, True), \
+        bshd(batch, lk, 2, 16, dtype, True)
+    kwargs = dict(causal=causal, window_size=window_size, alibi_slopes=slopes)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    assert torch.equal(out, flash_attn_func(q, k, v, **kwargs))
+    visible = window_of(lq, lk, causal, window_size)
+    bias = alibi_bias(slopes if per_batch else slopes.expand(batch, -1), lq, lk)
+    ref = masked_sdpa(q, k, v, visible, bias=bias)
+    torch.testing.assert_close(out, ref)
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(ours, theirs)
+    if causal and window_size[0] < 0:
+        # flash-attn's causal kernel adds slope * j (the same probabilities): its lse is of that.
+        bias = (slopes if per_batch else slopes.expand(batch, -1))[..., None, None] * \
+            torch.arange(lk)
+    torch.testing.assert_close(lse, masked_lse(q, k, visible, 16 ** -0.5, bias).to(lse.dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("causal,window_size", [(True, (-1, -1)), (True, (6, 0)), (False, (3, 3))])
+def test_flash_attn_func_softcap_matches_float64_reference(causal, window_size, dtype):
+    lq, lk, softcap = 13, 17, 0.7  # scores of randn inputs are about 1: the cap bites
+    q, k, v = bshd(2, lq, 4, 16, dtype, True), bshd(2, lk, 2, 16, dtype, True), \
+        bshd(2, lk, 2, 8, dtype, True)
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window_size, softcap=softcap)
+    ref, leaves = softcapped_reference(q, k, v, window_of(lq, lk, causal, window_size),
+                                       16 ** -0.5, softcap)
+    torch.testing.assert_close(out, ref.to(dtype))
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out),
+                            grads(ref, leaves, grad_out.double())):
+        torch.testing.assert_close(ours, theirs.to(dtype))
+    # softcap <= 0 is off, as in flash-attn.
+    assert torch.equal(flash_attn_func(q, k, v, causal=causal, window_size=window_size,
+                                       softcap=-1.0),
+                       flash_attn_func(q, k, v, causal=causal, window_size=window_size))
+
+
+def dropped_reference(q, k, v, dropout_p, **kwargs):
+    """attention_weights (dropped as attention drops them, for the same generator state) times
+    v, in flash-attn's layout; differentiable."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    weights = causal_attention.attention_weights(qh, kh, vh, dropout_p=dropout_p, **kwargs)
+    return (weights @ vh.repeat_interleave(qh.size(1) // vh.size(1), dim=1)).transpose(1, 2)
+
+
+def test_flash_attn_func_dropout_is_attention_weights_dropout_for_the_same_seed():
+    q, k, v = bshd(2, 15, 4, 16, torch.float64, True), bshd(2, 15, 2, 16, torch.float64, True), \
+        bshd(2, 15, 2, 16, torch.float64, True)
+    kwargs = dict(dropout_p=0.3, causal=True, window_size=(6, 0), softcap=2.0,
+                  alibi_slopes=torch.rand(4))
+    torch.manual_seed(7)
+    out = flash_attn_func(q, k, v, **kwargs)
+    torch.manual_seed(7)
+    ref = dropped_reference(q, k, v, 0.3, window=(6, 0), softcap=2.0,
+                            alibi_slopes=kwargs["alibi_slopes"])
+    torch.testing.assert_close(out, ref)
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(ours, theirs)
+    # The same seed gives the same result bit for bit, another seed another dropout mask.
+    torch.manual_seed(7)
+    assert torch.equal(flash_attn_func(q, k, v, **kwargs), out)
+    assert not torch.allclose(flash_attn_func(q, k, v, **kwargs), out)
+
+
 # ---------------------------------------------------------------------------------------------
 # flash_attn_varlen_func
 
@@ -216,6 +404,67 @@ def test_flash_attn_varlen_func_served_windows_and_one_row_sequences():
     )
 
 
+def packed_window_visible(lengths_q, lengths_k, window):
+    """(total_q, total_k): each sequence sees itself through ``window_visible``'s window."""
+    visible = torch.zeros(sum(lengths_q), sum(lengths_k), dtype=torch.bool)
+    row = col = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        visible[row : row + lq, col : col + lk] = window_visible(lq, lk, *window)
+        row, col = row + lq, col + lk
+    return visible
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    "causal,window_size,window",
+    [(True, (-1, -1), (-1, 0)), (True, (3, -1), (3, 0)), (False, (2, 1), (2, 1)),
+     (False, (-1, -1), (-1, -1))],
+    ids=["causal-kernel", "sliding", "local", "full"],
+)
+def test_flash_attn_varlen_func_windows_and_alibi_per_sequence(causal, window_size, window,
+                                                              dtype):
+    lengths_q, lengths_k = [5, 0, 9, 3], [8, 2, 9, 3]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 16, 8, dtype)
+    slopes = torch.rand(len(lengths_q), 4)
+    kwargs = dict(causal=causal, window_size=window_size, alibi_slopes=slopes)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, return_attn_probs=True,
+                                         **kwargs)
+    assert torch.equal(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, **kwargs))
+    # The reference: each sequence alone, through flash_attn_func's own reference.
+    visible = packed_window_visible(lengths_q, lengths_k, window)
+    bias = torch.zeros(4, sum(lengths_q), sum(lengths_k), dtype=torch.float64)
+    lse_bias = bias.clone()
+    row = col = 0
+    for n, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        block = (slice(None), slice(row, row + lq), slice(col, col + lk))
+        bias[block] = alibi_bias(slopes[n], lq, lk)
+        # flash-attn's causal kernel adds slope * j, j counted from the sequence's first key.
+        lse_bias[block] = slopes[n, :, None, None].double() * torch.arange(lk) \
+            if window == (-1, 0) else bias[block]
+        row, col = row + lq, col + lk
+    ref = masked_sdpa(q, k, v, visible, bias=bias)
+    torch.testing.assert_close(out, ref)
+    grad_out = torch.randn_like(out)
+    for ours, theirs in zip(grads(out, (q, k, v), grad_out), grads(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(ours, theirs)
+    expected_lse = masked_lse(q, k, visible, 16 ** -0.5, lse_bias)
+    torch.testing.assert_close(lse, expected_lse.to(lse.dtype))
+
+
+def test_flash_attn_varlen_func_softcap_and_dropout():
+    lengths = [6, 6, 6]
+    q, k, v, cu_q, cu_k = packed(lengths, lengths, 4, 2, 16, 16, torch.float64)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, causal=True, softcap=0.5)
+    ref, _ = softcapped_reference(q, k, v, packed_visible(lengths, lengths), 16 ** -0.5, 0.5)
+    torch.testing.assert_close(out, ref)
+    # Dropout keys each sequence's mask by its index: equal sequences are a dense batch.
+    torch.manual_seed(3)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, dropout_p=0.4, causal=True)
+    torch.manual_seed(3)
+    dense = (t.unflatten(0, (3, 6)) for t in (q, k, v))
+    torch.testing.assert_close(out, dropped_reference(*dense, 0.4).flatten(0, 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # flash_attn_with_kvcache
 
@@ -228,12 +477,15 @@ def expected_cache(cache, new, rows, seqlens):
     return expected
 
 
-def kv_visible(lq, capacity, starts, ends):
+def kv_visible(lq, capacity, starts, ends, window=(-1, 0)):
     """(batch, Lq, capacity): row b, query i sees cache position j iff starts[b] <= j < ends[b]
-    and j <= i + ends[b] - Lq (bottom-right, aligned to the row's own length)."""
+    and ``window_visible``'s window (causal by default) aligned to the row's own length,
+    ends[b] - Lq + i the diagonal."""
     j = torch.arange(capacity)
-    i = torch.arange(lq).unsqueeze(1)
-    masks = [(j >= s) & (j < e) & (j <= i + e - lq) for s, e in zip(starts, ends)]
+    masks = [
+        (j >= s) & (j < e) & F.pad(window_visible(lq, e, *window), (0, capacity - e))
+        for s, e in zip(starts, ends)
+    ]
     return torch.stack(masks) if masks else torch.zeros(0, lq, capacity, dtype=torch.bool)
 
 
@@ -296,6 +548,55 @@ def test_kvcache_appends_in_place_and_matches_masked_sdpa(
             v_cache[rows[b], keys].transpose(0, 1),
         )
         torch.testing.assert_close(out[b], row.transpose(0, 1))
+
+
+# Windows, ALiBi and softcapping on a cache with per-row lengths and left padding:
+# (lq, new, causal, window_size, with ALiBi, softcap)
+KV_SCORES = [
+    pytest.param(2, 2, True, (3, 0), False, 0.0, id="sliding"),
+    pytest.param(1, 1, True, (3, 0), False, 0.0, id="decode-sliding"),
+    pytest.param(3, 3, False, (2, 1), False, 0.0, id="local"),
+    pytest.param(2, 2, True, (-1, -1), True, 0.0, id="alibi-causal-kernel"),
+    pytest.param(1, 1, True, (4, 0), True, 0.0, id="decode-alibi-sliding"),
+    pytest.param(2, 0, True, (-1, -1), False, 0.6, id="softcap"),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("lq,new,causal,window_size,alibi,softcap", KV_SCORES)
+def test_kvcache_windows_alibi_and_softcap_per_row(lq, new, causal, window_size, alibi, softcap,
+                                                  dtype):
+    batch, capacity, hq, hkv, d = 3, 24, 4, 2, 16
+    seqlens, leftpad = [5, 0, 11], [2, 0, 4]
+    k_cache, v_cache = bshd(batch, capacity, hkv, d, dtype), bshd(batch, capacity, hkv, d, dtype)
+    q = bshd(batch, lq, hq, d, dtype)
+    k, v = bshd(batch, new, hkv, d, dtype), bshd(batch, new, hkv, d, dtype)
+    slopes = torch.rand(batch, hq) if alibi else None
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=slopes, return_softmax_lse=True,
+    )
+    ends = [s + new for s in seqlens]
+    window = (window_size[0], 0 if causal else window_size[1])
+    visible = kv_visible(lq, capacity, leftpad, ends, window)
+    scale = d ** -0.5
+    if softcap:
+        ref, _ = softcapped_reference(q, k_cache, v_cache, visible, scale, softcap)
+        torch.testing.assert_close(out, ref.to(dtype))
+        return
+    bias = lse_bias = None
+    if alibi:
+        bias = torch.stack([F.pad(alibi_bias(slopes[b], lq, e), (0, capacity - e))
+                            for b, e in enumerate(ends)])
+        lse_bias = bias
+        if window[0] < 0:
+            # The causal kernel's slope * j, j counted from the row's first key (after leftpad).
+            lse_bias = slopes[..., None, None] * (torch.arange(capacity) -
+                                                  torch.tensor(leftpad)[:, None, None, None])
+    torch.testing.assert_close(out, masked_sdpa(q, k_cache, v_cache, visible, bias=bias))
+    expected_lse = masked_lse(q, k_cache, visible, scale, lse_bias)
+    torch.testing.assert_close(lse, expected_lse.to(lse.dtype))
 
 
 def test_kvcache_int_seqlens_and_no_seqlens():
@@ -494,30 +795,13 @@ def kv_call(**kwargs):
     return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, **{**defaults, **kwargs})
 
 
-ONE_HEAD = torch.ones(4)
 REFUSED = [
-    pytest.param(func_call(causal=True, dropout_p=0.1), "dropout_p=0.1", id="func-dropout"),
-    pytest.param(func_call(causal=True, softcap=30.0), "softcap=30.0", id="func-softcap"),
-    pytest.param(func_call(causal=True, alibi_slopes=ONE_HEAD), "alibi_slopes", id="func-alibi"),
-    pytest.param(func_call(), "causal=False", id="func-default-noncausal"),
-    pytest.param(func_call(causal=False, window_size=(-1, 2)),
-                 r"causal=False, window_size=\(-1, 2\)", id="func-right-window"),
-    pytest.param(func_call(causal=True, window_size=(3, 0)), r"window_size=\(3, 0\)",
-                 id="func-left-window"),
-    pytest.param(func_call(lk=12, causal=True, window_size=(10, -1)), r"window_size=\(10, -1\)",
-                 id="func-left-window-Lk-2"),
+    pytest.param(func_call(causal=True, dropout_p=0.1, return_attn_probs=True),
+                 "return_attn_probs=True with dropout_p=0.1", id="func-probs-with-dropout"),
+    pytest.param(varlen_call(causal=True, dropout_p=0.5, return_attn_probs=True),
+                 "return_attn_probs=True with dropout_p=0.5", id="varlen-probs-with-dropout"),
     pytest.param(varlen_call(causal=True, block_table=torch.zeros(2, 1, dtype=torch.int32)),
                  "block_table", id="varlen-block_table"),
-    pytest.param(varlen_call(causal=True, dropout_p=0.5), "dropout_p=0.5", id="varlen-dropout"),
-    pytest.param(varlen_call(), "causal=False", id="varlen-noncausal"),
-    pytest.param(varlen_call(causal=True, window_size=(2, 0)), "window_size", id="varlen-window"),
-    pytest.param(varlen_call(causal=True, softcap=1.0), "softcap", id="varlen-softcap"),
-    pytest.param(varlen_call(causal=True, alibi_slopes=torch.ones(2)), "alibi_slopes",
-                 id="varlen-alibi"),
-    pytest.param(kv_call(causal=False), "causal=False", id="kv-noncausal"),
-    pytest.param(kv_call(window_size=(4, 0)), r"window_size=\(4, 0\)", id="kv-window"),
-    pytest.param(kv_call(softcap=50.0), "softcap=50.0", id="kv-softcap"),
-    pytest.param(kv_call(alibi_slopes=ONE_HEAD), "alibi_slopes", id="kv-alibi"),
     pytest.param(
         kv_call(block_table=torch.zeros(2, 2, dtype=torch.int32),
                 cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
@@ -542,7 +826,12 @@ def test_refused_and_failed_calls_leave_the_cache_untouched():
     saved = k_cache.clone(), v_cache.clone()
     lengths = torch.tensor([4, 9], dtype=torch.int32)
     with pytest.raises(NotImplementedError):
-        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)  # non-causal
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                block_table=torch.zeros(2, 2, dtype=torch.int32),
+                                cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                alibi_slopes=torch.ones(3))  # not (nheads,)
     with pytest.raises(ValueError):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=15, causal=True)
     with pytest.raises(ValueError):
@@ -580,6 +869,23 @@ BAD = [
                  TypeError, "dtype", id="func-dtype"),
     pytest.param(func_call(causal=True, window_size=(-1,)), TypeError, "window_size",
                  id="func-window-length"),
+    pytest.param(func_call(causal=True, alibi_slopes=torch.ones(4, dtype=torch.float64)),
+                 TypeError, "alibi_slopes must have dtype torch.float32", id="func-alibi-dtype"),
+    pytest.param(func_call(causal=True, alibi_slopes=torch.ones(2, 2)), ValueError,
+                 r"alibi_slopes.shape=\(2, 2\)", id="func-alibi-shape"),
+    pytest.param(func_call(causal=True, alibi_slopes=[1.0] * 4), TypeError,
+                 "alibi_slopes must be a tensor", id="func-alibi-list"),
+    pytest.param(func_call(causal=True, softcap="30"), TypeError, "softcap must be a float",
+                 id="func-softcap-str"),
+    pytest.param(func_call(causal=True, dropout_p=None), TypeError, "dropout_p must be a float",
+                 id="func-dropout-none"),
+    pytest.param(func_call(causal=True, dropout_p=1.0), ValueError, "dropout_p",
+                 id="func-dropout-1"),
+    pytest.param(varlen_call(causal=True, alibi_slopes=torch.ones(3, 2)), ValueError,
+                 r"\(batch, nheads\) = \(2, 2\)", id="varlen-alibi-batch"),
+    pytest.param(lambda: flash_attn_varlen_func(*packed([3], [3], 2, 2, 8, 8, F32)[:3], None,
+                                                None, 3, 3, causal=True),
+                 TypeError, "cu_seqlens_q must be a tensor", id="varlen-cu-none"),
     pytest.param(func_call(causal=True, window_size=(-1.5, 0)), TypeError, r"window_size\[0\]",
                  id="func-window-float"),
     pytest.param(lambda: flash_attn_varlen_func(*packed([3], [3], 2, 2, 8, 8, F32), None, 3,

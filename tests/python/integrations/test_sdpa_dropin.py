@@ -1,6 +1,9 @@
 """causal_attention.scaled_dot_product_attention as a drop-in for F.scaled_dot_product_attention:
-same result for the calls it serves, NotImplementedError naming the argument otherwise."""
+same result for the calls it serves (causal, and non-causal full attention within twice SDPA's
+error in every dtype), with dropout the probabilities attention_weights gives for the same
+generator state, dropped at the rate asked; NotImplementedError naming the argument otherwise."""
 
+import math
 from decimal import Decimal
 from fractions import Fraction
 
@@ -10,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
-from attention_testing import Case, dtype_params
+from attention_testing import (
+    RESULT_NAMES,
+    Case,
+    dtype_params,
+    forward_and_grads,
+    make_tensor,
+    to64,
+    twice_sdpa_error_failures,
+)
 
 SERVED = [
     pytest.param(Case(17, 17, 8, hq=2, hkv=2), {}, id="4d"),
@@ -43,6 +54,81 @@ def test_served_calls_match_sdpa(case, kwargs, dtype):
         torch.testing.assert_close(a, b)
 
 
+# Non-causal attention without a mask: every query sees every key, whatever the lengths.
+NON_CAUSAL = [
+    pytest.param(Case(17, 17, 8, hq=2, hkv=2), {}, id="L17"),
+    pytest.param(Case(5, 70, 16, dv=8, hq=4, hkv=2), {"enable_gqa": True}, id="Lq<Lk-gqa-Dv8"),
+    pytest.param(Case(70, 9, 8, hq=2, hkv=1), {"enable_gqa": True, "scale": 0.3},
+                 id="Lq>Lk-mqa-scale"),
+    pytest.param(Case(130, 130, 32, hq=2, hkv=2, batch=(2,), layout="transposed"), {},
+                 id="L130-transposed"),
+    pytest.param(Case(9, 20, 8, heads=False), {}, id="2d-Lq<Lk"),
+]
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("case,kwargs", NON_CAUSAL)
+def test_non_causal_calls_match_sdpa_within_twice_its_error(case, kwargs, dtype):
+    inputs = case.inputs(dtype)
+    grad_out = make_tensor(case.out_shape, dtype)
+    ours = forward_and_grads(causal_attention.scaled_dot_product_attention, inputs, grad_out,
+                             **kwargs)
+    same = forward_and_grads(F.scaled_dot_product_attention, inputs, grad_out, **kwargs)
+    ref = forward_and_grads(F.scaled_dot_product_attention, [to64(t) for t in inputs],
+                            to64(grad_out), **kwargs)
+    failures = twice_sdpa_error_failures(RESULT_NAMES, ours, same, ref)
+    assert not failures, "; ".join(failures)
+
+
+def dropped_attention(q, k, v, dropout_p, is_causal, **kwargs):
+    """The op's attention_weights (dropped as attention drops them for the same generator state)
+    times v: what the drop-in computes, materialized; differentiable."""
+    window = (-1, 0) if is_causal else (-1, -1)
+    weights = causal_attention.attention_weights(q, k, v, window=window, dropout_p=dropout_p,
+                                                 **kwargs)
+    return weights @ v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+
+
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "non-causal"])
+def test_dropout_is_attention_weights_dropout_for_the_same_generator_state(is_causal):
+    q, k, v = Case(33, 33, 16, hq=4, hkv=2, batch=(2,)).inputs(torch.float64)
+    grad_out = torch.randn(2, 4, 33, 16, dtype=torch.float64)
+    kwargs = dict(dropout_p=0.25, is_causal=is_causal, enable_gqa=True)
+    torch.manual_seed(11)
+    ours = forward_and_grads(causal_attention.scaled_dot_product_attention, (q, k, v), grad_out,
+                             **kwargs)
+    torch.manual_seed(11)
+    ref = forward_and_grads(dropped_attention, (q, k, v), grad_out, 0.25, is_causal)
+    for name, a, b in zip(RESULT_NAMES, ours, ref):
+        torch.testing.assert_close(a, b, msg=name)
+    torch.manual_seed(11)
+    again = causal_attention.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert torch.equal(again, ours[0])  # bit for bit
+    assert not torch.allclose(causal_attention.scaled_dot_product_attention(q, k, v, **kwargs),
+                              ours[0])  # the generator moved on: another mask
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5])
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "non-causal"])
+def test_dropout_drops_at_the_rate_asked_and_rescales_the_rest(is_causal, dropout_p):
+    # With v the identity the output rows are the (dropped) probabilities themselves.
+    heads, length = 4, 64
+    q, k = (torch.randn(1, heads, length, 16) for _ in range(2))
+    v = torch.eye(length).expand(1, heads, length, length)
+    probs = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    dropped = causal_attention.scaled_dot_product_attention(q, k, v, None, dropout_p, is_causal)
+    visible = probs > 0
+    kept = dropped != 0
+    assert not (kept & ~visible).any()
+    torch.testing.assert_close(dropped[kept], probs[kept] / (1 - dropout_p))
+    # The dropped fraction of the visible probabilities, each dropped independently with
+    # probability p: within 5 standard deviations of p.
+    n = int(visible.sum())
+    rate = 1 - int(kept.sum()) / n
+    sigma = math.sqrt(dropout_p * (1 - dropout_p) / n)
+    assert abs(rate - dropout_p) < 5 * sigma, (rate, dropout_p, n)
+
+
 def test_positional_arguments_follow_sdpa_signature():
     q, k, v = Case(9, 9, 8, hq=4, hkv=2).inputs(torch.float64)
     args = (q, k, v, None, 0.0, True)
@@ -67,14 +153,17 @@ REFUSED = [
         id="attn_mask-not-causal",
     ),
     pytest.param(
-        Case(8, 8, 4, hq=2, hkv=2), {"dropout_p": 0.1, "is_causal": True}, "dropout_p", id="dropout"
+        Case(8, 8, 4, hq=2, hkv=2), {"dropout_p": 1.0, "is_causal": True}, "dropout_p=1.0",
+        id="dropout-1",
     ),
-    pytest.param(Case(8, 8, 4, hq=2, hkv=2), {}, "is_causal", id="default-not-causal"),
     pytest.param(
-        Case(8, 8, 4, hq=2, hkv=2), {"is_causal": False}, "is_causal", id="is_causal-False"
+        Case(4, 8, 4, hq=2, hkv=2), {"is_causal": True}, "is_causal=True with query and key",
+        id="causal-Lq<Lk",
     ),
-    pytest.param(Case(4, 8, 4, hq=2, hkv=2), {"is_causal": True}, "length", id="Lq<Lk"),
-    pytest.param(Case(8, 4, 4, heads=False), {"is_causal": True}, "length", id="Lq>Lk-2d"),
+    pytest.param(
+        Case(8, 4, 4, heads=False), {"is_causal": True}, "lengths that differ",
+        id="causal-Lq>Lk-2d",
+    ),
     pytest.param(Case(8, 8, 4, hq=4, hkv=2), {"is_causal": True}, "enable_gqa", id="gqa-no-flag"),
 ]
 
@@ -85,6 +174,14 @@ def test_unserved_calls_raise_not_implemented(case, kwargs, named):
     with pytest.raises(NotImplementedError, match=named) as info:
         causal_attention.scaled_dot_product_attention(q, k, v, **kwargs)
     assert "causal_attention.scaled_dot_product_attention" in str(info.value)
+
+
+@pytest.mark.parametrize("dropout_p", [-0.1, 1.5, math.nan])
+def test_dropout_outside_0_1_is_a_value_error(dropout_p):
+    # SDPA raises RuntimeError for these (or computes with NaN); ours names the argument.
+    q, k, v = Case(8, 8, 4, hq=2, hkv=2).inputs(torch.float32)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        causal_attention.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
 
 
 # Arguments of a type SDPA's argument parser refuses. The drop-in refuses each with SDPA's

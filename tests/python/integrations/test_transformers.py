@@ -2,8 +2,11 @@
 grouped-query attention, built from configs with random weights, give the same logits, gradients
 and greedy generations with attn_implementation="causal_attention" as with "sdpa" — unpadded,
 left- and right-padded batches, generation on a left-padded batch with a dynamic or static
-cache — and packed sequences give what each sequence gives alone; masks it cannot honour (a
-sliding window that bites, bidirectional masks, biases) and attention dropout are refused by
+cache — and packed sequences give what each sequence gives alone; so do Mistral and Qwen2 with
+sliding windows shorter than the sequences, and Gemma 2 (softcapping, local and global layers)
+and gpt-oss (learned sinks, sliding layers) against "eager", which is all transformers runs them
+with; GPT-2 trained with attention dropout gives what the op's attention_weights give under the
+same generator state; masks it cannot honour (chunked, bidirectional, biases) are refused by
 name."""
 
 import copy
@@ -11,16 +14,26 @@ import copy
 import pytest
 import torch
 from transformers import (
+    AttentionInterface,
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
     DynamicCache,
+    Gemma2Config,
     GPT2Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
+    Qwen2Config,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    chunked_causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
 
+import causal_attention
 import causal_attention.integrations.transformers as backend
 from attention_testing import visible_keys
 
@@ -35,6 +48,24 @@ CONFIGS = {
     "gpt2": GPT2Config(n_positions=64, n_embd=64, n_layer=2, n_head=4, **NO_DROPOUT, **SHARED),
     "llama-gqa": LlamaConfig(**LLAMA),
 }
+# Keys a sliding layer's query sees (itself included); the test sequences are longer.
+WINDOW = 4
+SLIDING = {
+    "mistral": MistralConfig(**LLAMA, sliding_window=WINDOW),
+    # Layer 0 full attention, layer 1 sliding.
+    "qwen2": Qwen2Config(**LLAMA, use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1),
+}
+# Models that SDPA cannot run (transformers runs them with "eager"): layer 0 sliding, 1 global.
+# Gemma 2's cap is small enough to bite on scores of randomly initialized weights; gpt-oss's
+# sinks are initialized like its weights, about exp(0) = 1 next to sums of about 12 keys.
+EAGER_ONLY = {
+    "gemma2": Gemma2Config(**LLAMA, head_dim=16, query_pre_attn_scalar=16,
+                           sliding_window=WINDOW, attn_logit_softcapping=0.05),
+    "gpt-oss": GptOssConfig(**{**LLAMA, "intermediate_size": 32}, head_dim=16,
+                            sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
 # Lengths of the sequences packed into one row; the 1 is a sequence with no next-token target.
 PACKED_LENGTHS = (5, 3, 7, 1)
 
@@ -44,18 +75,25 @@ def registered():
     backend.register()
 
 
-def model_pair(name, config=None):
-    """The same random weights with our backend and with SDPA (each its own config copy: the
-    attention implementation is recorded in the config)."""
+def model_pair(name, config=None, reference="sdpa"):
+    """The same random weights with our backend and with ``reference`` (each its own config
+    copy: the attention implementation is recorded in the config)."""
     config = config if config is not None else CONFIGS[name]
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference)
     ours = AutoModelForCausalLM.from_config(
         copy.deepcopy(config), attn_implementation="causal_attention"
     )
     ours.load_state_dict(ref.state_dict())
     assert ours.config._attn_implementation == "causal_attention"
-    assert ref.config._attn_implementation == "sdpa"
+    assert ref.config._attn_implementation == reference
     return ours.eval(), ref.eval()
+
+
+def layer_windows(config):
+    """The op window each layer of ``config`` should get: (W - 1, 0) for sliding layers."""
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * \
+        config.num_hidden_layers
+    return [(WINDOW - 1, 0) if t == "sliding_attention" else (-1, 0) for t in types]
 
 
 def tokens(batch=2, length=12):
@@ -93,8 +131,9 @@ def spy_on(monkeypatch, name, record):
 def op_calls(monkeypatch):
     """Records the key_mask and K/V head count of every call of the op by the backend."""
 
-    def record(q, k, v, *, scale=None, key_mask=None):
-        return dict(kv_heads=k.size(1), key_mask=key_mask, keys=k.size(2))
+    def record(q, k, v, *, scale=None, key_mask=None, window=(-1, 0), **options):
+        return dict(kv_heads=k.size(1), key_mask=key_mask, keys=k.size(2), window=window,
+                    options=options)
 
     return spy_on(monkeypatch, "attention", record)
 
@@ -103,8 +142,8 @@ def op_calls(monkeypatch):
 def varlen_calls(monkeypatch):
     """Records the cumulative lengths and K/V head count of every packed call by the backend."""
 
-    def record(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
-        return dict(kv_heads=k.size(1), cu_q=cu_q.tolist(), cu_k=cu_k.tolist())
+    def record(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window=(-1, 0), **options):
+        return dict(kv_heads=k.size(1), cu_q=cu_q.tolist(), cu_k=cu_k.tolist(), window=window)
 
     return spy_on(monkeypatch, "varlen_attention", record)
 
@@ -267,7 +306,8 @@ def test_packed_sequences_match_each_sequence_alone(name, mode, varlen_calls, re
     # Every layer ran packed, on these sequences, K/V heads unrepeated; only "mask" had a mask.
     cu = torch.tensor([0, *PACKED_LENGTHS]).cumsum(0).tolist()
     layers = CONFIGS[name].num_hidden_layers
-    assert varlen_calls == [dict(kv_heads=kv_heads(name), cu_q=cu, cu_k=cu)] * layers
+    expected = dict(kv_heads=kv_heads(name), cu_q=cu, cu_k=cu, window=(-1, 0))
+    assert varlen_calls == [expected] * layers
     assert len(read_masks) == (layers if mode == "mask" else 0)
 
 
@@ -287,25 +327,130 @@ def test_packed_rows_of_a_batch_match_each_sequence_alone(use_cache, varlen_call
     assert varlen_calls[0]["cu_q"] == [0, 5, 8, 10, 16]
 
 
-def test_sliding_window_that_bites_is_refused_and_one_that_does_not_runs():
-    config = MistralConfig(**LLAMA, sliding_window=4)
-    ours, ref = model_pair("mistral", config)
+def with_changes(config, **changes):
+    config = copy.deepcopy(config)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def train_step(model, ids, mask=None):
+    """Logits of a training forward (labels: the real next tokens) and its backward."""
+    model.zero_grad(set_to_none=True)
+    labels = ids if mask is None else real_targets(ids, mask)
+    out = model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.logits.detach()
+
+
+@pytest.mark.parametrize("padding", [None, "left"])
+@pytest.mark.parametrize("name", list(SLIDING) + list(EAGER_ONLY))
+def test_sliding_softcap_and_sink_models_match_their_reference(name, padding, op_calls):
+    config = SLIDING.get(name) or EAGER_ONLY[name]
+    ours, ref = model_pair(name, config, "sdpa" if name in SLIDING else "eager")
+    ids = tokens(batch=3, length=12)
+    mask = None if padding is None else padding_mask(ids, padding)
+    logits, ref_logits = train_step(ours, ids, mask), train_step(ref, ids, mask)
+    real = slice(None) if mask is None else mask.bool()
+    torch.testing.assert_close(logits[real], ref_logits[real], atol=1e-5, rtol=1e-5)
+    assert_same_gradients(ours, ref)
+    # Each layer's window (and padding) went to the op, and the model's score options.
+    assert [c["window"] for c in op_calls] == layer_windows(config)
+    for call, module in zip(op_calls, (layer.self_attn for layer in ours.model.layers)):
+        assert torch.equal(call["key_mask"], mask.bool()) if mask is not None \
+            else call["key_mask"] is None
+        assert call["options"]["softcap"] == getattr(config, "attn_logit_softcapping", None)
+        assert call["options"]["sinks"] is getattr(module, "sinks", None)
+        assert call["options"]["dropout_p"] == 0.0
+    # The test can fail: without its window (and cap, and sinks) the model gives other logits.
+    plain = with_changes(config, sliding_window=10**6, attn_logit_softcapping=None)
+    unwindowed = AutoModelForCausalLM.from_config(plain, attn_implementation="eager")
+    unwindowed.load_state_dict(ref.state_dict())
     with torch.no_grad():
-        short = tokens(length=4)  # every query sees at most 4 keys: the window hides none
-        torch.testing.assert_close(ours(short).logits, ref(short).logits, atol=1e-5, rtol=1e-5)
-        with pytest.raises(ValueError, match="attention_mask hides more.*sliding window"):
-            ours(tokens(length=8))
+        assert not torch.allclose(unwindowed(ids, attention_mask=mask).logits[real],
+                                  ref_logits[real], atol=1e-3)
 
 
-def test_attention_dropout_in_training_is_refused():
-    config = copy.deepcopy(CONFIGS["gpt2"])
-    config.attn_pdrop = 0.1
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="causal_attention")
-    model.train()
-    with pytest.raises(NotImplementedError, match="dropout=0.1"):
-        model(tokens())
-    model.eval()
-    model(tokens())  # no dropout in eval
+@pytest.mark.parametrize(
+    "name,cache",
+    [("mistral", "dynamic"), ("mistral", "static"), ("qwen2", "dynamic"), ("gemma2", "static"),
+     ("gpt-oss", "dynamic")],
+)
+def test_sliding_window_generation_on_a_left_padded_batch_matches_reference(name, cache):
+    # 6 prompt tokens and 8 new ones: the sliding layers' caches keep only the window.
+    config = SLIDING.get(name) or EAGER_ONLY[name]
+    ours, ref = model_pair(name, config, "sdpa" if name in SLIDING else "eager")
+    ids = tokens(batch=3, length=6)
+    kwargs = dict(attention_mask=padding_mask(ids, "left"), max_new_tokens=8, do_sample=False,
+                  pad_token_id=0, cache_implementation=cache)
+    kwargs.update(return_dict_in_generate=True, output_logits=True)
+    got, expected = ours.generate(ids, **kwargs), ref.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step_logits, ref_logits in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(step_logits, ref_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["flash-kwargs", "mask"])
+def test_packed_sequences_with_a_sliding_window_match_each_sequence_alone(mode, varlen_calls):
+    ours, ref = model_pair("mistral", SLIDING["mistral"])
+    lengths = (7, 3, 9, 1)  # two longer than the window
+    sequences, batch = packed_batch(mode, lengths)
+    with torch.no_grad():
+        if mode == "flash-kwargs":
+            # With a cache transformers builds the sliding mask of the whole row, one sequence
+            # (what SDPA computes); it contradicts the kwargs' sequences (what flash-attn
+            # computes), so neither is guessed.
+            with pytest.raises(ValueError, match="describe different sequences"):
+                ours(**batch)
+        # Without a cache it builds the packed sequences' mask.
+        batch["use_cache"] = False
+        out = ours(**batch).logits[0]
+        alone = torch.cat([ref(s[None]).logits[0] for s in sequences])
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    expected = dict(kv_heads=2, cu_q=cu, cu_k=cu, window=(WINDOW - 1, 0))
+    assert varlen_calls == [expected] * SLIDING["mistral"].num_hidden_layers
+
+
+def register_weights_reference():
+    """``attn_implementation="weights_reference"``: attention_weights (dropped as the op drops
+    them for the same generator state) times the values, causality alone (it asserts that it
+    gets no mask, as in an unpadded batch)."""
+
+    def weights_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                          **kwargs):
+        assert attention_mask is None
+        weights = causal_attention.attention_weights(query, key, value, scale=scaling,
+                                                     dropout_p=dropout)
+        return (weights @ value).transpose(1, 2), weights
+
+    AttentionInterface.register("weights_reference", weights_reference)
+    AttentionMaskInterface.register("weights_reference", sdpa_mask)
+
+
+def test_attention_dropout_in_training_is_attention_weights_dropout_for_the_same_seed():
+    register_weights_reference()
+    config = with_changes(CONFIGS["gpt2"], attn_pdrop=0.3)
+    ours, ref = model_pair("gpt2", config, "weights_reference")
+    ours.train()
+    ref.train()
+    ids = tokens()
+    torch.manual_seed(5)
+    logits = train_step(ours, ids)
+    torch.manual_seed(5)
+    ref_logits = train_step(ref, ids)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(ours, ref)
+    with torch.no_grad():
+        # The same seed gives the same logits bit for bit, another seed others...
+        torch.manual_seed(5)
+        assert torch.equal(ours(ids).logits, logits)
+        assert not torch.allclose(ours(ids).logits, logits, atol=1e-3)
+        # ... and in evaluation there is no dropout: the logits of SDPA.
+        sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        sdpa.load_state_dict(ref.state_dict())
+        torch.testing.assert_close(ours.eval()(ids).logits, sdpa.eval()(ids).logits, atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_read_mask_takes_apart_exactly_causal_padded_and_packed_masks():
@@ -327,23 +472,47 @@ def test_read_mask_takes_apart_exactly_causal_padded_and_packed_masks():
     assert layout.sequences.max_seqlen_q == 3
 
 
+def test_read_mask_takes_apart_sliding_windows_with_padding_slots_and_packing():
+    # A window of 4 keys over 3 cached and 4 new ones in 9 slots; padding hides key 0 of row 0.
+    mask = transformers_mask(4, 9, cached=3, filled=7, pads=[1, 0], window=4)
+    layout = backend.read_mask(mask, 4, 9)
+    assert layout.window == (3, 0) and layout.key_length == 7  # the static cache's slots cut
+    assert torch.equal(layout.key_mask, torch.tensor([[False] + [True] * 6, [True] * 7]))
+    # Padding that covers every key the window hides: that is causality with the padding.
+    mask = transformers_mask(2, 6, cached=4, filled=6, pads=[4, 4], window=3)
+    layout = backend.read_mask(mask, 2, 6)
+    assert layout.window == (-1, 0) and layout.key_mask[0].tolist() == [False] * 4 + [True] * 2
+    # Packed sequences of lengths 4 and 3 seen through a window of 2 keys.
+    starts = torch.tensor([[True, False, False, False, True, False, False]])
+    layout = backend.read_mask(backend.block_causal(starts, 1), 7, 7)
+    assert layout.window == (1, 0) and layout.sequences.cu_seqlens_q.tolist() == [0, 4, 7]
+
+
+HIDES_MORE = "hides more than padding, sliding windows and packed sequences do"
+
+
 @pytest.mark.parametrize(
     "mask, match",
     [
+        # Chunks of 2 for 2 queries after 3 cached keys: query 3 sees keys 2-3, query 4 key 4.
+        # (Without a cache, chunks are packed sequences, and served as such.)
         (
             sdpa_mask(
-                batch_size=1, q_length=5, kv_length=5, allow_is_causal_skip=False,
-                mask_function=sliding_window_causal_mask_function(2),
+                batch_size=1, q_length=2, kv_length=5, q_offset=3, allow_is_causal_skip=False,
+                mask_function=chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)),
             )[0, 0],
-            "hides more than padding and packed sequences do",
+            HIDES_MORE,
         ),
+        (visible_keys(5, 5) & ((torch.arange(5)[:, None] - torch.arange(5)) % 2 == 0),
+         HIDES_MORE),
         (torch.ones(5, 5, dtype=torch.bool), "lets a query see keys after it"),
     ],
-    ids=["sliding-window", "bidirectional"],
+    ids=["chunked-after-cache", "dilated", "bidirectional"],
 )
 def test_read_mask_names_what_it_cannot_honour(mask, match):
+    lq, lk = mask.shape
     with pytest.raises(ValueError, match=f"attention_mask {match}"):
-        backend.read_mask(mask.expand(2, 1, 5, 5), 5, 5)
+        backend.read_mask(mask.expand(2, 1, lq, lk), lq, lk)
 
 
 def test_biases_and_bad_shapes_are_refused():
@@ -360,16 +529,19 @@ class Attention(torch.nn.Module):
     num_key_value_groups = 2
 
 
-def transformers_mask(lq, lk, cached, filled, pads):
+def transformers_mask(lq, lk, cached, filled, pads, window=None):
     """The mask transformers builds (sdpa_mask) for ``lq`` queries after ``cached`` keys, in a
     cache of ``lk`` slots of which ``filled`` are written, row ``b`` left-padded by
-    ``pads[b]``."""
+    ``pads[b]``; with a sliding ``window`` (keys a query sees, itself included) where given."""
     attention_mask = torch.zeros(len(pads), lk, dtype=torch.bool)
     for row, pad in enumerate(pads):
         attention_mask[row, pad:filled] = True
+    kwargs = {}
+    if window is not None:
+        kwargs = dict(mask_function=sliding_window_causal_mask_function(window), local_size=window)
     return sdpa_mask(
         batch_size=len(pads), q_length=lq, kv_length=lk, q_offset=cached,
-        attention_mask=attention_mask, allow_is_causal_skip=False,
+        attention_mask=attention_mask, allow_is_causal_skip=False, **kwargs,
     )
 
 
@@ -384,10 +556,15 @@ def transformers_mask(lq, lk, cached, filled, pads):
         (6, 6, transformers_mask(6, 6, cached=0, filled=6, pads=[2, 0])),
         (1, 6, transformers_mask(1, 6, cached=5, filled=6, pads=[3, 1])),
         (3, 9, transformers_mask(3, 9, cached=2, filled=5, pads=[1, 0])),
+        (8, 8, transformers_mask(8, 8, cached=0, filled=8, pads=[2, 0], window=3)),
+        (4, 7, transformers_mask(4, 7, cached=3, filled=7, pads=[0, 1], window=3)),
+        (1, 4, transformers_mask(1, 4, cached=3, filled=4, pads=[1, 0], window=4)),
+        (3, 9, transformers_mask(3, 9, cached=2, filled=5, pads=[0, 2], window=2)),
     ],
     ids=[
         "prefill", "decode", "static-cache-prefill", "chunk-after-cache", "causal-mask",
-        "left-padded", "decode-padded", "static-cache-slots-padded",
+        "left-padded", "decode-padded", "static-cache-slots-padded", "sliding-left-padded",
+        "sliding-chunk-after-cache", "sliding-decode", "sliding-static-cache-slots",
     ],
 )
 def test_attention_function_matches_transformers_sdpa_function(lq, lk, mask):
@@ -409,13 +586,19 @@ def packed_kwargs(cu):
     return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
 
 
-def test_attention_function_on_flash_kwargs_matches_each_sequence_alone():
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_attention_function_on_flash_kwargs_matches_each_sequence_alone(sliding_window):
     q = torch.randn(1, 4, 9, 8)
     k, v = torch.randn(2, 1, 2, 9, 8).unbind(0)
-    out, _ = backend.attention_forward(Attention(), q, k, v, None, **packed_kwargs([0, 4, 9]))
+    out, _ = backend.attention_forward(Attention(), q, k, v, None, sliding_window=sliding_window,
+                                       **packed_kwargs([0, 4, 9]))
     for start, end in ((0, 4), (4, 9)):
-        piece = (t[:, :, start:end] for t in (q, k, v))
-        expected, _ = sdpa_attention_forward(Attention(), *piece, None, scaling=None)
+        piece = [t[:, :, start:end] for t in (q, k, v)]
+        mask = None
+        if sliding_window is not None:
+            mask = transformers_mask(end - start, end - start, cached=0, filled=end - start,
+                                     pads=[0], window=sliding_window)
+        expected, _ = sdpa_attention_forward(Attention(), *piece, mask, scaling=None)
         torch.testing.assert_close(out[:, start:end], expected, atol=1e-6, rtol=1e-5)
 
 
@@ -430,10 +613,6 @@ def test_inconsistent_or_bad_packing_kwargs_are_refused():
         backend.attention_forward(Attention(), q, q, q, None, **packed_kwargs([0, 4]))
     with pytest.raises(ValueError, match="got cu_seq_lens_k=None"):
         backend.attention_forward(Attention(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 5]))
-    with pytest.raises(NotImplementedError, match="sliding_window=2 over 3 keys"):
-        backend.attention_forward(
-            Attention(), q, q, q, None, sliding_window=2, **packed_kwargs([0, 2, 5])
-        )
 
 
 def test_non_causal_attention_is_refused():
