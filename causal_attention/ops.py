@@ -27,9 +27,9 @@ _SCORE_OPTIONS_DOC = """
             only when ``dropout_p > 0``: the same generator state gives the same mask."""
 
 
-def _window(window: Sequence[int]) -> Tuple[int, int]:
-    """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError (the
-    schema would broadcast a single int to both sides)."""
+def _window(op: str, window: Sequence[int]) -> Tuple[int, int]:
+    """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError naming
+    the op ``causal_attention.<op>`` (the schema would broadcast a single int to both sides)."""
     if (
         isinstance(window, (str, bytes))
         or not isinstance(window, Sequence)
@@ -37,7 +37,7 @@ def _window(window: Sequence[int]) -> Tuple[int, int]:
         or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
     ):
         raise TypeError(
-            f"causal_attention: window must be two ints (left, right), got window={window!r}"
+            f"causal_attention.{op}: window must be two ints (left, right), got window={window!r}"
         )
     return (window[0], window[1])
 
@@ -89,7 +89,7 @@ def attention(
         v,
         scale=scale,
         key_mask=key_mask,
-        window=_window(window),
+        window=_window("attention", window),
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
@@ -120,7 +120,7 @@ def attention_forward(
     ``sinks``; ``lse`` is not. The options are :func:`attention`'s; ``dropout_seed`` is the int64
     ``(2,)`` tensor ``(seed, offset)`` of the dropout mask, required when ``dropout_p > 0``."""
     return torch.ops.causal_attention.attention_forward(
-        q, k, v, scale, key_mask, _window(window), softcap, alibi_slopes, sinks, dropout_p,
+        q, k, v, scale, key_mask, _window("attention_forward", window), softcap, alibi_slopes, sinks, dropout_p,
         dropout_seed
     )
 
@@ -145,7 +145,7 @@ def attention_backward(
     called with the forward's options; ``dsinks`` ``(Hq,)`` in the sinks' dtype (empty ``(0,)``
     without sinks). Not differentiable itself (double backward raises)."""
     return torch.ops.causal_attention.attention_backward(
-        grad_out, q, k, v, out, lse, scale, key_mask, _window(window), softcap, alibi_slopes,
+        grad_out, q, k, v, out, lse, scale, key_mask, _window("attention_backward", window), softcap, alibi_slopes,
         sinks, dropout_p, dropout_seed
     )
 
@@ -183,7 +183,7 @@ def attention_weights(
         v,
         scale=scale,
         key_mask=key_mask,
-        window=_window(window),
+        window=_window("attention_weights", window),
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
@@ -241,7 +241,7 @@ def varlen_attention(
         max_seqlen_q,
         max_seqlen_k,
         scale=scale,
-        window=_window(window),
+        window=_window("varlen_attention", window),
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
@@ -270,7 +270,7 @@ def varlen_attention_forward(
     varlen layout) in float32 (float64 for float64 inputs); options as
     :func:`attention_forward`'s."""
     return torch.ops.causal_attention.varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, _window(window),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, _window("varlen_attention_forward", window),
         softcap, alibi_slopes, sinks, dropout_p, dropout_seed
     )
 
@@ -298,5 +298,5 @@ def varlen_attention_backward(
     ``lse``, called with the forward's options."""
     return torch.ops.causal_attention.varlen_attention_backward(
         grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-        _window(window), softcap, alibi_slopes, sinks, dropout_p, dropout_seed
+        _window("varlen_attention_backward", window), softcap, alibi_slopes, sinks, dropout_p, dropout_seed
     )

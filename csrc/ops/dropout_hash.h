@@ -35,8 +35,16 @@ class DropoutHash {
   }
 
   // Whether the probability of `key` in the row of `row_key` is kept.
-  bool kept(uint32_t row_key, int64_t key) const {
-    return mix32(row_key ^ (uint32_t(key) * 0x9E3779B9u)) >= threshold_;
+  bool kept(uint32_t row_key, int64_t key) const { return hash(row_key, key) >= threshold_; }
+
+  // row[c] = kept(row_key, first_key + c) ? row[c] * factor : 0 for c in [begin, end). Plain
+  // 32-bit integer arithmetic without branches, which the compiler vectorizes.
+  template <typename T>
+  void apply(T* row, int64_t begin, int64_t end, uint32_t row_key, int64_t first_key,
+             T factor) const {
+    for (int64_t c = begin; c < end; ++c) {
+      row[c] = hash(row_key, first_key + c) >= threshold_ ? row[c] * factor : T(0);
+    }
   }
 
  private:
@@ -55,6 +63,10 @@ class DropoutHash {
     x = (x ^ (x >> 16)) * 0x7FEB352Du;
     x = (x ^ (x >> 15)) * 0x846CA68Bu;
     return x ^ (x >> 16);
+  }
+
+  static uint32_t hash(uint32_t row_key, int64_t key) {
+    return mix32(row_key ^ (uint32_t(key) * 0x9E3779B9u));
   }
 
   uint32_t threshold_;

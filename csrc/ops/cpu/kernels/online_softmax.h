@@ -20,18 +20,6 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-// exp that keeps NaN (exp_u20 clamps its input first, which would turn a NaN score into a
-// finite probability and hide a poisoned row).
-template <typename acc_t>
-inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    // exp_u20: the accuracy torch's own CPU flash attention uses.
-    return at::vec::Vectorized<float>::blendv(x.exp_u20(), x, x.isnan());
-  } else {
-    return x.exp();
-  }
-}
-
 // The scores are scaled in place before any exponential, so that the row max and every
 // exp(x - shift) read the same rounded x. Fusing the scale into the exponent's argument,
 // exp(fma(S, scale, -max)), would compute S * scale exactly against a rounded max: with

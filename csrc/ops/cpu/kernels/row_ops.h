@@ -10,6 +10,18 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
+// exp that keeps NaN (exp_u20 clamps its input first, which would turn a NaN score into a
+// finite probability and hide a poisoned row).
+template <typename acc_t>
+inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // exp_u20: the accuracy torch's own CPU flash attention uses.
+    return at::vec::Vectorized<float>::blendv(x.exp_u20(), x, x.isnan());
+  } else {
+    return x.exp();
+  }
+}
+
 // row[c] *= factor.
 template <typename acc_t>
 inline void scale_row(acc_t* row, int64_t n, acc_t factor) {
