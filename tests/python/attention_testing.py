@@ -680,8 +680,8 @@ def abs_magnitudes(
         magnitudes["dk"] = ds_abs.transpose(-2, -1) @ q * scale
         magnitudes["dv"] = probs.transpose(-2, -1) @ g
         if sink_probs is not None:
-            # dsinks[h] = -(the sum over head h's rows, every batch element's, of P_sink * rowsum(dO o
-            # O)): the sink takes its share of every probability of the row.
+            # dsinks[h] = -(the sum over head h's rows, in every batch element, of P_sink *
+            # rowsum(dO o O)): the sink takes its share of every probability of the row.
             per_row = sink_probs * row_terms.squeeze(-1)
             magnitudes["dsinks"] = per_row.sum(-1).reshape(-1, heads_q).sum(0)
     return {name: (m.amax().item() if m.numel() else 0.0) for name, m in magnitudes.items()}
@@ -730,6 +730,68 @@ def assert_close_to_reference(name, actual, expected, peak: float, tolerance: fl
     error = (to64(actual) - to64(expected)).abs().max().item()
     bound = tolerance * peak + 1e-300
     assert error <= bound, f"{name}: max error {error:.3e} > bound {bound:.3e} (peak {peak:.3e})"
+
+
+def option_tolerances(case: Case, dtype: torch.dtype, inputs, ref: Reference, scale: float):
+    """(result tolerance, dsinks tolerance, logit L1) of a call of ``case`` with score options:
+    the round-off bound with the options' logit shift in L1; dsinks also sums over every row of
+    its head, in every batch element."""
+    sum_length = case.lq + case.lk + case.d + case.value_dim
+    l1 = logit_l1(*inputs[:2], scale, ref.logit_shift)
+    rows = math.prod(case.batch) * case.lq if case.heads else case.lq
+    return (
+        roundoff_tolerance(dtype, case.d, sum_length, l1),
+        roundoff_tolerance(dtype, case.d, sum_length + rows, l1),
+        l1,
+    )
+
+
+def assert_matches_float64_reference(
+    case: Case,
+    dtype: torch.dtype,
+    inputs,
+    grad_out,
+    results,
+    scale: float,
+    options: Dict[str, object],
+    dropout_p: float = 0.0,
+    keep: Optional[torch.Tensor] = None,
+) -> Reference:
+    """A call of ``case`` with the score options ``options`` (the op's keyword arguments, e.g.
+    ``ScoreOptions.for_case``), dropout from the keep mask ``keep``: each of its ``results`` (out,
+    dq, dk, dv and, with sinks, dsinks, as ``forward_and_grads`` returns them; (out, dq, dk, dv)
+    alone where the caller checks dsinks, e.g. summed over packed sequences) has its shape and
+    dtype (dsinks the sinks') and is within the round-off bound of the float64 reference; so is
+    attention_forward's lse (of the undropped probabilities: called without dropout). Returns
+    the reference."""
+    ref = float64_reference(*inputs, scale, grad_out, dropout_p=dropout_p, keep=keep, **options)
+    peaks = abs_magnitudes(
+        *inputs, scale, ref.probs, grad_out, undropped=ref.undropped, sink_probs=ref.sink_probs
+    )
+    tolerance, sinks_tolerance, l1 = option_tolerances(case, dtype, inputs, ref, scale)
+    sinks = options.get("sinks")
+    names = SINK_RESULT_NAMES if sinks is not None else RESULT_NAMES
+    expected = (ref.out,) + ref.grads + ((ref.dsinks,) if sinks is not None else ())
+    likes = (ref.out,) + tuple(inputs) + ((sinks,) if sinks is not None else ())
+    assert len(results) in (len(RESULT_NAMES), len(names)), f"{len(results)} results for {names}"
+    for name, actual, exact, like in zip(names, results, expected, likes):
+        want_dtype = sinks.dtype if name == "dsinks" else dtype
+        assert actual.shape == like.shape, f"{name}: shape {tuple(actual.shape)}"
+        assert actual.dtype == want_dtype, f"{name}: dtype {actual.dtype}"
+        bound = sinks_tolerance if name == "dsinks" else tolerance
+        assert_close_to_reference(name, actual, exact, peaks[name], bound)
+
+    _, lse = causal_attention.attention_forward(*(t.detach() for t in inputs), scale, **options)
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(lse[~finite], ref.lse[~finite].to(lse.dtype)), "lse where no key"
+    if finite.any():
+        # lse is kept in the accumulation dtype: the logits' and the sum's error, and its own
+        # rounding (as ops/test_fuzz.py bounds it).
+        error = (to64(lse[finite]) - ref.lse[finite]).abs().max().item()
+        rounding = accumulation_roundoff(dtype) * ref.lse[finite].abs().max().item()
+        bound = logit_and_sum_error(dtype, case.d, case.lq + case.lk, l1) + 8 * rounding
+        assert error <= bound, f"lse: max error {error:.3e} > bound {bound:.3e}"
+    return ref
 
 
 def run_python(script: str, path: Path, timeout: float) -> subprocess.CompletedProcess:
