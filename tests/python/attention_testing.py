@@ -732,18 +732,27 @@ def assert_close_to_reference(name, actual, expected, peak: float, tolerance: fl
     assert error <= bound, f"{name}: max error {error:.3e} > bound {bound:.3e} (peak {peak:.3e})"
 
 
-def option_tolerances(case: Case, dtype: torch.dtype, inputs, ref: Reference, scale: float):
-    """(result tolerance, dsinks tolerance, logit L1) of a call of ``case`` with score options:
-    the round-off bound with the options' logit shift in L1; dsinks also sums over every row of
-    its head, in every batch element."""
+def dsinks_tolerance(
+    dtype: torch.dtype, sinks_dtype: torch.dtype, d: int, sum_length: int, l1: float
+) -> float:
+    """The relative tolerance of dsinks of a call in ``dtype`` with sinks in ``sinks_dtype``
+    (float32 sinks with float64 q round dsinks to float32): ``sum_length`` counts the rows it
+    sums over too."""
+    rounding = 8 * max(UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[sinks_dtype])
+    return rounding + logit_and_sum_error(dtype, d, sum_length, l1)
+
+
+def option_tolerances(case: Case, dtype: torch.dtype, inputs, ref: Reference, scale: float, sinks):
+    """(result tolerance, dsinks tolerance or None, logit L1) of a call of ``case`` with score
+    options: the round-off bound with the options' logit shift in L1; dsinks also sums over
+    every row of its head, in every batch element."""
     sum_length = case.lq + case.lk + case.d + case.value_dim
     l1 = logit_l1(*inputs[:2], scale, ref.logit_shift)
     rows = math.prod(case.batch) * case.lq if case.heads else case.lq
-    return (
-        roundoff_tolerance(dtype, case.d, sum_length, l1),
-        roundoff_tolerance(dtype, case.d, sum_length + rows, l1),
-        l1,
-    )
+    sinks_tolerance = None
+    if sinks is not None:
+        sinks_tolerance = dsinks_tolerance(dtype, sinks.dtype, case.d, sum_length + rows, l1)
+    return roundoff_tolerance(dtype, case.d, sum_length, l1), sinks_tolerance, l1
 
 
 def assert_matches_float64_reference(
@@ -768,8 +777,8 @@ def assert_matches_float64_reference(
     peaks = abs_magnitudes(
         *inputs, scale, ref.probs, grad_out, undropped=ref.undropped, sink_probs=ref.sink_probs
     )
-    tolerance, sinks_tolerance, l1 = option_tolerances(case, dtype, inputs, ref, scale)
     sinks = options.get("sinks")
+    tolerance, sinks_tolerance, l1 = option_tolerances(case, dtype, inputs, ref, scale, sinks)
     names = SINK_RESULT_NAMES if sinks is not None else RESULT_NAMES
     expected = (ref.out,) + ref.grads + ((ref.dsinks,) if sinks is not None else ())
     likes = (ref.out,) + tuple(inputs) + ((sinks,) if sinks is not None else ())

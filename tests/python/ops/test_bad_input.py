@@ -618,15 +618,16 @@ for case, (bad, error, needles) in SCORE_OPTIONS.items():
         for function in OPTION_OPS:
             row(case, function, error, [f"causal_attention.{function}: ", *needles],
                 requires_grad, **through(function, bad))
-# ALiBi's (*batch, Hq) slopes follow the dense q's leading dims; packed q has none.
+# ALiBi's (*batch, Hq) slopes follow the dense q's leading dims.
 for case, slopes, shown in [
     ("alibi-batch-3", z(3, 4), "alibi_slopes.shape=[3, 4]"),
     ("alibi-batch-keepdim", z(2, 4, 1), "alibi_slopes.shape=[2, 4, 1]"),
     ("alibi-heads-first", z(4, 2), "alibi_slopes.shape=[4, 2]"),
 ]:
     rows_for(MASK_OPS, case, V, ["alibi_slopes", shown], alibi_slopes=slopes)
-rows_for(VARLEN_OPS, "alibi-per-batch-packed", V, ["alibi_slopes.shape=[2, 4]"],
-         alibi_slopes=z(2, 4))
+# Packed q's slopes are (Hq,) or (N, Hq), one row per sequence (N = 2 here).
+rows_for(VARLEN_OPS, "alibi-sequences-3", V, ["alibi_slopes", "alibi_slopes.shape=[3, 4]"],
+         alibi_slopes=z(3, 4))
 # The sinks' dtype is q's or float32: bfloat16 sinks with float32 q are neither.
 rows_for(OPTION_OPS, "sinks-bfloat16-for-float32", T, ["sinks.dtype=BFloat16"],
          sinks=z(4, dtype=torch.bfloat16))

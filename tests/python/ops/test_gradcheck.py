@@ -84,11 +84,14 @@ OPTION_CASES = [
     pytest.param(Case(6, 4, 2, batch=(2,)), ScoreOptions(alibi="batch"), id="alibi-Lq6-Lk4"),
     pytest.param(Case(7, 3, 2, hq=2, hkv=2), ScoreOptions(sinks="q"), id="sinks-empty-rows"),
     pytest.param(
-        Case(6, 8, 3, dv=2, hq=4, hkv=2, batch=(2,), layout="transposed"),
+        Case(6, 8, 3, dv=2, hq=4, hkv=2, batch=(), layout="transposed"),
         ScoreOptions(window=(3, 0), softcap=1.5, alibi="heads", sinks="q", key_mask="holes"),
         id="all-gqa2-Dv2",
     ),
-    pytest.param(Case(70, 70, 2, batch=()), ScoreOptions(window=(20, 5), sinks="q"), id="L70"),
+    # Windows across the edge of two key blocks of 64.
+    pytest.param(
+        Case(70, 70, 1, heads=False), ScoreOptions(window=(20, 5), sinks="q"), id="L70-blocks"
+    ),
 ]
 
 

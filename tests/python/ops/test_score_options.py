@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 import causal_attention
 from attention_testing import (
+    DTYPE_IDS,
+    DTYPES,
     RESULT_NAMES,
     SINK_RESULT_NAMES,
     UNIT_ROUNDOFF,
@@ -26,6 +28,7 @@ from attention_testing import (
     alibi_slopes_for,
     assert_bitwise_equal,
     assert_close_to_reference,
+    assert_matches_float64_reference,
     default_scale,
     dtype_params,
     expand_kv_heads,
@@ -55,14 +58,12 @@ def _explicit_visibility(lq, lk, window):
     """Bool (lq, lk) from the definition, one pair at a time."""
     left, right = window
     off = lk - lq
-    return torch.tensor(
-        [
-            [(left < 0 or i + off - left <= j) and (right < 0 or j <= i + off + right) for j in
-             range(lk)]
-            for i in range(lq)
-        ],
-        dtype=torch.bool,
-    ).reshape(lq, lk)
+
+    def sees(i, j):
+        return (left < 0 or i + off - left <= j) and (right < 0 or j <= i + off + right)
+
+    rows = [[sees(i, j) for j in range(lk)] for i in range(lq)]
+    return torch.tensor(rows, dtype=torch.bool).reshape(lq, lk)
 
 
 REFERENCE_CASES = [
@@ -124,7 +125,7 @@ def test_reference_softcap_and_alibi_are_the_formulas(case):
 def test_reference_sinks_are_an_extra_softmax_column(case):
     """A manual softmax over the visible scores and one more column holding the sink: the
     probabilities, lse and sink probabilities; rows without keys give zeros and lse = sink; the
-    sinks' gradient is -sum P_sink (dO . out) over each head's rows, and finite differences."""
+    sinks' gradient is -sum P_sink (dO . out) over each head's rows, within its magnitude."""
     q, k, v = case.inputs(torch.float64)
     grad_out = make_tensor(case.out_shape, torch.float64)
     heads = case.hq if case.heads else 1
@@ -328,20 +329,26 @@ def test_diagonal_window_copies_the_values(case, dtype):
     assert max_abs_diff(out, expected) <= bound
 
 
+F64, F32, BF16, F16 = DTYPES
 # Lq and Lk past 1024 (the tiled forward, key splits), and decoding with key splits, with windows
-# a few keys wide that straddle block edges: most key blocks are skipped, the rest partial.
+# a few keys wide that straddle block edges: most key blocks are skipped, the rest partial. Two
+# dtypes each (every dtype runs the same skipping): all four together.
 LONG_CASES = [
-    pytest.param(Case(1100, 1100, 16, hq=2, hkv=1), (16, 0), id="L1100-sliding17"),
-    pytest.param(
-        Case(1030, 1600, 32, hq=2, hkv=2, layout="transposed"), (70, 3), id="Lq1030-Lk1600-w70-3"
-    ),
-    pytest.param(Case(16, 2100, 64, hq=4, hkv=2), (100, 0), id="decode-Lk2100-sliding101"),
-    pytest.param(Case(1100, 1100, 8, batch=(2,)), (0, 63), id="L1100-ahead63"),
+    ("L1100-sliding17", Case(1100, 1100, 16, hq=2, hkv=1), (16, 0), (F64, BF16)),
+    ("Lq1030-Lk1600-w70-3", Case(1030, 1600, 32, hq=2, layout="transposed"), (70, 3), (F32, F16)),
+    ("decode-Lk2100-sliding101", Case(16, 2100, 64, hq=4, hkv=2), (100, 0), (F32, BF16)),
+    ("L1100-ahead63", Case(1100, 1100, 8, batch=(2,)), (0, 63), (F64, F16)),
 ]
 
 
-@pytest.mark.parametrize("dtype", dtype_params())
-@pytest.mark.parametrize("case,window", LONG_CASES)
+@pytest.mark.parametrize(
+    "case,window,dtype",
+    [
+        pytest.param(case, window, dtype, id=f"{name}-{DTYPE_IDS[dtype]}")
+        for name, case, window, dtypes in LONG_CASES
+        for dtype in dtypes
+    ],
+)
 def test_long_sequences_with_small_windows_are_exact(case, window, dtype):
     kwargs = {"window": window, "alibi_slopes": alibi_slopes_for((case.hq,))}
     inputs, grad_out, results = _run(case, dtype, kwargs)
