@@ -172,7 +172,7 @@ CALLS = [
 def forward_backward(function, args, grad_out):
     """(out, dq, dk, dv) of ``function(q, k, v, *rest)`` for ``args = (q, k, v, *rest)``, and
     the gradient of a last argument that requires grad (the sinks) after them."""
-    if len(args) > 3 and args[-1].requires_grad:
+    if len(args) > 3 and isinstance(args[-1], torch.Tensor) and args[-1].requires_grad:
         sinks = args[-1].detach().requires_grad_(True)
         leaves = [t.detach().requires_grad_(True) for t in args[:3]]
         out = function(*leaves, *args[3:-1], sinks)

@@ -319,6 +319,7 @@ def test_packed_sequences_drop_as_the_padded_batch(dtype):
     scale = default_scale(packed.d)
     # dsinks sums over every sequence: its reference, magnitude and tolerance too.
     dsinks, sinks_peak, sinks_tolerance = 0, 0.0, 0.0
+    sinks_dtype = kwargs["sinks"].dtype
     for n, length in enumerate(packed.lengths_q):
         case = Case(length, length, packed.d, dv=packed.dv, hq=packed.hq, hkv=packed.hkv, batch=())
         part = (q_parts[n], k_parts[n], v_parts[n])
@@ -333,9 +334,8 @@ def test_packed_sequences_drop_as_the_padded_batch(dtype):
         )["dsinks"]
         l1 = logit_l1(*part[:2], scale, ref.logit_shift)
         sum_length = 2 * packed.max_seqlen_k + packed.d + packed.value_dim + packed.total_q
-        sinks_tolerance = max(
-            sinks_tolerance, dsinks_tolerance(dtype, kwargs["sinks"].dtype, packed.d, sum_length, l1)
-        )
+        tolerance = dsinks_tolerance(dtype, sinks_dtype, packed.d, sum_length, l1)
+        sinks_tolerance = max(sinks_tolerance, tolerance)
     assert_close_to_reference("dsinks", results[4], dsinks, sinks_peak, sinks_tolerance)
 
     seed = torch.empty(2, dtype=torch.int64).random_(generator=generator(41))
