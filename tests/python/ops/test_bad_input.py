@@ -85,6 +85,28 @@ def sparse_csr(t):
 
 # --- the valid calls and how each function is called --------------------------------------------
 
+# The score options' defaults (issue 14): the public ops draw dropout's seed from ``generator``,
+# the kernel ops take it as ``dropout_seed``.
+NO_OPTIONS = {
+    "window": (-1, 0),
+    "softcap": None,
+    "alibi_slopes": None,
+    "sinks": None,
+    "dropout_p": 0.0,
+    "generator": None,
+    "dropout_seed": None,
+}
+OPTION_NAMES = ("window", "softcap", "alibi_slopes", "sinks", "dropout_p")
+
+
+def _public_options(a):
+    return {**{name: a[name] for name in OPTION_NAMES}, "generator": a["generator"]}
+
+
+def _kernel_options(a):
+    return {**{name: a[name] for name in OPTION_NAMES}, "dropout_seed": a["dropout_seed"]}
+
+
 
 def valid_dense():
     """q (2, 4, 5, 8), k (2, 2, 6, 8), v (2, 2, 6, 3); out (2, 4, 5, 3), lse (2, 4, 5)."""
@@ -97,6 +119,7 @@ def valid_dense():
         "lse": randn(2, 4, 5),
         "key_mask": None,  # or (2, 6) bool
         "scale": None,
+        **NO_OPTIONS,
     }
 
 
@@ -120,6 +143,7 @@ def valid_packed():
         "max_seqlen_q": 4,
         "max_seqlen_k": 4,
         "scale": None,
+        **NO_OPTIONS,
     }
 
 
@@ -137,26 +161,26 @@ FUNCTIONS = {
     "attention": (
         valid_dense,
         lambda a: causal_attention.attention(
-            a["q"], a["k"], a["v"], scale=a["scale"], key_mask=a["key_mask"]
+            a["q"], a["k"], a["v"], scale=a["scale"], key_mask=a["key_mask"], **_public_options(a)
         ),
     ),
     "attention_forward": (
         valid_dense,
         lambda a: causal_attention.attention_forward(
-            a["q"], a["k"], a["v"], _kernel_scale(a), a["key_mask"]
+            a["q"], a["k"], a["v"], _kernel_scale(a), a["key_mask"], **_kernel_options(a)
         ),
     ),
     "attention_backward": (
         valid_dense,
         lambda a: causal_attention.attention_backward(
             a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], _kernel_scale(a),
-            a["key_mask"],
+            a["key_mask"], **_kernel_options(a),
         ),
     ),
     "attention_weights": (
         valid_dense,
         lambda a: causal_attention.attention_weights(
-            a["q"], a["k"], a["v"], scale=a["scale"], key_mask=a["key_mask"]
+            a["q"], a["k"], a["v"], scale=a["scale"], key_mask=a["key_mask"], **_public_options(a)
         ),
     ),
     "scaled_dot_product_attention": (
@@ -168,20 +192,20 @@ FUNCTIONS = {
     "varlen_attention": (
         valid_packed,
         lambda a: causal_attention.varlen_attention(
-            a["q"], a["k"], a["v"], *_lengths(a), scale=a["scale"]
+            a["q"], a["k"], a["v"], *_lengths(a), scale=a["scale"], **_public_options(a)
         ),
     ),
     "varlen_attention_forward": (
         valid_packed,
         lambda a: causal_attention.varlen_attention_forward(
-            a["q"], a["k"], a["v"], *_lengths(a), _kernel_scale(a)
+            a["q"], a["k"], a["v"], *_lengths(a), _kernel_scale(a), **_kernel_options(a)
         ),
     ),
     "varlen_attention_backward": (
         valid_packed,
         lambda a: causal_attention.varlen_attention_backward(
             a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], *_lengths(a),
-            _kernel_scale(a),
+            _kernel_scale(a), **_kernel_options(a),
         ),
     ),
 }
@@ -549,6 +573,69 @@ for case, q_shape, mask_shape, expected in [
         [f"key_mask must have shape (*batch, Lk)={expected}", f"key_mask.shape={list(mask_shape)}"],
         q=z(*q_shape), k=k, v=k, key_mask=z(*mask_shape, dtype=torch.bool))
 
+# The score options (issue 14), through every function that takes them (attention_weights and
+# the packed ones included), with and without grad: q (2, 4, 5, 8) has Hq = 4 and batch (2,);
+# the packed q (6, 4, 8) Hq = 4 and no batch dims.
+OPTION_OPS = MASK_OPS + VARLEN_OPS
+KERNEL_OPS = ["attention_forward", "attention_backward"] + VARLEN_OPS[1:]
+SCORE_OPTIONS = {
+    # window: two ints, each -1 (unbounded) or more.
+    "window-three-ints": ({"window": (1, 2, 3)}, T, ["window"]),
+    "window-one-int": ({"window": 3}, T, ["window"]),
+    "window-float": ({"window": (1.5, 0)}, T, ["window"]),
+    "window-left--2": ({"window": (-2, 0)}, V, ["window", "-2"]),
+    "window-right--5": ({"window": (4, -5)}, V, ["window", "-5"]),
+    # softcap: finite and positive.
+    "softcap-0": ({"softcap": 0.0}, V, ["softcap", "0"]),
+    "softcap--1.5": ({"softcap": -1.5}, V, ["softcap", "-1.5"]),
+    "softcap-nan": ({"softcap": math.nan}, V, ["softcap", "nan"]),
+    "softcap-inf": ({"softcap": math.inf}, V, ["softcap", "inf"]),
+    # sinks: (Hq,) in q's dtype or float32, on q's device.
+    "sinks-short": ({"sinks": z(3)}, V, ["sinks", "sinks.shape=[3]"]),
+    "sinks-per-batch": ({"sinks": z(2, 4)}, V, ["sinks", "sinks.shape=[2, 4]"]),
+    "sinks-0d": ({"sinks": z()}, V, ["sinks", "sinks.shape=[]"]),
+    "sinks-float64": ({"sinks": z(4, dtype=torch.float64)}, T, ["sinks", "sinks.dtype=Double"]),
+    "sinks-float16": ({"sinks": z(4, dtype=torch.float16)}, T, ["sinks", "sinks.dtype=Half"]),
+    "sinks-int64": ({"sinks": z(4, dtype=torch.int64)}, T, ["sinks", "sinks.dtype=Long"]),
+    "sinks-meta": ({"sinks": z(4, device="meta")}, V, ["sinks", "sinks.device=meta"]),
+    # alibi_slopes: float32 (Hq,) or (*batch, Hq), on q's device.
+    "alibi-short": ({"alibi_slopes": z(3)}, V, ["alibi_slopes", "alibi_slopes.shape=[3]"]),
+    "alibi-heads-1": ({"alibi_slopes": z(1)}, V, ["alibi_slopes", "alibi_slopes.shape=[1]"]),
+    "alibi-float64": ({"alibi_slopes": z(4, dtype=torch.float64)}, T,
+                      ["alibi_slopes", "alibi_slopes.dtype=Double"]),
+    "alibi-bfloat16": ({"alibi_slopes": z(4, dtype=torch.bfloat16)}, T,
+                       ["alibi_slopes", "alibi_slopes.dtype=BFloat16"]),
+    "alibi-meta": ({"alibi_slopes": z(4, device="meta")}, V,
+                   ["alibi_slopes", "alibi_slopes.device=meta"]),
+    # dropout_p in [0, 1).
+    "dropout-1": ({"dropout_p": 1.0}, V, ["dropout_p", "1"]),
+    "dropout-1.5": ({"dropout_p": 1.5}, V, ["dropout_p", "1.5"]),
+    "dropout--0.1": ({"dropout_p": -0.1}, V, ["dropout_p", "-0.1"]),
+    "dropout-nan": ({"dropout_p": math.nan}, V, ["dropout_p", "nan"]),
+}
+for case, (bad, error, needles) in SCORE_OPTIONS.items():
+    for requires_grad in (False, True):
+        for function in OPTION_OPS:
+            row(case, function, error, [f"causal_attention.{function}: ", *needles],
+                requires_grad, **through(function, bad))
+# ALiBi's (*batch, Hq) slopes follow the dense q's leading dims.
+for case, slopes, shown in [
+    ("alibi-batch-3", z(3, 4), "alibi_slopes.shape=[3, 4]"),
+    ("alibi-batch-keepdim", z(2, 4, 1), "alibi_slopes.shape=[2, 4, 1]"),
+    ("alibi-heads-first", z(4, 2), "alibi_slopes.shape=[4, 2]"),
+]:
+    rows_for(MASK_OPS, case, V, ["alibi_slopes", shown], alibi_slopes=slopes)
+# Packed q's slopes are (Hq,) or (N, Hq), one row per sequence (N = 2 here).
+rows_for(VARLEN_OPS, "alibi-sequences-3", V, ["alibi_slopes", "alibi_slopes.shape=[3, 4]"],
+         alibi_slopes=z(3, 4))
+# The sinks' dtype is q's or float32: bfloat16 sinks with float32 q are neither.
+rows_for(OPTION_OPS, "sinks-bfloat16-for-float32", T, ["sinks.dtype=BFloat16"],
+         sinks=z(4, dtype=torch.bfloat16))
+# The kernel ops take dropout's seed as a tensor, required with dropout.
+for function in KERNEL_OPS:
+    row("dropout-without-seed", function, V, [f"causal_attention.{function}: ", "dropout_seed"],
+        **through(function, {"dropout_p": 0.5}))
+
 # Tensors that are not dense: NotImplementedError naming the argument, as torch's dispatcher
 # raises for a layout without a kernel. (Before, a nested tensor failed with "NestedTensorImpl
 # doesn't support sizes" or "Given dimension -2 is irregular", a sparse one past the op's checks
@@ -771,6 +858,39 @@ def test_the_valid_call_the_table_spoils_succeeds(function, requires_grad):
 @pytest.mark.parametrize("function", MASK_OPS)
 def test_the_valid_call_succeeds_with_a_key_mask(function, key_mask):
     call(function, {"key_mask": key_mask}, requires_grad=True)
+
+
+def _every_option(function, dtype):
+    """Valid values of every score option for ``function``'s valid call with q in ``dtype``."""
+    sinks_dtype = torch.float32 if dtype == torch.float32 else dtype
+    options = {
+        "window": (3, 1),
+        "softcap": 5.0,
+        "alibi_slopes": z(2, 4) if function in MASK_OPS else z(4),
+        "sinks": z(4, dtype=sinks_dtype),
+        "dropout_p": 0.25,
+    }
+    if function in KERNEL_OPS:
+        options["dropout_seed"] = torch.tensor([1, 2], dtype=torch.int64)
+    else:
+        options["generator"] = torch.Generator().manual_seed(0)
+    return options
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["", "grad"])
+@pytest.mark.parametrize("function", OPTION_OPS)
+def test_the_valid_call_succeeds_with_every_option(function, requires_grad, dtype):
+    """Including float32 sinks with bfloat16 q, and (*batch, Hq) ALiBi slopes."""
+    valid = FUNCTIONS[function][0]()
+    tensors = {
+        name: valid[name].to(dtype)
+        for name in ("q", "k", "v", "grad_out", "out")
+    }
+    bad = through(function, {**tensors, **_every_option(function, dtype)})
+    call(function, bad, requires_grad)
+    if dtype != torch.float32:
+        call(function, {**bad, "sinks": z(4)}, requires_grad)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """torch.compile of the small GPT (causal_attention.models.GPT) with fullgraph=True, static and
 dynamic=True: no graph break, and the forward and a training step (through our backward op)
-match eager. Then the ops with a key mask and on packed sequences (varlen_attention): compiled
-with fullgraph=True, forward and backward match eager and the graphs call our forward and
-backward ops; torch.export traces them and the exported programs match eager. Everything is tiny
-and compiled as few times as the checks allow, compilation being slow."""
+match eager. Then the ops with a key mask, on packed sequences (varlen_attention) and with every
+score option: compiled with fullgraph=True, forward and backward match eager and the graphs call
+our forward and backward ops; torch.export traces them and the exported programs match eager;
+dropout compiled draws what eager draws. Everything is tiny and compiled as few times as the
+checks allow, compilation being slow."""
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ from torch.export import Dim
 import causal_attention
 from attention_testing import (
     RESULT_NAMES,
+    SINK_RESULT_NAMES,
     Case,
     Packed,
+    ScoreOptions,
     assert_bitwise_equal,
     forward_and_grads,
     make_key_mask,
@@ -136,11 +139,44 @@ def packed_call():
     return packed_attention, args, make_tensor(PACKED.out_shape, torch.float32)
 
 
-CALLS = [pytest.param(masked_call, id="key_mask"), pytest.param(packed_call, id="varlen")]
+# Every score option at once, on the masked call's shapes: the slopes and the sinks are inputs
+# of the graph (the sinks differentiable), the window and the softcap constants.
+def options_attention(q, k, v, key_mask, alibi_slopes, sinks):
+    return causal_attention.attention(
+        q,
+        k,
+        v,
+        key_mask=key_mask,
+        window=(4, 1),
+        softcap=3.0,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
+
+
+def options_call():
+    q, k, v = MASKED.inputs(torch.float32, requires_grad=True)
+    options = ScoreOptions(alibi="batch", sinks="q", key_mask="one-all-false")
+    kwargs = options.for_case(MASKED, torch.float32)
+    args = (q, k, v, kwargs["key_mask"], kwargs["alibi_slopes"], kwargs["sinks"])
+    return options_attention, args, make_tensor(MASKED.out_shape, torch.float32)
+
+
+CALLS = [
+    pytest.param(masked_call, id="key_mask"),
+    pytest.param(packed_call, id="varlen"),
+    pytest.param(options_call, id="score-options"),
+]
 
 
 def forward_backward(function, args, grad_out):
-    """(out, dq, dk, dv) of ``function(q, k, v, *rest)`` for ``args = (q, k, v, *rest)``."""
+    """(out, dq, dk, dv) of ``function(q, k, v, *rest)`` for ``args = (q, k, v, *rest)``, and
+    the gradient of a last argument that requires grad (the sinks) after them."""
+    if len(args) > 3 and isinstance(args[-1], torch.Tensor) and args[-1].requires_grad:
+        sinks = args[-1].detach().requires_grad_(True)
+        leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+        out = function(*leaves, *args[3:-1], sinks)
+        return (out.detach(),) + torch.autograd.grad(out, leaves + [sinks], grad_out)
     return forward_and_grads(function, args[:3], grad_out, *args[3:])
 
 
@@ -150,7 +186,8 @@ def test_compiled_op_forward_and_backward_match_eager(make_call):
     compiled = torch.compile(function, fullgraph=True)
     expected = forward_backward(function, args, grad_out)
     got = forward_backward(compiled, args, grad_out)
-    for name, a, b in zip(RESULT_NAMES, got, expected):
+    assert len(got) == len(expected)
+    for name, a, b in zip(SINK_RESULT_NAMES, got, expected):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 
 
@@ -160,6 +197,9 @@ def test_compiled_op_forward_and_backward_match_eager(make_call):
         pytest.param(masked_call, "attention_forward", "attention_backward", id="key_mask"),
         pytest.param(
             packed_call, "varlen_attention_forward", "varlen_attention_backward", id="varlen"
+        ),
+        pytest.param(
+            options_call, "attention_forward", "attention_backward", id="score-options"
         ),
     ],
 )
@@ -186,11 +226,17 @@ class PackedAttention(nn.Module):
         return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
+class OptionsAttention(nn.Module):
+    def forward(self, q, k, v, key_mask, alibi_slopes, sinks):
+        return options_attention(q, k, v, key_mask, alibi_slopes, sinks)
+
+
 @pytest.mark.parametrize(
     "module,make_call,op",
     [
         pytest.param(MaskedAttention, masked_call, "attention", id="key_mask"),
         pytest.param(PackedAttention, packed_call, "varlen_attention", id="varlen"),
+        pytest.param(OptionsAttention, options_call, "attention", id="score-options"),
     ],
 )
 def test_exported_op_matches_eager(module, make_call, op):
@@ -222,6 +268,26 @@ def test_exported_key_mask_attention_runs_at_other_shapes():
         key_mask = make_key_mask(shape.key_mask_shape, "holes")
         expected = masked_attention(q, k, v, key_mask)
         assert torch.equal(exported.module()(q, k, v, key_mask), expected)
+
+
+def dropout_attention(q, k, v):
+    return causal_attention.attention(q, k, v, window=(5, 0), dropout_p=0.3)
+
+
+def test_compiled_dropout_draws_what_eager_draws():
+    """Dropout from the default generator, compiled with fullgraph=True (through AOT autograd,
+    without Inductor's own random numbers): in the same generator state the compiled call
+    drops what the eager one drops, gradients included, and advances the generator as much."""
+    compiled = torch.compile(dropout_attention, backend="aot_eager", fullgraph=True)
+    q, k, v = MASKED.inputs(torch.float32, requires_grad=True)
+    grad_out = make_tensor(MASKED.out_shape, torch.float32)
+    results = []
+    for function in (dropout_attention, compiled):
+        torch.manual_seed(5)
+        results.append(forward_and_grads(function, (q, k, v), grad_out))
+        results.append(torch.randint(0, 2**30, (1,)))
+    assert_bitwise_equal(results[0], results[2])
+    assert torch.equal(results[1], results[3]), "the generators ended in other states"
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

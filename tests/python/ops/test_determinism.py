@@ -1,5 +1,6 @@
 """Bitwise reproducibility across thread counts and repeated calls (with and without a key mask,
-and on packed sequences), and proof that two threads really share the work."""
+on packed sequences, with every score option and dropout), and proof that two threads really
+share the work."""
 
 import json
 import os
@@ -14,6 +15,7 @@ from attention_testing import (
     DTYPE_IDS,
     Case,
     Packed,
+    ScoreOptions,
     assert_bitwise_equal,
     forward_and_grads,
     make_key_mask,
@@ -143,6 +145,71 @@ def test_varlen_bitwise_equal_for_one_and_two_threads(packed, dtype, restore_num
     two = _on_threads(2, varlen, inputs, grad_out, *lengths)
     assert_bitwise_equal(one, two)
     assert_bitwise_equal(two, _on_threads(2, varlen, inputs, grad_out, *lengths))
+
+
+# --- every score option ----------------------------------------------------------------------
+
+# (case, dtype, options): many blocks with a window that skips some and cuts others, the tiled
+# forward with key splits, decoding with key splits, the one-pass backward; with softcap, ALiBi,
+# sinks (whose gradient sums over every row) and dropout (a generator seeded afresh per call).
+EVERY_OPTION = ScoreOptions(window=(200, 30), softcap=4.0, alibi="batch", sinks="q")
+OPTION_CASES = [
+    pytest.param(Case(700, 700, 64, hq=2, hkv=2), torch.float32, EVERY_OPTION, id="L700-f32"),
+    pytest.param(
+        Case(1100, 1500, 32, hq=2, hkv=1),
+        torch.bfloat16,
+        ScoreOptions(window=(-1, 40), softcap=4.0, alibi="heads", sinks="float32"),
+        id="tiles-split-bf16",
+    ),
+    pytest.param(
+        Case(16, 3000, 64, hq=4, hkv=2, batch=(2,)),
+        torch.float32,
+        ScoreOptions(window=(1500, 0), alibi="batch", sinks="q", key_mask="holes"),
+        id="decode-split-key-mask",
+    ),
+    pytest.param(
+        Case(300, 300, 64, hq=8, hkv=4, batch=(2,)), torch.float64, EVERY_OPTION, id="one-pass-f64"
+    ),
+]
+
+
+def _with_dropout(q, k, v, **kwargs):
+    generator = torch.Generator().manual_seed(2024)
+    return causal_attention.attention(q, k, v, dropout_p=0.2, generator=generator, **kwargs)
+
+
+@pytest.mark.parametrize("case,dtype,options", OPTION_CASES)
+def test_every_option_bitwise_equal_for_one_and_two_threads(
+    case, dtype, options, restore_num_threads
+):
+    inputs, grad_out = _inputs(case, dtype)
+    kwargs = options.for_case(case, dtype)
+    one = _on_threads(1, _with_dropout, inputs, grad_out, **kwargs)
+    two = _on_threads(2, _with_dropout, inputs, grad_out, **kwargs)
+    assert len(one) == 5  # dsinks too
+    assert_bitwise_equal(one, two)
+    assert_bitwise_equal(two, _on_threads(2, _with_dropout, inputs, grad_out, **kwargs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_varlen_every_option_bitwise_equal_for_one_and_two_threads(dtype, restore_num_threads):
+    packed = Packed((700, 5, 0, 300, 16), (700, 5, 9, 300, 1100), 64, hq=8, hkv=4)
+    inputs = packed.inputs(dtype, requires_grad=True)
+    grad_out = make_tensor(packed.out_shape, dtype)
+    lengths = packed.lengths_args()
+    kwargs = ScoreOptions(window=(100, 10), softcap=4.0, alibi="heads", sinks="q").kwargs(
+        dtype, packed.hq
+    )
+
+    def varlen(q, k, v, **kw):
+        generator = torch.Generator().manual_seed(7)
+        return causal_attention.varlen_attention(
+            q, k, v, *lengths, dropout_p=0.2, generator=generator, **kw
+        )
+
+    one = _on_threads(1, varlen, inputs, grad_out, **kwargs)
+    two = _on_threads(2, varlen, inputs, grad_out, **kwargs)
+    assert_bitwise_equal(one, two)
 
 
 # --- two threads share the work -------------------------------------------------------------

@@ -1,13 +1,14 @@
 """torch.library.opcheck (schema, autograd registration, FakeTensor/Meta, AOT dispatch with
 dynamic shapes) of the operators: attention, attention_forward and attention_backward, without
 and with a key mask, and varlen_attention, varlen_attention_forward and
-varlen_attention_backward."""
+varlen_attention_backward; then with the score options (window, softcap, ALiBi, sinks, and
+dropout through the kernel ops' dropout_seed)."""
 
 import pytest
 import torch
 
 import causal_attention  # noqa: F401  (loads the ops)
-from attention_testing import Case, Packed, make_key_mask
+from attention_testing import Case, Packed, ScoreOptions, make_key_mask
 
 OPS = torch.ops.causal_attention
 
@@ -159,3 +160,111 @@ def test_opcheck_varlen_attention_backward(packed, dtype, scale):
     out, lse = OPS.varlen_attention_forward(q, k, v, *lengths, scale)
     args = (torch.randn_like(out), q, k, v, out, lse) + lengths + (scale,)
     _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_backward.default, args))
+
+
+# --- score options (issue 14) ------------------------------------------------------------------
+
+# (case, dtype, options): every option, alone and together, sinks in q's dtype and in float32
+# (with bfloat16 q), slopes (Hq,) and (*batch, Hq), rows without keys (Lq > Lk). Each sample
+# runs once, with inputs that require grad (the autograd registration is checked only then),
+# opcheck being slow.
+OPTION_SAMPLES = [
+    pytest.param(
+        Case(8, 8, 4, hq=4, hkv=2), torch.float32, ScoreOptions(window=(3, 1)), id="window"
+    ),
+    pytest.param(
+        Case(9, 5, 4, hq=2, hkv=1), torch.float64, ScoreOptions(softcap=2.0), id="softcap-f64"
+    ),
+    pytest.param(
+        Case(6, 7, 4, hq=2, hkv=2, batch=(2,), layout="transposed"),
+        torch.float32,
+        ScoreOptions(alibi="batch", sinks="q"),
+        id="alibi-batch-sinks",
+    ),
+    pytest.param(
+        Case(7, 7, 4, dv=3, hq=2, hkv=1, batch=(2,)),
+        torch.bfloat16,
+        ScoreOptions(window=(2, 0), softcap=3.0, alibi="heads", sinks="float32", key_mask="holes"),
+        id="all-bf16-sinks-f32",
+    ),
+]
+# The kernel entries: every option together, without and with dropout (its seed a tensor: the
+# public ops' generator would draw another mask at each of opcheck's calls).
+KERNEL_SAMPLES = [
+    pytest.param(*OPTION_SAMPLES[3].values, 0.0, id="all-bf16"),
+    pytest.param(*OPTION_SAMPLES[2].values, 0.3, id="alibi-batch-sinks-dropout"),
+]
+DROPOUT_SEED = torch.tensor([123, 4], dtype=torch.int64)
+
+
+def _option_kwargs(case, dtype, options, requires_grad=False, dropout_p=0.0):
+    """The op's keyword arguments; with dropout, the kernel ops' (dropout_p, dropout_seed)."""
+    kwargs = options.for_case(case, dtype)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(requires_grad)
+    if dropout_p > 0:
+        kwargs.update(dropout_p=dropout_p, dropout_seed=DROPOUT_SEED)
+    return kwargs
+
+
+@pytest.mark.parametrize("case,dtype,options", OPTION_SAMPLES)
+def test_opcheck_attention_with_score_options(case, dtype, options):
+    q, k, v = case.inputs(dtype, requires_grad=True)
+    kwargs = _option_kwargs(case, dtype, options, requires_grad=True)
+    _assert_all_pass(torch.library.opcheck(OPS.attention.default, (q, k, v), kwargs))
+
+
+@pytest.mark.parametrize("case,dtype,options,dropout_p", KERNEL_SAMPLES)
+def test_opcheck_attention_forward_with_score_options(case, dtype, options, dropout_p):
+    q, k, v = case.inputs(dtype, requires_grad=True)
+    kwargs = _option_kwargs(case, dtype, options, True, dropout_p)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_forward.default, (q, k, v, 0.5), kwargs))
+
+
+@pytest.mark.parametrize("case,dtype,options,dropout_p", KERNEL_SAMPLES)
+def test_opcheck_attention_backward_with_score_options(case, dtype, options, dropout_p):
+    q, k, v = case.inputs(dtype)
+    kwargs = _option_kwargs(case, dtype, options, dropout_p=dropout_p)
+    out, lse = OPS.attention_forward(q, k, v, 0.5, **kwargs)
+    args = (torch.randn_like(out), q, k, v, out, lse, 0.5)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_backward.default, args, kwargs))
+
+
+def test_opcheck_attention_weights_with_score_options():
+    case, dtype, options = OPTION_SAMPLES[3].values
+    q, k, v = case.inputs(dtype, requires_grad=True)
+    kwargs = _option_kwargs(case, dtype, options, requires_grad=True)
+    # As test_attention_weights.py's opcheck: aot_dispatch is torch.export's (test_compile.py).
+    torch.library.opcheck(
+        OPS.attention_weights.default,
+        (q, k, v),
+        kwargs,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+# Rows without keys, an empty sequence, GQA and Dv != D, with every option but the key mask.
+VARLEN_OPTION_PACKED = Packed((2, 0, 7), (9, 2, 5), 4, dv=3, hq=4, hkv=2)
+VARLEN_OPTIONS = ScoreOptions(window=(3, 0), softcap=2.0, alibi="heads", sinks="float32")
+
+
+def test_opcheck_varlen_attention_with_score_options():
+    packed = VARLEN_OPTION_PACKED
+    args = packed.inputs(torch.float64, requires_grad=True) + packed.lengths_args()
+    kwargs = VARLEN_OPTIONS.kwargs(torch.float64, packed.hq)
+    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention.default, args, kwargs))
+
+
+def test_opcheck_varlen_kernels_with_score_options_and_dropout():
+    packed = VARLEN_OPTION_PACKED
+    q, k, v = packed.inputs(torch.float32)
+    lengths = packed.lengths_args()
+    kwargs = VARLEN_OPTIONS.kwargs(torch.float32, packed.hq)
+    kwargs.update(sinks=kwargs["sinks"].detach(), dropout_p=0.3, dropout_seed=DROPOUT_SEED)
+    forward_args = (q, k, v) + lengths + (0.5,)
+    _assert_all_pass(
+        torch.library.opcheck(OPS.varlen_attention_forward.default, forward_args, kwargs)
+    )
+    out, lse = OPS.varlen_attention_forward(*forward_args, **kwargs)
+    args = (torch.randn_like(out), q, k, v, out, lse) + lengths + (0.5,)
+    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_backward.default, args, kwargs))

@@ -1,7 +1,8 @@
 """varlen_attention (packed sequences, FlashAttention's layout): each sequence's out, lse and
 gradients are those of attention() called on that sequence alone (within round-off) and of the
-float64 reference; the padded batch given to SDPA with the equivalent boolean mask bounds the
-error by FlashAttention's twice-SDPA's-error rule; empty sequences, rows without keys, chunks
+float64 reference, also with the score options (window, softcap, ALiBi, sinks) per sequence; the
+padded batch given to SDPA with the equivalent boolean mask bounds the error by FlashAttention's
+twice-SDPA's-error rule; empty sequences, rows without keys, chunks
 against a cache, single tokens, decoding and long sequences; sequences never see each other;
 random lengths under hypothesis."""
 
@@ -18,9 +19,11 @@ from attention_testing import (
     DTYPES,
     RESULT_NAMES,
     Packed,
+    ScoreOptions,
     abs_magnitudes,
     assert_close_to_reference,
     default_scale,
+    dsinks_tolerance,
     dtype_params,
     float64_reference,
     logit_l1,
@@ -56,16 +59,18 @@ CONFIGS = [
 SDPA_CONFIGS = [p for p in CONFIGS if p.values[0].max_seqlen_k > 0]
 
 
-def _run(packed: Packed, inputs, grad_out, max_extra: int = 0):
-    """varlen_attention forward and backward, and the forward op's lse: (out, (dq, dk, dv),
-    lse)."""
+def _run(packed: Packed, inputs, grad_out, max_extra: int = 0, **options):
+    """varlen_attention forward and backward with the score options ``options`` (window,
+    softcap, alibi_slopes, sinks), and the forward op's lse: (out, (dq, dk, dv), lse), and dsinks
+    after dv with sinks."""
     cu_q, cu_k, max_q, max_k = packed.lengths_args()
     out = causal_attention.varlen_attention(
-        *inputs, cu_q, cu_k, max_q + max_extra, max_k + max_extra
+        *inputs, cu_q, cu_k, max_q + max_extra, max_k + max_extra, **options
     )
-    grads = torch.autograd.grad(out, inputs, grad_out)
+    sinks = options.get("sinks")
+    grads = torch.autograd.grad(out, list(inputs) + ([] if sinks is None else [sinks]), grad_out)
     _, lse = causal_attention.varlen_attention_forward(
-        *(t.detach() for t in inputs), cu_q, cu_k, max_q, max_k, default_scale(packed.d)
+        *(t.detach() for t in inputs), cu_q, cu_k, max_q, max_k, default_scale(packed.d), **options
     )
     return out.detach(), grads, lse
 
@@ -74,11 +79,13 @@ def _fresh(packed: Packed, dtype):
     return packed.inputs(dtype, requires_grad=True), make_tensor(packed.out_shape, dtype)
 
 
-def assert_matches_sequences_alone(packed: Packed, dtype, inputs, grad_out):
-    """Each sequence of the packed call against attention() on it alone (within twice the
-    round-off bound: both are within it of the exact result) and against the float64 reference
-    (within the bound); lse against attention_forward's."""
-    out, (dq, dk, dv), lse = _run(packed, inputs, grad_out)
+def assert_matches_sequences_alone(packed: Packed, dtype, inputs, grad_out, **options):
+    """Each sequence of the packed call against attention() on it alone with the same score
+    options (within twice the round-off bound: both are within it of the exact result) and
+    against the float64 reference (within the bound); lse against attention_forward's; with
+    sinks, dsinks against the sum over the sequences of theirs."""
+    out, grads, lse = _run(packed, inputs, grad_out, **options)
+    dq, dk, dv = grads[:3]
     assert out.shape == packed.out_shape and out.dtype == dtype
     assert lse.shape == (packed.hq, packed.total_q)
     packed_parts = {
@@ -93,16 +100,26 @@ def assert_matches_sequences_alone(packed: Packed, dtype, inputs, grad_out):
     )
     g_parts = packed.split(grad_out, keys=False)
     scale = default_scale(packed.d)
+    sinks = options.get("sinks")
+    summed = {"alone": 0, "exact": 0, "peak": 0.0, "tolerance": 0.0}
+    slopes = options.get("alibi_slopes")
     for i, (lq, lk) in enumerate(zip(packed.lengths_q, packed.lengths_k)):
         part = [t[i].detach().requires_grad_(True) for t in (q_parts, k_parts, v_parts)]
-        alone = causal_attention.attention(*part)
-        alone_grads = torch.autograd.grad(alone, part, g_parts[i])
-        _, alone_lse = causal_attention.attention_forward(*part, scale)
-        ref = float64_reference(*part, scale, g_parts[i])
-        peaks = abs_magnitudes(*part, scale, ref.probs, g_parts[i])
+        wrt = part + ([] if sinks is None else [sinks])
+        own = dict(options)
+        if slopes is not None and slopes.dim() == 2:
+            own["alibi_slopes"] = slopes[i]  # (N, Hq): each sequence's own slopes
+        alone = causal_attention.attention(*part, **own)
+        alone_grads = torch.autograd.grad(alone, wrt, g_parts[i])
+        _, alone_lse = causal_attention.attention_forward(*part, scale, **own)
+        ref = float64_reference(*part, scale, g_parts[i], **own)
+        peaks = abs_magnitudes(
+            *part, scale, ref.probs, g_parts[i], undropped=ref.undropped, sink_probs=ref.sink_probs
+        )
         sum_length = lq + lk + packed.d + packed.value_dim
-        tolerance = roundoff_tolerance(dtype, packed.d, sum_length, logit_l1(*part[:2], scale))
-        singles = (alone.detach(),) + alone_grads
+        l1 = logit_l1(*part[:2], scale, ref.logit_shift)
+        tolerance = roundoff_tolerance(dtype, packed.d, sum_length, l1)
+        singles = (alone.detach(),) + alone_grads[:3]
         for name, single, exact in zip(RESULT_NAMES, singles, (ref.out,) + ref.grads):
             ours, peak = packed_parts[name][i], peaks[name]
             assert ours.shape == single.shape, f"{name}[{i}]"
@@ -114,6 +131,21 @@ def assert_matches_sequences_alone(packed: Packed, dtype, inputs, grad_out):
         if finite.any():
             error = (to64(ours_lse) - to64(alone_lse))[finite].abs().max().item()
             assert error <= 2 * tolerance * (1 + alone_lse[finite].abs().max().item()), f"lse[{i}]"
+        if sinks is not None:
+            summed["alone"] = summed["alone"] + to64(alone_grads[3])
+            summed["exact"] = summed["exact"] + ref.dsinks
+            summed["peak"] += peaks["dsinks"]
+            # dsinks sums over every row of every sequence.
+            rows_tolerance = dsinks_tolerance(
+                dtype, sinks.dtype, packed.d, sum_length + packed.total_q, l1
+            )
+            summed["tolerance"] = max(summed["tolerance"], rows_tolerance)
+    if sinks is not None:
+        dsinks = grads[3]
+        assert dsinks.shape == sinks.shape and dsinks.dtype == sinks.dtype
+        peak, tolerance = summed["peak"], summed["tolerance"]
+        assert_close_to_reference("dsinks", dsinks, summed["exact"], peak, tolerance)
+        assert_close_to_reference("dsinks vs alone", dsinks, summed["alone"], peak, 2 * tolerance)
 
 
 @pytest.mark.parametrize("dtype", dtype_params())
@@ -141,6 +173,29 @@ def test_matches_sdpa_on_the_padded_batch_within_twice_its_error(packed, dtype):
     same = unpadded(sdpa_reference(*padded, padded_grad, visible=visible))
     failures = twice_sdpa_error_failures(RESULT_NAMES, (out,) + grads, same, ref)
     assert not failures, "; ".join(failures)
+
+
+# The score options per sequence: a window (bottom-right aligned in each sequence, so a chunk
+# against its cache sees the cache's last keys), softcap, ALiBi (distances within the sequence)
+# and sinks (each sequence's rows share them, their gradient sums over all).
+VARLEN_OPTIONS = {
+    "sliding": ScoreOptions(window=(10, 0)),
+    "window-both-sides": ScoreOptions(window=(20, 3)),
+    "alibi-sinks": ScoreOptions(alibi="heads", sinks="q"),
+    # Slopes (N, Hq): one row per sequence.
+    "all": ScoreOptions(window=(30, 2), softcap=2.0, alibi="batch", sinks="float32"),
+}
+# An empty sequence, decoding with key splits, rows without keys, a chunk against its cache.
+OPTION_CONFIGS = [CONFIGS[i] for i in (0, 2, 4, 5)]
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("name", VARLEN_OPTIONS)
+@pytest.mark.parametrize("packed", OPTION_CONFIGS)
+def test_each_sequence_is_attention_on_it_alone_with_score_options(packed, name, dtype):
+    sequences = (len(packed.lengths_q),)
+    options = VARLEN_OPTIONS[name].kwargs(dtype, packed.hq, batch=sequences)
+    assert_matches_sequences_alone(packed, dtype, *_fresh(packed, dtype), **options)
 
 
 EMPTY_ROW_CONFIGS = [
