@@ -120,8 +120,17 @@ def attention_forward(
     ``sinks``; ``lse`` is not. The options are :func:`attention`'s; ``dropout_seed`` is the int64
     ``(2,)`` tensor ``(seed, offset)`` of the dropout mask, required when ``dropout_p > 0``."""
     return torch.ops.causal_attention.attention_forward(
-        q, k, v, scale, key_mask, _window("attention_forward", window), softcap, alibi_slopes, sinks, dropout_p,
-        dropout_seed
+        q,
+        k,
+        v,
+        scale,
+        key_mask,
+        _window("attention_forward", window),
+        softcap,
+        alibi_slopes,
+        sinks,
+        dropout_p,
+        dropout_seed,
     )
 
 
@@ -145,8 +154,20 @@ def attention_backward(
     called with the forward's options; ``dsinks`` ``(Hq,)`` in the sinks' dtype (empty ``(0,)``
     without sinks). Not differentiable itself (double backward raises)."""
     return torch.ops.causal_attention.attention_backward(
-        grad_out, q, k, v, out, lse, scale, key_mask, _window("attention_backward", window), softcap, alibi_slopes,
-        sinks, dropout_p, dropout_seed
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale,
+        key_mask,
+        _window("attention_backward", window),
+        softcap,
+        alibi_slopes,
+        sinks,
+        dropout_p,
+        dropout_seed,
     )
 
 
@@ -270,8 +291,20 @@ def varlen_attention_forward(
     varlen layout) in float32 (float64 for float64 inputs); options as
     :func:`attention_forward`'s."""
     return torch.ops.causal_attention.varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, _window("varlen_attention_forward", window),
-        softcap, alibi_slopes, sinks, dropout_p, dropout_seed
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        _window("varlen_attention_forward", window),
+        softcap,
+        alibi_slopes,
+        sinks,
+        dropout_p,
+        dropout_seed,
     )
 
 
@@ -297,6 +330,21 @@ def varlen_attention_backward(
     """The packed backward kernel: ``(dq, dk, dv, dsinks)`` from the forward's ``out`` and
     ``lse``, called with the forward's options."""
     return torch.ops.causal_attention.varlen_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-        _window("varlen_attention_backward", window), softcap, alibi_slopes, sinks, dropout_p, dropout_seed
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        _window("varlen_attention_backward", window),
+        softcap,
+        alibi_slopes,
+        sinks,
+        dropout_p,
+        dropout_seed,
     )
