@@ -19,7 +19,6 @@ blocked_autorange medians, at --threads threads;
 """
 
 import itertools
-import json
 import random
 
 import torch
@@ -27,10 +26,9 @@ import torch.nn.functional as F
 
 import causal_attention
 
-from .cases import DTYPES, MODES
+from .cases import MODES
 from .cli import common_parser
-from .limits import cpu_environment
-from .timing import interleaved_median, timer
+from .sections import leaf, run_sections, step
 
 SECTIONS = ("mask", "leftpad", "packed")
 
@@ -56,29 +54,6 @@ def parse_args(argv=None):
         args.lengths, args.batch, args.heads = [128], 2, 2
         args.packed_count, args.packed_lengths = 3, [16, 200]
     return args
-
-
-def step(attend, tensors, pass_name):
-    """A callable running one forward (and backward) of attend(*tensors), which returns a
-    tensor or a list of them."""
-    if pass_name == "fwd":
-        return lambda: attend(*tensors)
-    leaves = [t for t in tensors if t.requires_grad]
-
-    def forward_backward():
-        outs = attend(*tensors)
-        outs = outs if isinstance(outs, list) else [outs]
-        torch.autograd.grad(outs, leaves, [torch.ones_like(out) for out in outs])
-
-    return forward_backward
-
-
-def leaf(*shape, dtype):
-    return torch.randn(*shape, dtype=dtype).requires_grad_()
-
-
-# Each case yields its name, the callables to time (by label) and its ratios (name: (numerator
-# label, denominator label)); main times the callables in interleaved rounds.
 
 
 def mask_cases(args, dtype, pass_name):
@@ -147,29 +122,7 @@ CASES = {"mask": mask_cases, "leftpad": leftpad_cases, "packed": packed_cases}
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-
-    rows = []
-    for section, dtype_name, pass_name in itertools.product(args.only, args.dtypes, args.passes):
-        for case, fns, ratios in CASES[section](args, DTYPES[dtype_name], pass_name):
-            seconds = interleaved_median({label: timer(fn, args.threads)
-                                          for label, fn in fns.items()},
-                                         args.rounds, args.min_run_time)
-            row = {"section": section, "dtype": dtype_name, "pass": pass_name, "case": case,
-                   **{f"{label}_s": value for label, value in seconds.items()},
-                   **{name: seconds[num] / seconds[den] for name, (num, den) in ratios.items()}}
-            rows.append(row)
-            shown = {name: round(row[name], 3) for name in ratios}
-            print(f"{section:8} {dtype_name:9} {pass_name:4} {case:44} {shown}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = cpu_environment()
-    machine = {"cpu": env["cpu_model"], "threads": args.threads, "torch": env["torch"],
-               "capability": env["torch_cpu_capability"]}
-    args.out.write_text(json.dumps({"machine": machine, "args": vars(args) | {"out": str(args.out)},
-                                    "rows": rows}, indent=1))
-    print(f"wrote {args.out}")
+    run_sections(parse_args(argv), CASES)
 
 
 if __name__ == "__main__":

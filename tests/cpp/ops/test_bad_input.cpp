@@ -1,10 +1,11 @@
 // Bad input, from C++: one table of malformed calls of every public entry point (attention,
-// attention_forward, attention_backward, attention_weights; with and without inputs that require
-// grad), a GoogleTest case per row. Each must throw exactly the documented c10::ValueError (shapes,
-// devices, scale), c10::TypeError (undefined tensors, dtypes) or c10::NotImplementedError (nested
-// and sparse tensors) with a message naming the op and the offending argument and showing what was
-// seen. Then what is not a row: the valid call the table spoils, scales finite in the accumulation
-// dtype, and the refused double backward. scripts/sanitize.sh runs it under ASan and UBSan.
+// attention_forward, attention_backward, attention_weights, varlen_attention for the score
+// options; with and without inputs that require grad), a GoogleTest case per row. Each must throw
+// exactly the documented c10::ValueError (shapes, devices, scale), c10::TypeError (undefined
+// tensors, dtypes) or c10::NotImplementedError (nested and sparse tensors) with a message naming
+// the op and the offending argument and showing what was seen. Then what is not a row: the valid
+// call the table spoils, scales finite in the accumulation dtype, and the refused double backward.
+// scripts/sanitize.sh runs it under ASan and UBSan.
 #include "../attention_test_utils.h"
 
 #include <ATen/ATen.h>
@@ -108,6 +109,104 @@ void add_forward_rows(std::vector<BadCall>& rows, const std::string& name, Expec
 
 at::Tensor rand(std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat) {
   return torch::randn(shape, torch::kDouble).to(dtype);
+}
+
+// The score options of one call (ops.h), defaults unless a row spoils one.
+struct Options {
+  std::vector<int64_t> window = {-1, 0};
+  std::optional<double> softcap;
+  std::optional<at::Tensor> alibi_slopes, sinks;
+  double dropout_p = 0.0;
+  std::optional<at::Tensor> dropout_seed = torch::zeros({2}, torch::kLong);
+};
+
+// The valid call with `o` through every entry point that takes score options: attention (and
+// with inputs that require grad), attention_forward, attention_backward, attention_weights, and
+// varlen_attention on the valid call's rows packed as two sequences of 5 queries and 6 keys.
+void add_option_rows(std::vector<BadCall>& rows, const std::string& name, Expect expect,
+                     std::vector<const char*> needles, const Options& o) {
+  const Valid a;
+  const auto leaf = [](const at::Tensor& t) { return t.detach().requires_grad_(true); };
+  const auto packed = [](const at::Tensor& t) { return t.transpose(1, 2).flatten(0, 1); };
+  const at::Tensor cu_q = torch::tensor({0, 5, 10}, torch::kInt);
+  const at::Tensor cu_k = torch::tensor({0, 6, 12}, torch::kInt);
+  const std::pair<const char*, std::function<void()>> calls[] = {
+      {"attention",
+       [=] {
+         causal_attention::attention(a.q, a.k, a.v, std::nullopt, std::nullopt, o.window, o.softcap,
+                                     o.alibi_slopes, o.sinks, o.dropout_p);
+       }},
+      {"attention (grad)",
+       [=] {
+         causal_attention::attention(leaf(a.q), leaf(a.k), a.v, std::nullopt, std::nullopt,
+                                     o.window, o.softcap, o.alibi_slopes, o.sinks, o.dropout_p);
+       }},
+      {"forward",
+       [=] {
+         causal_attention::attention_forward(a.q, a.k, a.v, 0.5, std::nullopt, o.window, o.softcap,
+                                             o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed);
+       }},
+      {"backward",
+       [=] {
+         causal_attention::attention_backward(a.grad_out, a.q, a.k, a.v, a.out, a.lse, 0.5,
+                                              std::nullopt, o.window, o.softcap, o.alibi_slopes,
+                                              o.sinks, o.dropout_p, o.dropout_seed);
+       }},
+      {"weights",
+       [=] {
+         causal_attention::attention_weights(a.q, a.k, a.v, std::nullopt, std::nullopt, o.window,
+                                             o.softcap, o.alibi_slopes, o.sinks, o.dropout_p);
+       }},
+      {"varlen",
+       [=] {
+         // Per-sequence slopes are (N, Hq): a (batch, Hq) tensor of the dense call fits.
+         causal_attention::varlen_attention(packed(a.q), packed(a.k), packed(a.v), cu_q, cu_k, 5, 6,
+                                            std::nullopt, o.window, o.softcap, o.alibi_slopes,
+                                            o.sinks, o.dropout_p);
+       }},
+  };
+  for (const auto& [entry, call] : calls) {
+    rows.push_back({name + " " + entry, expect, needles, call});
+  }
+}
+
+void add_score_option_rows(std::vector<BadCall>& rows) {
+  using E = Expect;
+  const auto with = [](auto change) {
+    Options o;
+    change(o);
+    return o;
+  };
+  add_option_rows(rows, "window three entries", E::kValueError, {"window", "[4, 0, 1]"},
+                  with([](Options& o) {
+                    o.window = {4, 0, 1};
+                  }));
+  add_option_rows(rows, "window below -1", E::kValueError, {"window", ">= -1", "[-2, 0]"},
+                  with([](Options& o) {
+                    o.window = {-2, 0};
+                  }));
+  add_option_rows(rows, "softcap 0", E::kValueError, {"softcap", "> 0", "softcap=0"},
+                  with([](Options& o) { o.softcap = 0.0; }));
+  add_option_rows(rows, "softcap inf", E::kValueError, {"softcap", "finite", "softcap=inf"},
+                  with([](Options& o) { o.softcap = std::numeric_limits<double>::infinity(); }));
+  add_option_rows(rows, "slopes double", E::kTypeError, {"alibi_slopes", "float32", "Double"},
+                  with([](Options& o) { o.alibi_slopes = torch::ones({4}, torch::kDouble); }));
+  add_option_rows(rows, "slopes 3 heads", E::kValueError, {"alibi_slopes.shape=[3]", "(Hq,)"},
+                  with([](Options& o) { o.alibi_slopes = torch::ones({3}); }));
+  add_option_rows(rows, "slopes meta", E::kValueError, {"alibi_slopes", "device"},
+                  with([](Options& o) { o.alibi_slopes = on_meta(torch::ones({4})); }));
+  add_option_rows(rows, "sinks int64", E::kTypeError, {"sinks", "sinks.dtype=Long"},
+                  with([](Options& o) { o.sinks = torch::ones({4}, torch::kLong); }));
+  add_option_rows(rows, "sinks 2-D", E::kValueError, {"sinks.shape=[1, 4]", "(Hq,)"},
+                  with([](Options& o) {
+                    o.sinks = torch::ones({1, 4});
+                  }));
+  add_option_rows(rows, "sinks meta", E::kValueError, {"sinks", "device"},
+                  with([](Options& o) { o.sinks = on_meta(torch::ones({4})); }));
+  add_option_rows(rows, "dropout_p 1", E::kValueError, {"dropout_p", "[0, 1)", "dropout_p=1"},
+                  with([](Options& o) { o.dropout_p = 1.0; }));
+  add_option_rows(rows, "dropout_p negative", E::kValueError, {"dropout_p", "dropout_p=-0.1"},
+                  with([](Options& o) { o.dropout_p = -0.1; }));
 }
 
 std::vector<BadCall> table() {
@@ -429,6 +528,26 @@ std::vector<BadCall> table() {
                    ints.to(torch::kInt), rand({2, 8, 4}));
   add_forward_rows(rows, "bool v", E::kTypeError, {"v.dtype"}, rand({2, 8, 4}), rand({2, 8, 4}),
                    torch::ones({2, 8, 4}, torch::kBool));
+  add_score_option_rows(rows);
+  // The kernel ops' own dropout seed.
+  const auto forward_with_seed = [a](std::optional<at::Tensor> seed) {
+    return [a, seed] {
+      causal_attention::attention_forward(a.q, a.k, a.v, 0.5, std::nullopt, {-1, 0}, std::nullopt,
+                                          std::nullopt, std::nullopt, 0.1, seed);
+    };
+  };
+  rows.push_back({"forward dropout without seed",
+                  E::kValueError,
+                  {"dropout_seed", "dropout_seed=None"},
+                  forward_with_seed(std::nullopt)});
+  rows.push_back({"forward dropout seed int32",
+                  E::kTypeError,
+                  {"dropout_seed.dtype=Int"},
+                  forward_with_seed(torch::zeros({2}, torch::kInt))});
+  rows.push_back({"forward dropout seed 3 entries",
+                  E::kValueError,
+                  {"dropout_seed.shape=[3]"},
+                  forward_with_seed(torch::zeros({3}, torch::kLong))});
   return rows;
 }
 
@@ -481,6 +600,9 @@ TEST(BadInputTable, TheValidCallItSpoilsSucceeds) {
   attention_grad(a.q, a.k, a.v)();
   forward(a.q, a.k, a.v)();
   attention(a.q, a.k, a.v, std::nullopt, torch::ones({2, 6}, torch::kBool))();
+  // And with every score option at valid values.
+  causal_attention::attention(a.q, a.k, a.v, std::nullopt, std::nullopt, {3, 1}, 5.0,
+                              torch::ones({2, 4}), torch::zeros({4}), 0.2);
 }
 
 TEST(BadInputTable, ScalesFiniteInTheAccumulationDtypeAreAccepted) {
