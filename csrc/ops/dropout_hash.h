@@ -8,6 +8,7 @@
 // AVX-512 build of them into baseline code (the results are integers, identical in every build).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -35,16 +36,30 @@ class DropoutHash {
   }
 
   // Whether the probability of `key` in the row of `row_key` is kept.
-  bool kept(uint32_t row_key, int64_t key) const { return hash(row_key, key) >= threshold_; }
+  bool kept(uint32_t row_key, int64_t key) const {
+    return hash(row_key, uint32_t(key)) >= threshold_;
+  }
 
-  // row[c] = kept(row_key, first_key + c) ? row[c] * factor : 0 for c in [begin, end). Plain
-  // 32-bit integer arithmetic without branches, which the compiler vectorizes.
+  // row[c] = kept(row_key, first_key + c) ? row[c] * factor : 0 for c in [begin, end).
   template <typename T>
   void apply(T* row, int64_t begin, int64_t end, uint32_t row_key, int64_t first_key,
              T factor) const {
-    for (int64_t c = begin; c < end; ++c) {
-      row[c] = hash(row_key, first_key + c) >= threshold_ ? row[c] * factor : T(0);
-    }
+    for_each_chunk(begin, end, row_key, first_key, [&](int64_t c0, int64_t n, const uint32_t* h) {
+      for (int64_t i = 0; i < n; ++i) {
+        row[c0 + i] = h[i] >= threshold_ ? row[c0 + i] * factor : T(0);
+      }
+    });
+  }
+
+  // factors[c] = kept(row_key, first_key + c) ? factor : 0 for c in [begin, end).
+  template <typename T>
+  void keep_factors(T* factors, int64_t begin, int64_t end, uint32_t row_key, int64_t first_key,
+                    T factor) const {
+    for_each_chunk(begin, end, row_key, first_key, [&](int64_t c0, int64_t n, const uint32_t* h) {
+      for (int64_t i = 0; i < n; ++i) {
+        factors[c0 + i] = h[i] >= threshold_ ? factor : T(0);
+      }
+    });
   }
 
  private:
@@ -65,8 +80,26 @@ class DropoutHash {
     return x ^ (x >> 16);
   }
 
-  static uint32_t hash(uint32_t row_key, int64_t key) {
-    return mix32(row_key ^ (uint32_t(key) * 0x9E3779B9u));
+  // fn(c0, n, hashes) for chunks [c0, c0 + n) of [begin, end), with the hashes of their keys:
+  // computed first, in 32-bit integer arithmetic alone, a loop the compiler vectorizes (one loop
+  // computing and selecting it does not).
+  template <typename Fn>
+  static void for_each_chunk(int64_t begin, int64_t end, uint32_t row_key, int64_t first_key,
+                             const Fn& fn) {
+    constexpr int64_t kChunk = 64;
+    uint32_t hashes[kChunk];
+    for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, end - c0);
+      const uint32_t key0 = uint32_t(first_key + c0);
+      for (int64_t i = 0; i < n; ++i) {
+        hashes[i] = hash(row_key, key0 + uint32_t(i));
+      }
+      fn(c0, n, hashes);
+    }
+  }
+
+  static uint32_t hash(uint32_t row_key, uint32_t key) {
+    return mix32(row_key ^ (key * 0x9E3779B9u));
   }
 
   uint32_t threshold_;

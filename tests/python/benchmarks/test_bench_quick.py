@@ -1,4 +1,5 @@
-"""`python -m benchmarks.bench --quick` and `python -m benchmarks.ragged --quick` run end to end
+"""`python -m benchmarks.bench --quick`, `python -m benchmarks.ragged --quick` and
+`python -m benchmarks.options --quick` run end to end
 and write their results (smoke tests of every code path of the benchmarks; no timing assertions);
 the tables of docs/benchmarks/README.md are what the benchmark prints from the saved runs; the
 block-product probe is a library of its own, outside the product's op namespace."""
@@ -83,11 +84,16 @@ def test_documented_grid_tables_are_the_saved_runs(saved):
         assert line in document, line
 
 
-def test_bench_ragged_quick_writes_every_section(tmp_path):
-    """python -m benchmarks.ragged --quick times every section, dtype and pass and writes them."""
-    out = tmp_path / "ragged.json"
+@pytest.mark.parametrize(
+    "module, sections",
+    [("ragged", ("mask", "leftpad", "packed")), ("options", ("window", "modifiers"))],
+)
+def test_bench_sections_quick_writes_every_section(tmp_path, module, sections):
+    """python -m benchmarks.ragged --quick and python -m benchmarks.options --quick time every
+    section, dtype and pass and write them."""
+    out = tmp_path / f"{module}.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ragged", "--quick", "--out", str(out)],
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -97,7 +103,7 @@ def test_bench_ragged_quick_writes_every_section(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["section"], r["dtype"], r["pass"]) for r in rows} == {
         (section, dtype, pass_name)
-        for section in ("mask", "leftpad", "packed")
+        for section in sections
         for dtype in ("float32", "bfloat16")
         for pass_name in ("fwd", "f+b")
     }

@@ -32,7 +32,8 @@ class BlockPairGradients {
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile, k_rows, p_tile, ds_tile;
-    std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums, delta_shares, softcap_grad;
+    std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums, delta_shares, softcap_grad,
+        keep_factors;
     // The keys of the current block each query row sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     const bool* kept = nullptr;  // the key mask of the current block, if it hides some keys
@@ -54,6 +55,7 @@ class BlockPairGradients {
           row_sums(blocks.query_rows),
           delta_shares(blocks.query_rows),
           softcap_grad(blocks.keys),
+          keep_factors(blocks.keys),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           key_slot(Pack::scratch_size(blocks.keys, d.head_dim)),
@@ -133,7 +135,8 @@ class BlockPairGradients {
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
           cols, modifiers.row(dims, b, bh % dims.heads_q, q0 + r, k0, s.kept), row_lse[r],
           with_delta ? row_delta[r] : acc_t(0), modifiers.keep_scale(),
-          /*exact_delta_form=*/!with_delta, s.softcap_grad.data());
+          /*exact_delta_form=*/!with_delta,
+          GradientRowScratch<acc_t>{s.softcap_grad.data(), s.keep_factors.data()});
       s.first_visible[r] = row.range.begin;
       s.visible[r] = row.range.end;
       s.delta_shares[r] = acc_t(row.delta_share);

@@ -158,26 +158,35 @@ inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim
 // is the dropped P o keep / (1 - p) that dV needs. In the exact-delta form of the two-pass dQ,
 // instead, delta is taken as 0 (dS = P o dP' o g), P is left undropped as P o g, and the row's
 // share of delta, sum P o dP', is returned with the range of columns the row reaches.
-// softcap_grad: scratch of `cols`.
+// scratch: rows of `cols`.
 struct GradientRow {
   KeyRange range;
   double delta_share;
 };
 template <typename acc_t>
+struct GradientRowScratch {
+  acc_t* softcap_grad;  // dx/d(scale S) / scale of each key
+  acc_t* keep_factors;  // the dropout mask times 1 / (1 - p)
+};
+template <typename acc_t>
 inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
                                         const RowScoring<acc_t>& scoring, acc_t lse, acc_t delta,
                                         acc_t keep_scale, bool exact_delta_form,
-                                        acc_t* softcap_grad) {
+                                        const GradientRowScratch<acc_t>& scratch) {
+  acc_t* softcap_grad = scratch.softcap_grad;
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
     range.end = range.begin;
   }
   const int64_t begin = range.begin, end = range.end;
   score_row(scoring, p, begin, end, softcap_grad);
   exp_and_sum(p, begin, end, cols, lse);
-  if (scoring.dropout) {
-    scoring.drop(ds, begin, end, keep_scale);
-  }
   using Vec = at::vec::Vectorized<acc_t>;
+  const auto times = [](Vec x, Vec y) { return x * y; };
+  if (scoring.dropout) {
+    // The mask once, for dP here and for P below.
+    scoring.keep_factors(scratch.keep_factors, begin, end, keep_scale);
+    at::vec::map2<acc_t>(times, ds + begin, ds + begin, scratch.keep_factors + begin, end - begin);
+  }
   const Vec delta_vec(exact_delta_form ? acc_t(0) : delta);
   // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
   at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds + begin, p + begin,
@@ -194,14 +203,13 @@ inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int
   }
   const double delta_share = exact_delta_form ? double(row_sum(ds + begin, end - begin)) : 0.0;
   if (scoring.softcap != acc_t(0)) {
-    const auto times_grad = [](Vec x, Vec g) { return x * g; };
-    at::vec::map2<acc_t>(times_grad, ds + begin, ds + begin, softcap_grad + begin, end - begin);
+    at::vec::map2<acc_t>(times, ds + begin, ds + begin, softcap_grad + begin, end - begin);
     if (exact_delta_form) {
-      at::vec::map2<acc_t>(times_grad, p + begin, p + begin, softcap_grad + begin, end - begin);
+      at::vec::map2<acc_t>(times, p + begin, p + begin, softcap_grad + begin, end - begin);
     }
   }
   if (scoring.dropout && !exact_delta_form) {
-    scoring.drop(p, begin, end, keep_scale);
+    at::vec::map2<acc_t>(times, p + begin, p + begin, scratch.keep_factors + begin, end - begin);
   }
   return {range, delta_share};
 }

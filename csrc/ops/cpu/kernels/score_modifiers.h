@@ -32,16 +32,22 @@ inline at::vec::Vectorized<acc_t> softcap_tanh(const at::vec::Vectorized<acc_t>&
   using Vec = at::vec::Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
     const Vec ax = x.abs();
-    const Vec e = vec_exp(ax * Vec(-2.f));
-    const Vec far = (Vec(1.f) - e) / (Vec(1.f) + e);
     const Vec x2 = x * x;
     Vec series = Vec(62.f / 2835.f);
     series = at::vec::fmadd(series, x2, Vec(-17.f / 315.f));
     series = at::vec::fmadd(series, x2, Vec(2.f / 15.f));
     series = at::vec::fmadd(series, x2, Vec(-1.f / 3.f));
     series = at::vec::fmadd(series, x2, Vec(1.f));
+    const Vec near = x * series;
+    const Vec is_near = ax < Vec(0.25f);
+    // Typical logits under a typical cap (Gemma 2's 50) are all near: the series alone then.
+    if (is_near.zero_mask() == 0) {
+      return near;
+    }
+    const Vec e = vec_exp(ax * Vec(-2.f));
+    const Vec far = (Vec(1.f) - e) / (Vec(1.f) + e);
     const Vec signed_far = Vec::blendv(far, Vec(0.f) - far, x < Vec(0.f));
-    return Vec::blendv(signed_far, x * series, ax < Vec(0.25f));
+    return Vec::blendv(signed_far, near, is_near);
   } else {
     return x.tanh();
   }
@@ -68,42 +74,69 @@ struct RowScoring {
   // -inf if none). With softcap, softcap_grad[c] = dx/d(scale S) / scale = 1 - tanh^2 where not
   // null (the backward's chain rule).
   acc_t apply(acc_t* row, int64_t begin, int64_t end, acc_t* softcap_grad = nullptr) const {
+    const bool capped = softcap != acc_t(0), biased = slope != acc_t(0);
+    acc_t max;
+    if (capped && biased) {
+      max = modify<true, true>(row, begin, end, softcap_grad);
+    } else if (capped) {
+      max = modify<true, false>(row, begin, end, softcap_grad);
+    } else if (biased) {
+      max = modify<false, true>(row, begin, end, nullptr);
+    } else {
+      max = modify<false, false>(row, begin, end, nullptr);
+    }
+    if (!kept) {
+      return max;
+    }
+    // A hidden key's score is -inf whatever it was (NaN included): zero probability.
+    for (int64_t i = begin; i < end; ++i) {
+      row[i] = kept[i] ? row[i] : -std::numeric_limits<acc_t>::infinity();
+    }
+    return row_max(row, begin, end);
+  }
+
+  // apply's pass for one combination of modifiers, compiled without a branch inside the loop;
+  // returns the max of the modified scores (before the key mask's -inf).
+  template <bool kCapped, bool kBiased>
+  acc_t modify(acc_t* row, int64_t begin, int64_t end, acc_t* softcap_grad) const {
     using Vec = at::vec::Vectorized<acc_t>;
     constexpr int64_t N = Vec::size();
-    const Vec scale_vec(scale), cap(softcap), inv_cap(softcap == acc_t(0) ? 0 : 1 / softcap);
+    const Vec scale_vec(scale), cap(softcap);
+    // scale S / softcap in one product.
+    const Vec scale_over_cap(kCapped ? scale / softcap : acc_t(0));
     const Vec minus_slope{-slope}, one{acc_t(1)}, step{acc_t(N)};
-    const bool capped = softcap != acc_t(0), biased = slope != acc_t(0);
+    const Vec lowest(-std::numeric_limits<acc_t>::infinity());
     // diagonal - c of the vector's first column onwards: the distance of each key from the row.
     Vec to_diagonal = Vec(acc_t(diagonal)) - Vec::arange(acc_t(begin), acc_t(1));
-    const auto modify = [&](Vec x, int64_t c, int64_t n) {
-      x = x * scale_vec;
-      if (capped) {
-        const Vec t = softcap_tanh(x * inv_cap);
+    Vec max_vec = lowest;
+    for (int64_t c = begin; c < end; c += N) {
+      const int64_t n = std::min<int64_t>(N, end - c);
+      const Vec s = n == N ? Vec::loadu(row + c) : Vec::loadu(row + c, n);
+      Vec x;
+      if constexpr (kCapped) {
+        const Vec t = softcap_tanh(s * scale_over_cap);
         x = cap * t;
         if (softcap_grad) {
-          (one - t * t).store(softcap_grad + c, n);
+          const Vec grad = one - t * t;
+          n == N ? grad.store(softcap_grad + c) : grad.store(softcap_grad + c, n);
         }
+      } else {
+        x = s * scale_vec;
       }
-      if (biased) {
+      if constexpr (kBiased) {
         x = at::vec::fmadd(minus_slope, to_diagonal.abs(), x);
         to_diagonal = to_diagonal - step;
       }
-      return x;
-    };
-    int64_t c = begin;
-    for (; c + N <= end; c += N) {
-      modify(Vec::loadu(row + c), c, N).store(row + c);
-    }
-    if (c < end) {
-      modify(Vec::loadu(row + c, end - c), c, end - c).store(row + c, end - c);
-    }
-    if (kept) {
-      // A hidden key's score is -inf whatever it was (NaN included): zero probability.
-      for (int64_t i = begin; i < end; ++i) {
-        row[i] = kept[i] ? row[i] : -std::numeric_limits<acc_t>::infinity();
+      if (n == N) {
+        x.store(row + c);
+        max_vec = at::vec::maximum(max_vec, x);
+      } else {
+        x.store(row + c, n);
+        max_vec = at::vec::maximum(max_vec, Vec::set(lowest, x, n));
       }
     }
-    return row_max(row, begin, end);
+    return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                          max_vec);
   }
 
   // max of row[begin, end), NaN if one is NaN, -inf if the range is empty.
@@ -126,6 +159,10 @@ struct RowScoring {
   // row[c] = kept ? row[c] * factor : 0 for c in [begin, end) under the dropout mask.
   void drop(acc_t* row, int64_t begin, int64_t end, acc_t factor) const {
     dropout->apply(row, begin, end, dropout_row, k0, factor);
+  }
+  // factors[c] = kept ? factor : 0 for c in [begin, end): the mask, to apply more than once.
+  void keep_factors(acc_t* factors, int64_t begin, int64_t end, acc_t factor) const {
+    dropout->keep_factors(factors, begin, end, dropout_row, k0, factor);
   }
 };
 
