@@ -27,18 +27,16 @@ _SCORE_OPTIONS_DOC = """
             only when ``dropout_p > 0``: the same generator state gives the same mask."""
 
 
-def _window(window: Sequence[int]) -> Tuple[int, int]:
+def _window(window: Sequence[int], caller: str = "causal_attention") -> Tuple[int, int]:
     """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError (the
-    schema would broadcast a single int to both sides)."""
+    schema would broadcast a single int to both sides) that names ``caller``."""
     if (
         isinstance(window, (str, bytes))
         or not isinstance(window, Sequence)
         or len(window) != 2
         or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
     ):
-        raise TypeError(
-            f"causal_attention: window must be two ints (left, right), got window={window!r}"
-        )
+        raise TypeError(f"{caller}: window must be two ints (left, right), got window={window!r}")
     return (window[0], window[1])
 
 
