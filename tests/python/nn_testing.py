@@ -36,12 +36,13 @@ CONFIGS = [
 
 # The module's score options, each of which changes the output of a call on 40 positions (the
 # tests check that it does). The causal ones decode with a KV cache as the full forward attends.
+EVERY_SCORE_OPTION = dict(window=(15, 0), softcap=0.5, sinks=True, alibi=True)
 CAUSAL_SCORE_OPTIONS = [
     pytest.param(dict(window=(15, 0)), id="sliding-window"),
     pytest.param(dict(softcap=0.25), id="softcap"),
     pytest.param(dict(sinks=True), id="sinks"),
     pytest.param(dict(alibi=True), id="alibi"),
-    pytest.param(dict(window=(15, 0), softcap=0.5, sinks=True, alibi=True), id="all"),
+    pytest.param(EVERY_SCORE_OPTION, id="all"),
 ]
 SCORE_OPTIONS = CAUSAL_SCORE_OPTIONS + [
     pytest.param(dict(window=(6, 3)), id="band"),

@@ -14,6 +14,7 @@ from causal_attention import CausalSelfAttention
 from causal_attention.nn import alibi_slopes
 from nn_testing import (
     CONFIGS,
+    EVERY_SCORE_OPTION,
     SCORE_OPTIONS,
     NanoGPTAttention,
     assert_close_to_reference,
@@ -480,7 +481,7 @@ def dropout_reference(config, module, x, grad_out, p, seed, key_mask=None):
 
 @pytest.mark.parametrize(
     "options",
-    [pytest.param({}, id="causal"), pytest.param(SCORE_OPTIONS[4].values[0], id="all-options")],
+    [pytest.param({}, id="causal"), pytest.param(EVERY_SCORE_OPTION, id="all-options")],
 )
 def test_attention_dropout_in_training_drops_with_the_op_mask(options):
     config = {**DROPOUT_CONFIG, **options}
