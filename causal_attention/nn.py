@@ -1,13 +1,17 @@
 """``CausalSelfAttention``: a multi-head causal self-attention module on the causal_attention op,
-with nanoGPT's parameter names, so it swaps into nanoGPT-style models and loads their checkpoints.
+with nanoGPT's parameter names, so it swaps into nanoGPT-style models and loads their checkpoints,
+and the op's score options: sliding windows, softcapping, ALiBi, learned sinks and attention
+dropout.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .kv_cache import KVCache
+from .ops import _window
 
 # The ops themselves rather than the Python wrappers of .ops: TorchScript cannot compile the
 # wrappers' keyword-only arguments, and this module must script.
@@ -15,8 +19,21 @@ _attention = torch.ops.causal_attention.attention
 _attention_weights = torch.ops.causal_attention.attention_weights
 
 
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's head slopes (Press et al.; BLOOM's ``build_alibi_tensor``), float32 ``(num_heads,)``:
+    ``2^(-8 i / n)`` for ``i = 1..n`` when ``n`` is a power of two; otherwise those of the largest
+    power of two ``c < n``, then every other slope of ``2 c`` heads (``2^(-4 (2 i - 1) / c)``,
+    ``i = 1..n - c``), the paper's interpolation. Each is 2 to an exact exponent, rounded once."""
+    if num_heads <= 0:
+        raise ValueError(f"alibi_slopes: num_heads must be positive, got num_heads={num_heads}")
+    closest = 1 << (num_heads.bit_length() - 1)
+    exponents = [8 * i / closest for i in range(1, closest + 1)]
+    exponents += [4 * (2 * i - 1) / closest for i in range(1, num_heads - closest + 1)]
+    return torch.tensor([2.0**-e for e in exponents], dtype=torch.float32)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention, ``(B, L, E) -> (B, L, E)``.
+    """Multi-head self-attention, causal by default, ``(B, L, E) -> (B, L, E)``.
 
     Parameters are nanoGPT's: ``c_attn``, one ``Linear(E, (Hq + Hkv) * D + Hkv * Dv)`` whose
     output is split into queries, keys and values, and ``c_proj``, ``Linear(Hq * Dv, E)``.
@@ -34,13 +51,34 @@ class CausalSelfAttention(nn.Module):
         value_head_dim: ``Dv``, the value width per head. Default: ``head_dim``.
         bias: whether ``c_attn`` and ``c_proj`` have biases.
         dropout: dropout on the output projection in training (nanoGPT's ``resid_dropout``).
-        attn_dropout: dropout on the attention probabilities; not implemented, so anything but 0
-            raises ``NotImplementedError`` instead of being silently ignored.
+        attn_dropout: dropout on the attention probabilities in training (nanoGPT's and GPT-2's
+            ``attn_dropout``), in ``[0, 1)``; evaluation mode attends exactly. The op draws each
+            call's mask from torch's default generator, so ``torch.manual_seed`` repeats it.
+        window: ``(left, right)``: position ``i`` attends position ``j`` iff
+            ``i - left <= j <= i + right``, ``-1`` unbounded on that side. The default
+            ``(-1, 0)`` is causal; ``(W - 1, 0)`` a sliding window of ``W`` positions (Mistral,
+            Gemma 2's local layers), ``(-1, -1)`` bidirectional.
+        softcap: caps the scores as ``softcap * tanh(S / softcap)`` (Gemma 2), ``> 0``; None:
+            no cap.
+        sinks: whether the heads have learned attention sinks (gpt-oss): a parameter ``sinks``
+            ``(Hq,)`` of logits, initialized to 0, that join each row's softmax denominator, so
+            a row may attend to nothing.
+        alibi: whether the scores get ALiBi's position bias ``-slope_h * |i - j|``, its slopes
+            (:func:`alibi_slopes`) in the float32 buffer ``alibi_slopes`` ``(Hq,)``, which
+            ``.to(dtype)`` leaves float32. Use no position embedding with it.
 
-    Bad sizes raise ``ValueError``; an input that is not a tensor, or of the wrong dtype, raises
-    ``TypeError`` (inside a scripted module, errors arrive as ``torch.jit.Error`` naming the
-    Python exception).
+    ``sinks`` and ``alibi_slopes`` are in the state_dict (a module made with the same options
+    loads it strictly), in the C++ module's too. With a KV cache, position ``i`` is counted from
+    the first cached position, so windows and ALiBi decode as the full sequence attends; a window
+    that looks ahead (``right != 0``) sees, when decoding, only the positions given so far.
+
+    Bad sizes and options raise ``ValueError``, a ``window`` that is not two ints ``TypeError``;
+    an input that is not a tensor, or of the wrong dtype, raises ``TypeError`` (inside a scripted
+    module, errors arrive as ``torch.jit.Error`` naming the Python exception).
     """
+
+    # For TorchScript, which would otherwise type a None attribute as NoneType.
+    softcap: Optional[float]
 
     def __init__(
         self,
@@ -53,6 +91,10 @@ class CausalSelfAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
+        window: Sequence[int] = (-1, 0),
+        softcap: Optional[float] = None,
+        sinks: bool = False,
+        alibi: bool = False,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -84,22 +126,43 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(
                 f"CausalSelfAttention: dropout must be in [0, 1], got dropout={dropout}"
             )
-        if attn_dropout != 0.0:
-            raise NotImplementedError(
-                "CausalSelfAttention: attn_dropout (dropout on the attention probabilities) is not "
-                f"implemented, got attn_dropout={attn_dropout}; dropout applies to the output "
-                "projection"
+        # Below 1, unlike dropout: the op has no all-dropped case (nn.Dropout(1) is all zeros).
+        if not 0.0 <= attn_dropout < 1.0:
+            raise ValueError(
+                "CausalSelfAttention: attn_dropout must be in [0, 1), got "
+                f"attn_dropout={attn_dropout}"
             )
+        window = _check_window(window)
+        if softcap is not None:
+            if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+                raise TypeError(
+                    "CausalSelfAttention: softcap must be a float or None, got "
+                    f"{type(softcap).__name__}"
+                )
+            if not 0 < softcap < math.inf:
+                raise ValueError(
+                    f"CausalSelfAttention: softcap must be finite and > 0, got softcap={softcap}"
+                )
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.value_head_dim = value_head_dim
+        self.attn_dropout = float(attn_dropout)
+        self.window = window
+        self.softcap = None if softcap is None else float(softcap)
         factory = {"device": device, "dtype": dtype}
         qkv_width = (num_heads + num_kv_heads) * head_dim + num_kv_heads * value_head_dim
         self.c_attn = nn.Linear(embed_dim, qkv_width, bias=bias, **factory)
         self.c_proj = nn.Linear(num_heads * value_head_dim, embed_dim, bias=bias, **factory)
         self.resid_dropout = nn.Dropout(dropout)
+        if sinks:
+            # 0: each row starts with one extra logit of 0 in its denominator.
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
+        else:
+            self.register_parameter("sinks", None)
+        slopes = alibi_slopes(num_heads).to(device=device) if alibi else None
+        self.register_buffer("alibi_slopes", slopes)
 
     def forward(
         self,
@@ -108,7 +171,7 @@ class CausalSelfAttention(nn.Module):
         need_weights: bool = False,
         key_mask: Optional[Tensor] = None,
     ):
-        """Attends ``x (B, L, E)`` causally and returns ``(B, L, E)``.
+        """Attends ``x (B, L, E)`` (causally, or as ``window`` says) and returns ``(B, L, E)``.
 
         With ``cache``, ``x`` holds the positions after the cached ones: their keys and values
         are appended to the cache, and the queries attend to all of it.
@@ -124,9 +187,11 @@ class CausalSelfAttention(nn.Module):
 
         With ``need_weights=True``, returns ``(output, weights)``, the attention probabilities
         ``(B, Hq, L, cached + L)``, materialized (O(L²) memory) for inspection; under a key mask
-        they are 0 at hidden keys, and a row that sees no key is all 0. A TorchScript function
-        has a single return type, so a scripted module's ``forward`` returns the output only and
-        raises for ``need_weights=True``: call ``forward_with_weights`` there.
+        they are 0 at hidden keys, and a row that sees no key is all 0; with sinks a row sums to
+        less than 1; in training with ``attn_dropout`` they are the dropped and rescaled ones that
+        the output was computed with. A TorchScript function has a single return type, so a
+        scripted module's ``forward`` returns the output only and raises for
+        ``need_weights=True``: call ``forward_with_weights`` there.
         """
         if need_weights:
             # The else is needed: TorchScript compiles only the branch that is_scripting() picks,
@@ -139,7 +204,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 return self.forward_with_weights(x, cache, key_mask)
         q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
-        return self._project_output(_attention(q, k, v, key_mask=mask))
+        return self._project_output(self._attend(q, k, v, mask))
 
     @torch.jit.export
     def forward_with_weights(
@@ -148,10 +213,26 @@ class CausalSelfAttention(nn.Module):
         """``forward(x, cache, need_weights=True, key_mask=key_mask)``: the output and the
         attention probabilities ``(B, Hq, L, cached + L)``; also on a scripted module."""
         q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
-        return (
-            self._project_output(_attention(q, k, v, key_mask=mask)),
-            _attention_weights(q, k, v, key_mask=mask),
+        dropout_p = self._attention_dropout_p()
+        weights = _attention_weights(
+            q,
+            k,
+            v,
+            key_mask=mask,
+            window=self.window,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
+            dropout_p=dropout_p,
         )
+        if dropout_p == 0.0:
+            return self._project_output(self._attend(q, k, v, mask)), weights
+        # Every call draws a new dropout mask: the output is made from these weights, so that it
+        # is the one they describe. Query head h reads key/value head h // (Hq // Hkv).
+        batch, length, cached = q.size(0), q.size(2), k.size(2)
+        grouped = weights.reshape(batch, self.num_kv_heads, -1, length, cached)
+        attended = torch.matmul(grouped, v.unsqueeze(2)).flatten(1, 2)
+        return self._project_output(attended), weights
 
     @torch.jit.export
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -220,6 +301,22 @@ class CausalSelfAttention(nn.Module):
             return q, k, v, cached_mask
         return q, k, v, key_mask
 
+    def _attention_dropout_p(self) -> float:
+        return self.attn_dropout if self.training else 0.0
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:
+        return _attention(
+            q,
+            k,
+            v,
+            key_mask=key_mask,
+            window=self.window,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
+            dropout_p=self._attention_dropout_p(),
+        )
+
     def _project_output(self, attended: Tensor) -> Tensor:
         merged = attended.transpose(1, 2).flatten(2)  # (B, L, Hq * Dv)
         return self.resid_dropout(self.c_proj(merged))
@@ -241,12 +338,43 @@ class CausalSelfAttention(nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
+    def _apply(self, fn, recurse=True):
+        slopes = self.alibi_slopes
+        super()._apply(fn, recurse)
+        if slopes is not None and self.alibi_slopes.dtype != slopes.dtype:
+            # The op takes float32 slopes only, and rounding them to half precision would move
+            # every score by up to 2^-9 * slope * distance: a dtype conversion (module.to(dtype),
+            # .half(), ...) moves them to its device and keeps their float32 values.
+            self.alibi_slopes = slopes.to(self.alibi_slopes.device)
+        return self
+
     def extra_repr(self) -> str:
-        return (
+        options = (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"value_head_dim={self.value_head_dim}"
         )
+        if self.attn_dropout != 0.0:
+            options += f", attn_dropout={self.attn_dropout}"
+        if self.window != (-1, 0):
+            options += f", window={self.window}"
+        if self.softcap is not None:
+            options += f", softcap={self.softcap}"
+        if self.sinks is not None:
+            options += ", sinks=True"
+        if self.alibi_slopes is not None:
+            options += ", alibi=True"
+        return options
+
+
+def _check_window(window: Sequence[int]) -> Tuple[int, int]:
+    left, right = _window("CausalSelfAttention", window)
+    if left < -1 or right < -1:
+        raise ValueError(
+            "CausalSelfAttention: window entries must be >= -1 (-1: unbounded), got "
+            f"window={(left, right)}"
+        )
+    return (left, right)
 
 
 def _check_key_mask(key_mask: Tensor, x: Tensor) -> None:

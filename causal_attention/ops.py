@@ -27,9 +27,9 @@ _SCORE_OPTIONS_DOC = """
             only when ``dropout_p > 0``: the same generator state gives the same mask."""
 
 
-def _window(op: str, window: Sequence[int]) -> Tuple[int, int]:
+def _window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
     """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError naming
-    the op ``causal_attention.<op>`` (the schema would broadcast a single int to both sides)."""
+    ``caller`` (the schema would broadcast a single int to both sides)."""
     if (
         isinstance(window, (str, bytes))
         or not isinstance(window, Sequence)
@@ -37,7 +37,7 @@ def _window(op: str, window: Sequence[int]) -> Tuple[int, int]:
         or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
     ):
         raise TypeError(
-            f"causal_attention.{op}: window must be two ints (left, right), got window={window!r}"
+            f"{caller}: window must be two ints (left, right), got window={window!r}"
         )
     return (window[0], window[1])
 
@@ -89,7 +89,7 @@ def attention(
         v,
         scale=scale,
         key_mask=key_mask,
-        window=_window("attention", window),
+        window=_window("causal_attention.attention", window),
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
@@ -125,7 +125,7 @@ def attention_forward(
         v,
         scale,
         key_mask,
-        _window("attention_forward", window),
+        _window("causal_attention.attention_forward", window),
         softcap,
         alibi_slopes,
         sinks,
@@ -162,7 +162,7 @@ def attention_backward(
         lse,
         scale,
         key_mask,
-        _window("attention_backward", window),
+        _window("causal_attention.attention_backward", window),
         softcap,
         alibi_slopes,
         sinks,
@@ -204,7 +204,7 @@ def attention_weights(
         v,
         scale=scale,
         key_mask=key_mask,
-        window=_window("attention_weights", window),
+        window=_window("causal_attention.attention_weights", window),
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
@@ -262,7 +262,7 @@ def varlen_attention(
         max_seqlen_q,
         max_seqlen_k,
         scale=scale,
-        window=_window("varlen_attention", window),
+        window=_window("causal_attention.varlen_attention", window),
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
@@ -299,7 +299,7 @@ def varlen_attention_forward(
         max_seqlen_q,
         max_seqlen_k,
         scale,
-        _window("varlen_attention_forward", window),
+        _window("causal_attention.varlen_attention_forward", window),
         softcap,
         alibi_slopes,
         sinks,
@@ -341,7 +341,7 @@ def varlen_attention_backward(
         max_seqlen_q,
         max_seqlen_k,
         scale,
-        _window("varlen_attention_backward", window),
+        _window("causal_attention.varlen_attention_backward", window),
         softcap,
         alibi_slopes,
         sinks,

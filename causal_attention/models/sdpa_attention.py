@@ -17,7 +17,23 @@ from ..nn import CausalSelfAttention
 
 class SDPASelfAttention(CausalSelfAttention):
     """Same constructor and parameters as :class:`CausalSelfAttention`; ``forward(x, cache)``
-    computes the same function with ``F.scaled_dot_product_attention``."""
+    computes the same function with ``F.scaled_dot_product_attention``. The score options
+    (``window``, ``softcap``, ``sinks``, ``alibi``, ``attn_dropout``) raise
+    ``NotImplementedError`` rather than being ignored: this is the plain causal baseline."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if (
+            self.window != (-1, 0)
+            or self.softcap is not None
+            or self.sinks is not None
+            or self.alibi_slopes is not None
+            or self.attn_dropout != 0.0
+        ):
+            raise NotImplementedError(
+                "SDPASelfAttention: the score options are not implemented (it is the plain "
+                f"causal baseline), got {self.extra_repr()}"
+            )
 
     # No need_weights: the weights are our op's (attention_weights), not SDPA's.
     def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:  # type: ignore

@@ -1,10 +1,16 @@
 // CausalSelfAttention: nanoGPT's module layout (c_attn, c_proj, resid_dropout) around
-// causal_attention::attention, with GQA, a separate value head width and a KV cache.
+// causal_attention::attention, with GQA, a separate value head width, the op's score options
+// (window, softcap, learned sinks, ALiBi, attention dropout) and a KV cache.
 #include "causal_attention/nn.h"
 #include "causal_attention/ops.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+
+#include <cmath>
+#include <utility>
 
 namespace causal_attention::nn {
 namespace {
@@ -33,12 +39,21 @@ CausalSelfAttentionOptions resolve(CausalSelfAttentionOptions options) {
                     ", value_head_dim=", value_head_dim);
   TORCH_CHECK_VALUE(options.dropout() >= 0.0 && options.dropout() <= 1.0, kModule,
                     ": dropout must be in [0, 1], got dropout=", options.dropout());
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      options.attn_dropout() == 0.0, kModule,
-      ": attn_dropout (dropout on the attention probabilities) is not implemented, got "
-      "attn_dropout=",
-      options.attn_dropout(), "; dropout applies to the output projection");
+  // Below 1, unlike dropout: the op has no all-dropped case (Dropout(1) is all zeros).
+  TORCH_CHECK_VALUE(options.attn_dropout() >= 0.0 && options.attn_dropout() < 1.0, kModule,
+                    ": attn_dropout must be in [0, 1), got attn_dropout=", options.attn_dropout());
+  const auto& window = options.window();
+  TORCH_CHECK_VALUE(window[0] >= -1 && window[1] >= -1, kModule,
+                    ": window entries must be >= -1 (-1: unbounded), got window=(", window[0],
+                    ", ", window[1], ")");
+  const std::optional<double> softcap = options.softcap();
+  TORCH_CHECK_VALUE(!softcap.has_value() || (*softcap > 0.0 && std::isfinite(*softcap)), kModule,
+                    ": softcap must be finite and > 0, got softcap=", softcap.value_or(0.0));
   return options.num_kv_heads(num_kv_heads).head_dim(head_dim).value_head_dim(value_head_dim);
+}
+
+std::optional<at::Tensor> if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
 void check_key_mask(const at::Tensor& key_mask, const at::Tensor& x) {
@@ -56,6 +71,25 @@ void check_key_mask(const at::Tensor& key_mask, const at::Tensor& x) {
 }
 
 }  // namespace
+
+at::Tensor alibi_slopes(int64_t num_heads) {
+  TORCH_CHECK_VALUE(num_heads > 0, "alibi_slopes: num_heads must be positive, got num_heads=",
+                    num_heads);
+  int64_t closest = 1;
+  while (2 * closest <= num_heads) {
+    closest *= 2;
+  }
+  at::Tensor slopes = at::empty({num_heads}, at::kFloat);
+  float* slope = slopes.data_ptr<float>();
+  // Each is 2 to an exact exponent, rounded once to float32, as Python's 2.0 ** -e.
+  for (int64_t i = 1; i <= closest; ++i) {
+    *slope++ = static_cast<float>(std::pow(2.0, -(8.0 * i / closest)));
+  }
+  for (int64_t i = 1; i <= num_heads - closest; ++i) {
+    *slope++ = static_cast<float>(std::pow(2.0, -(4.0 * (2 * i - 1) / closest)));
+  }
+  return slopes;
+}
 
 CausalSelfAttentionOptions::CausalSelfAttentionOptions(int64_t embed_dim, int64_t num_heads)
     : embed_dim_(embed_dim), num_heads_(num_heads) {}
@@ -79,6 +113,31 @@ void CausalSelfAttentionImpl::reset() {
       torch::nn::Linear(torch::nn::LinearOptions(num_heads * value_head_dim, options.embed_dim())
                             .bias(options.bias())));
   resid_dropout = register_module("resid_dropout", torch::nn::Dropout(options.dropout()));
+  if (options.sinks()) {
+    // 0: each row starts with one extra logit of 0 in its denominator.
+    sinks = register_parameter("sinks", at::zeros({num_heads}));
+  }
+  if (options.alibi()) {
+    alibi_slopes = register_buffer("alibi_slopes", causal_attention::nn::alibi_slopes(num_heads));
+  }
+}
+
+void CausalSelfAttentionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  const at::Tensor slopes = alibi_slopes.defined() ? alibi_slopes.clone() : at::Tensor();
+  Cloneable::to(device, dtype, non_blocking);
+  restore_alibi_slopes(slopes);
+}
+
+void CausalSelfAttentionImpl::to(torch::Dtype dtype, bool non_blocking) {
+  const at::Tensor slopes = alibi_slopes.defined() ? alibi_slopes.clone() : at::Tensor();
+  Cloneable::to(dtype, non_blocking);
+  restore_alibi_slopes(slopes);
+}
+
+void CausalSelfAttentionImpl::restore_alibi_slopes(const at::Tensor& slopes) {
+  if (slopes.defined()) {
+    alibi_slopes.set_data(slopes.to(alibi_slopes.device()));
+  }
 }
 
 CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(
@@ -116,6 +175,16 @@ CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(
   return heads;
 }
 
+double CausalSelfAttentionImpl::attention_dropout_p() const {
+  return is_training() ? options.attn_dropout() : 0.0;
+}
+
+at::Tensor CausalSelfAttentionImpl::attend(const Heads& heads) {
+  return attention(heads.q, heads.k, heads.v, /*scale=*/std::nullopt, heads.key_mask,
+                   options.window(), options.softcap(), if_defined(alibi_slopes),
+                   if_defined(sinks), attention_dropout_p());
+}
+
 at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
   const at::Tensor merged = attended.transpose(1, 2).flatten(2);  // (B, L, H * Dv)
   return resid_dropout(c_proj(merged));
@@ -123,15 +192,25 @@ at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache,
                                             const std::optional<at::Tensor>& key_mask) {
-  const Heads heads = project_heads(x, cache, key_mask);
-  return project_output(attention(heads.q, heads.k, heads.v, std::nullopt, heads.key_mask));
+  return project_output(attend(project_heads(x, cache, key_mask)));
 }
 
 std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights(
     const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask) {
   const Heads heads = project_heads(x, cache, key_mask);
-  return {project_output(attention(heads.q, heads.k, heads.v, std::nullopt, heads.key_mask)),
-          attention_weights(heads.q, heads.k, heads.v, std::nullopt, heads.key_mask)};
+  const double dropout_p = attention_dropout_p();
+  at::Tensor weights = attention_weights(heads.q, heads.k, heads.v, /*scale=*/std::nullopt,
+                                         heads.key_mask, options.window(), options.softcap(),
+                                         if_defined(alibi_slopes), if_defined(sinks), dropout_p);
+  if (dropout_p == 0.0) {
+    return {project_output(attend(heads)), std::move(weights)};
+  }
+  // Every call draws a new dropout mask: the output is made from these weights, so that it is
+  // the one they describe. Query head h reads key/value head h / (Hq / Hkv).
+  const int64_t batch = heads.q.size(0), len = heads.q.size(2), cached = heads.k.size(2);
+  const at::Tensor grouped = weights.reshape({batch, *options.num_kv_heads(), -1, len, cached});
+  const at::Tensor attended = at::matmul(grouped, heads.v.unsqueeze(2)).flatten(1, 2);
+  return {project_output(attended), std::move(weights)};
 }
 
 KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {

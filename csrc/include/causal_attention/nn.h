@@ -2,8 +2,9 @@
 //
 // The module keeps nanoGPT's parameter names and layout (c_attn: one Linear producing Q, K and V;
 // c_proj: the output projection), as does the Python module causal_attention.CausalSelfAttention,
-// so a state_dict moves between nanoGPT, Python and C++ unchanged. Bad options or input raise
-// c10::ValueError (shapes, sizes) or c10::TypeError (dtypes), naming the argument.
+// so a state_dict moves between nanoGPT, Python and C++ unchanged; with the score options, the
+// `sinks` parameter and the `alibi_slopes` buffer have the Python module's names too. Bad options
+// or input raise c10::ValueError (shapes, sizes) or c10::TypeError (dtypes), naming the argument.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +14,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -66,7 +68,15 @@ class KVCache {
   bool has_key_mask_ = false;  // whether an append since the last reset passed a key mask
 };
 
+// ALiBi's head slopes (Press et al.; BLOOM's build_alibi_tensor), float32 (num_heads,):
+// 2^(-8 i / n) for i = 1..n when n is a power of two; otherwise those of the largest power of two
+// c < n, then every other slope of 2 c heads (2^(-4 (2 i - 1) / c), i = 1..n - c). The same
+// values as causal_attention.nn.alibi_slopes in Python.
+at::Tensor alibi_slopes(int64_t num_heads);
+
 struct CausalSelfAttentionOptions {
+  using Window = std::array<int64_t, 2>;  // (left, right); TORCH_ARG takes no comma in a type
+
   CausalSelfAttentionOptions(int64_t embed_dim, int64_t num_heads);
 
   // Width E of the input and output (B, L, E).
@@ -83,9 +93,24 @@ struct CausalSelfAttentionOptions {
   TORCH_ARG(bool, bias) = true;
   // Dropout on the output projection in training (nanoGPT's resid_dropout).
   TORCH_ARG(double, dropout) = 0.0;
-  // Dropout on the attention probabilities: not implemented, so anything but 0 throws
-  // c10::NotImplementedError rather than being silently ignored.
+  // Dropout on the attention probabilities in training (nanoGPT's and GPT-2's attn_dropout), in
+  // [0, 1); evaluation mode attends exactly. The op draws each call's mask from the default CPU
+  // generator, so torch::manual_seed repeats it.
   TORCH_ARG(double, attn_dropout) = 0.0;
+  // (left, right): position i attends position j iff i - left <= j <= i + right, -1 unbounded on
+  // that side. The default {-1, 0} is causal; {W - 1, 0} a sliding window of W positions,
+  // {-1, -1} bidirectional. With a KV cache, positions count from the first cached one, so
+  // windows (and ALiBi) decode as the full sequence attends; a window that looks ahead
+  // (right != 0) sees, when decoding, only the positions given so far.
+  TORCH_ARG(Window, window) = {-1, 0};
+  // Caps the scores as softcap * tanh(S / softcap) (Gemma 2), > 0; nullopt: no cap.
+  TORCH_ARG(std::optional<double>, softcap) = std::nullopt;
+  // Learned attention sinks (gpt-oss): the parameter `sinks` (num_heads,) of logits, initialized
+  // to 0, that join each row's softmax denominator, so that a row may attend to nothing.
+  TORCH_ARG(bool, sinks) = false;
+  // ALiBi: the scores get -slope_h * |i - j|, its slopes (alibi_slopes above) in the float32
+  // buffer `alibi_slopes` (num_heads,), which to(dtype) leaves float32.
+  TORCH_ARG(bool, alibi) = false;
 };
 
 // Multi-head causal self-attention, (B, L, E) -> (B, L, E), on causal_attention::attention.
@@ -97,8 +122,15 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
 
   void reset() override;
 
+  // As Module::to, but alibi_slopes stays float32 with its values: the op takes float32 slopes
+  // only, and rounding them to half precision would move every score by up to
+  // 2^-9 * slope * distance.
+  using torch::nn::Cloneable<CausalSelfAttentionImpl>::to;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+
   // With a cache, x holds the positions after the cached ones: their keys and values are
-  // appended, and the queries attend to the whole cache (bottom-right causal alignment).
+  // appended, and the queries attend to the whole cache (bottom-right alignment).
   //
   // key_mask, bool (B, L) for the L positions of x (true for real tokens, false for padding:
   // transformers' attention_mask as bool), hides the padding from every query. With a cache it
@@ -113,7 +145,8 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
 
   // forward's output and the attention probabilities (B, num_heads, L, cached + L); the latter
   // are materialized, O(L^2) memory, for inspection only. Under a key mask they are 0 at hidden
-  // keys, and a row that sees no key is all 0.
+  // keys, and a row that sees no key is all 0; with sinks a row sums to less than 1; in training
+  // with attn_dropout they are the dropped and rescaled ones that the output was computed with.
   std::tuple<at::Tensor, at::Tensor> forward_with_weights(
       const at::Tensor& x, KVCache* cache = nullptr,
       const std::optional<at::Tensor>& key_mask = std::nullopt);
@@ -127,6 +160,10 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
   torch::nn::Linear c_attn{nullptr};
   torch::nn::Linear c_proj{nullptr};
   torch::nn::Dropout resid_dropout{nullptr};
+  // The learned sinks (num_heads,) with options.sinks(), else undefined.
+  at::Tensor sinks;
+  // The ALiBi slopes, float32 (num_heads,), with options.alibi(), else undefined.
+  at::Tensor alibi_slopes;
 
  private:
   struct Heads {
@@ -136,6 +173,11 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
   };
   Heads project_heads(const at::Tensor& x, KVCache* cache,
                       const std::optional<at::Tensor>& key_mask);
+  // The attention of the heads with every score option; dropout in training only.
+  at::Tensor attend(const Heads& heads);
+  double attention_dropout_p() const;
+  // Puts back the float32 slopes that a dtype conversion has converted.
+  void restore_alibi_slopes(const at::Tensor& slopes);
   at::Tensor project_output(const at::Tensor& attended);
 };
 

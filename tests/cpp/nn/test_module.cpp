@@ -1,15 +1,21 @@
 // causal_attention::nn: CausalSelfAttention equals torch::nn::MultiheadAttention with a causal
 // mask and a nanoGPT-style reference on its own parameters, in output and every gradient, across
-// GQA, Dv != D, no bias, three dtypes and with a key mask; KV-cache decoding equals the full
-// forward, a left-padded batch of prompts decodes as each prompt alone, and every misuse throws a
-// typed error; attention_weights equals a naive softmax.
+// GQA, Dv != D, no bias, three dtypes and with a key mask; with every score option (windows,
+// softcap, sinks, ALiBi) it equals a materialized reference, the sinks' gradient included, and
+// attention dropout trains with the op's mask and evaluates exactly; dtype conversions keep the
+// ALiBi slopes float32; KV-cache decoding equals the full forward, with the options too, a
+// left-padded batch of prompts decodes as each prompt alone, and every misuse throws a typed
+// error; attention_weights equals a naive softmax.
 #include "causal_attention/nn.h"
 
 #include "../attention_test_utils.h"
 
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/modulelist.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -20,12 +26,10 @@ using nn::CausalSelfAttention;
 using nn::CausalSelfAttentionOptions;
 using nn::KVCache;
 
-// nanoGPT's computation, with SDPA, on the parameters of `module`. With key_mask (B, L), SDPA gets
-// causality and the key mask as one boolean attn_mask (a row that sees no key gives zeros there,
-// as in our op).
-at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x,
-                             const std::optional<at::Tensor>& key_mask = std::nullopt) {
-  namespace F = torch::nn::functional;
+namespace F = torch::nn::functional;
+
+// q (B, Hq, L, D), k (B, Hkv, L, D) and v (B, Hkv, L, Dv) of x, projected by c_attn of `module`.
+std::vector<at::Tensor> project_heads(CausalSelfAttention& module, const at::Tensor& x) {
   const CausalSelfAttentionOptions& o = module->options;
   const int64_t batch = x.size(0), len = x.size(1);
   const int64_t heads = o.num_heads(), kv_heads = *o.num_kv_heads();
@@ -35,17 +39,83 @@ at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x,
   const auto split_heads = [&](const at::Tensor& t, int64_t h, int64_t d) {
     return t.reshape({batch, len, h, d}).transpose(1, 2);
   };
+  return {split_heads(qkv[0], heads, dim), split_heads(qkv[1], kv_heads, dim),
+          split_heads(qkv[2], kv_heads, value_dim)};
+}
+
+// c_proj of `module` on the attended heads y (B, Hq, L, Dv).
+at::Tensor project_output(CausalSelfAttention& module, const at::Tensor& y) {
+  return F::linear(y.transpose(1, 2).flatten(2), module->c_proj->weight, module->c_proj->bias);
+}
+
+// nanoGPT's computation, with SDPA, on the parameters of `module`. With key_mask (B, L), SDPA gets
+// causality and the key mask as one boolean attn_mask (a row that sees no key gives zeros there,
+// as in our op).
+at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x,
+                             const std::optional<at::Tensor>& key_mask = std::nullopt) {
+  const auto heads = project_heads(module, x);
+  const int64_t batch = x.size(0), len = x.size(1);
   std::optional<at::Tensor> visible;
   if (key_mask.has_value()) {
     visible = bottom_right_mask(len, len).logical_and(key_mask->view({batch, 1, 1, len}));
   }
   const at::Tensor y = at::scaled_dot_product_attention(
-      split_heads(qkv[0], heads, dim), split_heads(qkv[1], kv_heads, dim),
-      split_heads(qkv[2], kv_heads, value_dim), visible, /*dropout_p=*/0.0,
+      heads[0], heads[1], heads[2], visible, /*dropout_p=*/0.0,
       /*is_causal=*/!visible.has_value(), /*scale=*/std::nullopt,
-      /*enable_gqa=*/heads != kv_heads);
-  return F::linear(y.transpose(1, 2).reshape({batch, len, heads * value_dim}),
-                   module->c_proj->weight, module->c_proj->bias);
+      /*enable_gqa=*/heads[0].size(1) != heads[1].size(1));
+  return project_output(module, y);
+}
+
+// The module's computation with its score options, the attention materialized as nanoGPT does
+// without flash attention, extended as the models that have each option do it: Gemma 2's
+// softcap * tanh(S / softcap), ALiBi's -slope * |i - j|, gpt-oss's sinks as an extra softmax
+// column that is then dropped. With `keep` (B, Hq, L, L), the probabilities it is false at are
+// dropped and the rest scaled by 1 / (1 - dropout_p). Independent of the op.
+at::Tensor materialized_reference(CausalSelfAttention& module, const at::Tensor& x,
+                                  const std::optional<at::Tensor>& key_mask = std::nullopt,
+                                  const std::optional<at::Tensor>& keep = std::nullopt,
+                                  double dropout_p = 0.0) {
+  const CausalSelfAttentionOptions& o = module->options;
+  const auto heads = project_heads(module, x);
+  const int64_t batch = x.size(0), len = x.size(1), num_heads = o.num_heads();
+  at::Tensor scores = at::matmul(heads[0], expand_kv_heads(heads[1], num_heads).transpose(-2, -1))
+                          .mul(default_scale(heads[0]));
+  if (o.softcap().has_value()) {
+    scores = *o.softcap() * at::tanh(scores / *o.softcap());
+  }
+  const at::Tensor rows = torch::arange(len).unsqueeze(-1), keys = torch::arange(len);
+  if (module->alibi_slopes.defined()) {
+    scores = scores - module->alibi_slopes.to(scores.scalar_type()).view({num_heads, 1, 1}) *
+                          (rows - keys).abs();
+  }
+  at::Tensor visible = torch::ones({len, len}, torch::kBool);
+  const auto [left, right] = o.window();
+  if (left >= 0) {
+    visible = visible.logical_and(keys >= rows - left);
+  }
+  if (right >= 0) {
+    visible = visible.logical_and(keys <= rows + right);
+  }
+  if (key_mask.has_value()) {
+    visible = visible.logical_and(key_mask->view({batch, 1, 1, len}));
+  }
+  // Rows without keys get finite dummy scores (zeroed below), so that neither the softmax nor
+  // its gradient sees a row of -inf.
+  const at::Tensor no_key = visible.logical_not().all(-1, /*keepdim=*/true);
+  scores = scores.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity())
+               .masked_fill(no_key, 0.0);
+  at::Tensor probs;
+  if (module->sinks.defined()) {
+    const at::Tensor sink = module->sinks.view({1, num_heads, 1, 1}).expand({batch, -1, len, 1});
+    probs = at::cat({scores, sink}, -1).softmax(-1).narrow(-1, 0, len);
+  } else {
+    probs = scores.softmax(-1);
+  }
+  probs = probs.masked_fill(no_key, 0.0);
+  if (keep.has_value()) {
+    probs = probs * *keep / (1.0 - dropout_p);
+  }
+  return project_output(module, at::matmul(probs, expand_kv_heads(heads[2], num_heads)));
 }
 
 // The output of fn(x) and the gradients under grad_out of x (first) and of `params`.
@@ -239,8 +309,201 @@ TEST(CausalSelfAttentionOptions, BadOptionsThrowValueError) {
                                 {"value_head_dim=0"});
   expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).dropout(1.5)),
                                 {"dropout must be in [0, 1]", "dropout=1.5"});
-  expect_error<c10::NotImplementedError>(make(CausalSelfAttentionOptions(32, 4).attn_dropout(0.1)),
-                                         {"attn_dropout", "not implemented"});
+  // The op has no all-dropped case, unlike Dropout(1.0).
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).attn_dropout(1.0)),
+                                {"attn_dropout must be in [0, 1)", "attn_dropout=1"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).attn_dropout(-0.1)),
+                                {"attn_dropout=-0.1"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).window({-2, 0})),
+                                {"window entries must be >= -1", "window=(-2, 0)"});
+  expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).window({4, -3})),
+                                {"window=(4, -3)"});
+  for (const double softcap : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                               std::numeric_limits<double>::quiet_NaN()}) {
+    expect_error<c10::ValueError>(make(CausalSelfAttentionOptions(32, 4).softcap(softcap)),
+                                  {"softcap must be finite and > 0"});
+  }
+  expect_error<c10::ValueError>([] { nn::alibi_slopes(0); },
+                                {"alibi_slopes: num_heads must be positive", "num_heads=0"});
+}
+
+// (name, options): each score option binds on 40 positions (the test checks that it matters).
+std::vector<ModuleConfig> score_option_configs() {
+  const auto base = [] {
+    return CausalSelfAttentionOptions(24, 4).num_kv_heads(2).value_head_dim(5);
+  };
+  return {
+      {"SlidingWindow", base().window({15, 0})},
+      {"Band", base().window({6, 3})},
+      {"Bidirectional", base().window({-1, -1})},
+      {"Softcap", base().softcap(0.25)},
+      {"Sinks", base().sinks(true)},
+      {"Alibi", base().alibi(true)},
+      {"All", base().window({15, 0}).softcap(0.5).sinks(true).alibi(true)},
+  };
+}
+
+// A module with `options` in `dtype`, its sinks (if any) drawn from N(0, 1): their zero
+// initialization would test the gradient at one special point only.
+CausalSelfAttention module_with(const CausalSelfAttentionOptions& options, at::ScalarType dtype) {
+  CausalSelfAttention module(options);
+  module->to(dtype);
+  if (module->sinks.defined()) {
+    torch::NoGradGuard no_grad;
+    module->sinks.normal_();
+  }
+  return module;
+}
+
+class WithScoreOptions : public ::testing::TestWithParam<ModuleConfig> {};
+
+// In float64 tightly and in float32 within float32's accuracy, without and with a key mask: the
+// output and the gradients of x and of every parameter, the sinks included.
+TEST_P(WithScoreOptions, MatchTheMaterializedReferenceInOutputAndEveryGradient) {
+  for (const auto& [dtype, key_mask] :
+       std::vector<std::pair<at::ScalarType, std::optional<at::Tensor>>>{
+           {at::kDouble, std::nullopt},
+           {at::kDouble, padding_and_holes(40)},
+           {at::kFloat, padding_and_holes(40)}}) {
+    SCOPED_TRACE(std::string(c10::toString(dtype)) + (key_mask ? ", key mask" : ""));
+    CausalSelfAttention module = module_with(GetParam().options, dtype);
+    auto module64 = std::dynamic_pointer_cast<nn::CausalSelfAttentionImpl>(module->clone());
+    module64->to(at::kDouble);
+    CausalSelfAttention reference64(module64);
+    const at::Tensor x = torch::randn({2, 40, 24}, at::kDouble).to(dtype);
+    const at::Tensor grad_out = torch::randn(x.sizes(), at::kDouble).to(dtype);
+
+    const auto ours =
+        output_and_grads([&](const at::Tensor& t) { return module(t, nullptr, key_mask); }, x,
+                         grad_out, module->parameters());
+    const auto exact = output_and_grads(
+        [&](const at::Tensor& t) { return materialized_reference(reference64, t, key_mask); },
+        x.to(at::kDouble), grad_out.to(at::kDouble), reference64->parameters());
+    // The options must matter, or this would be the plain module again.
+    EXPECT_GT(max_abs_diff(exact[0], nanogpt_reference(reference64, x.to(at::kDouble), key_mask)),
+              1e-2);
+    ASSERT_EQ(ours.size(), 2 + module->parameters().size());
+    EXPECT_EQ(module->sinks.defined(), GetParam().options.sinks());
+    for (size_t i = 0; i < ours.size(); ++i) {
+      SCOPED_TRACE(i == 0   ? "output"
+                   : i == 1 ? "grad x"
+                            : "grad of parameter " + std::to_string(i - 2));
+      const double bound = dtype == at::kDouble ? 1e-10 : 1e-4 * std::max(1.0, max_abs(exact[i]));
+      EXPECT_LE(max_abs_diff(ours[i], exact[i]), bound);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, WithScoreOptions, ::testing::ValuesIn(score_option_configs()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(CausalSelfAttention, AttentionDropoutTrainsWithTheOpMaskAndEvaluatesExactly) {
+  const double p = 0.3;
+  CausalSelfAttention module = module_with(
+      CausalSelfAttentionOptions(32, 4).num_kv_heads(2).window({7, 0}).sinks(true).attn_dropout(p),
+      at::kDouble);
+  const at::Tensor x = torch::randn({2, 12, 32}, at::kDouble);
+  const at::Tensor grad_out = torch::randn(x.sizes(), at::kDouble);
+  module->train();
+  torch::manual_seed(5);
+  const auto ours = output_and_grads([&](const at::Tensor& t) { return module(t); }, x, grad_out,
+                                     module->parameters());
+  // The mask of the op's dropout after the same seed: (seed, offset) drawn from the default
+  // generator as the op draws them, and its counter-based keep mask of the scores' shape.
+  torch::manual_seed(5);
+  const at::Tensor dropout_seed = at::empty({2}, at::kLong).random_();
+  const at::Tensor keep = causal_attention::dropout_keep_mask(
+      dropout_seed, c10::fromIntArrayRefSlow({2, 4, 12, 12}), p);
+  const double dropped = 1.0 - keep.to(at::kDouble).mean().item<double>();
+  EXPECT_GT(dropped, 0.2);
+  EXPECT_LT(dropped, 0.4);
+  const auto exact = output_and_grads(
+      [&](const at::Tensor& t) {
+        return materialized_reference(module, t, std::nullopt, keep, p);
+      },
+      x, grad_out, module->parameters());
+  // forward_with_weights draws the same mask and makes its output from the dropped weights.
+  torch::manual_seed(5);
+  const auto with_weights = output_and_grads(
+      [&](const at::Tensor& t) { return std::get<0>(module->forward_with_weights(t)); }, x,
+      grad_out, module->parameters());
+  ASSERT_EQ(ours.size(), exact.size());
+  for (size_t i = 0; i < ours.size(); ++i) {
+    SCOPED_TRACE("result " + std::to_string(i));
+    EXPECT_LE(max_abs_diff(ours[i], exact[i]), 1e-10);
+    EXPECT_LE(max_abs_diff(with_weights[i], exact[i]), 1e-10);
+  }
+  // Each call draws a new mask.
+  EXPECT_GT(max_abs_diff(module(x), module(x)), 1e-3);
+
+  // Evaluation attends exactly and draws nothing from the generator.
+  module->eval();
+  torch::manual_seed(9);
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(max_abs_diff(module(x), materialized_reference(module, x)), 1e-10);
+  const at::Tensor after_eval = torch::rand({4});
+  torch::manual_seed(9);
+  EXPECT_TRUE(torch::rand({4}).equal(after_eval));
+}
+
+TEST(CausalSelfAttentionOptions, AlibiSlopesAreTheGeometricSequenceAndItsInterpolation) {
+  const auto powers_of_two = [](const std::vector<double>& exponents) {
+    std::vector<float> slopes;
+    for (const double e : exponents) {
+      slopes.push_back(static_cast<float>(std::pow(2.0, -e)));
+    }
+    return torch::tensor(slopes);
+  };
+  const std::vector<double> exponents8{1, 2, 3, 4, 5, 6, 7, 8};
+  EXPECT_TRUE(nn::alibi_slopes(8).equal(powers_of_two(exponents8)));
+  // 12 heads: the 8 slopes of the power of two below, then every other slope of 16 heads.
+  std::vector<double> exponents12 = exponents8;
+  exponents12.insert(exponents12.end(), {0.5, 1.5, 2.5, 3.5});
+  EXPECT_TRUE(nn::alibi_slopes(12).equal(powers_of_two(exponents12)));
+  EXPECT_EQ(nn::alibi_slopes(1).item<float>(), 1.0f / 256);
+}
+
+TEST(CausalSelfAttentionOptions, SinksAndSlopesAreRegisteredAndDtypeConversionsKeepTheSlopes) {
+  CausalSelfAttention module(CausalSelfAttentionOptions(48, 6).sinks(true).alibi(true));
+  std::vector<std::string> parameters, buffers;
+  for (const auto& item : module->named_parameters()) {
+    parameters.push_back(item.key());
+  }
+  for (const auto& item : module->named_buffers()) {
+    buffers.push_back(item.key());
+  }
+  EXPECT_EQ(parameters, (std::vector<std::string>{"sinks", "c_attn.weight", "c_attn.bias",
+                                                  "c_proj.weight", "c_proj.bias"}));
+  EXPECT_EQ(buffers, std::vector<std::string>{"alibi_slopes"});
+  EXPECT_TRUE(module->sinks.equal(torch::zeros({6})));
+  const at::Tensor slopes = nn::alibi_slopes(6);  // 6 heads: 2^-1.5 and others, inexact in bf16
+  EXPECT_TRUE(module->alibi_slopes.equal(slopes));
+
+  torch::nn::ModuleList parent(module);  // a parent's to() reaches the module's
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kDouble}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    if (dtype == at::kHalf) {
+      module->to(torch::kCPU, dtype);
+    } else if (dtype == at::kBFloat16) {
+      parent->to(dtype);
+    } else {
+      module->to(dtype);
+    }
+    EXPECT_EQ(module->sinks.scalar_type(), dtype);
+    EXPECT_EQ(module->alibi_slopes.scalar_type(), at::kFloat);
+    EXPECT_TRUE(module->alibi_slopes.equal(slopes));
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(module(torch::randn({1, 5, 48}).to(dtype)).scalar_type(), dtype);
+  }
+  // clone() copies both.
+  {
+    torch::NoGradGuard no_grad;
+    module->sinks.normal_();
+  }
+  const auto copy = std::dynamic_pointer_cast<nn::CausalSelfAttentionImpl>(module->clone());
+  EXPECT_TRUE(copy->sinks.equal(module->sinks));
+  EXPECT_TRUE(copy->alibi_slopes.equal(slopes));
+  EXPECT_EQ(copy->named_buffers().size(), 1u);
 }
 
 TEST(CausalSelfAttention, BadInputThrowsTypedErrors) {
@@ -300,6 +563,19 @@ TEST(KVCache, DecodingEqualsTheFullForward) {
     EXPECT_EQ(cache.length(), 11);
     EXPECT_EQ(cache.keys().sizes(), at::IntArrayRef({2, 2, 11, 6}));
     EXPECT_EQ(cache.values().sizes(), at::IntArrayRef({2, 2, 11, 5}));
+  }
+}
+
+TEST(KVCache, DecodingWithScoreOptionsEqualsTheFullForward) {
+  // 40 positions: past the sliding window of 16, and far enough for ALiBi's bias to matter.
+  CausalSelfAttention module = module_with(score_option_configs().back().options, at::kFloat);
+  const at::Tensor x = torch::randn({2, 40, 24});
+  torch::NoGradGuard no_grad;
+  const at::Tensor full = module(x);
+  for (const auto& chunks :
+       std::vector<std::vector<int64_t>>{std::vector<int64_t>(40, 1), {13, 1, 9, 17}}) {
+    KVCache cache = module->make_cache(2, 40);
+    EXPECT_LE(max_abs_diff(decode(module, x, cache, chunks), full), 1e-5);
   }
 }
 

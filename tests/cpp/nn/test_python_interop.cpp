@@ -3,8 +3,11 @@
 // tests/fixtures/export_torchscript_model.py into it):
 // - the scripted TinyGPT runs forward and backward here and matches Python's logits and
 //   gradients;
-// - the Python module's weights load into the C++ module, which then matches Python's output;
-// - the C++ module's state_dict is written there for tests/python/nn/test_cpp_interop.py;
+// - the Python module's weights load into the C++ module, which then matches Python's output,
+//   and with every score option its state_dict (sinks and ALiBi slopes included) does too, and
+//   the C++ module backpropagates as Python's;
+// - the C++ module's state_dict, with every score option, is written there for
+//   tests/python/nn/test_cpp_interop.py;
 // - the README's C++ example compiles (it is included below) and runs.
 // A missing directory or file fails the tests, saying how to make it; nothing is skipped.
 #include "causal_attention/nn.h"
@@ -16,6 +19,7 @@
 #include <torch/csrc/jit/passes/inliner.h>
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -29,19 +33,39 @@ constexpr const char* kTorchScriptExporter = "export_torchscript_model.py";
 
 nn::CausalSelfAttentionOptions options_from(const std::map<std::string, c10::IValue>& entries,
                                             const std::string& prefix) {
+  // The window is a list as Python pickles it, of generic entries.
+  const auto window = entries.at(prefix + "window").toListRef();
+  EXPECT_EQ(window.size(), 2u);
+  const c10::IValue& softcap = entries.at(prefix + "softcap");
   return nn::CausalSelfAttentionOptions(entries.at(prefix + "embed_dim").toInt(),
                                         entries.at(prefix + "num_heads").toInt())
       .num_kv_heads(entries.at(prefix + "num_kv_heads").toInt())
       .head_dim(entries.at(prefix + "head_dim").toInt())
       .value_head_dim(entries.at(prefix + "value_head_dim").toInt())
-      .bias(entries.at(prefix + "bias").toBool());
+      .bias(entries.at(prefix + "bias").toBool())
+      .window({window.at(0).toInt(), window.at(1).toInt()})
+      .softcap(softcap.isNone() ? std::nullopt : std::optional<double>(softcap.toDouble()))
+      .sinks(entries.at(prefix + "sinks").toBool())
+      .alibi(entries.at(prefix + "alibi").toBool());
 }
 
-// Copies `state` into the module's parameters; like Python's load_state_dict(strict=True), the
-// names must be exactly the module's.
+// A state_dict as Python's torch.save or C++'s torch::pickle_save wrote it, as a map.
+std::map<std::string, at::Tensor> state_dict_from(const c10::IValue& written) {
+  std::map<std::string, at::Tensor> state;
+  for (const auto& entry : written.toGenericDict()) {
+    state.emplace(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return state;
+}
+
+// Copies `state` into the module's parameters and buffers; like Python's
+// load_state_dict(strict=True), the names must be exactly the module's.
 void load_state_dict(torch::nn::Module& module, const std::map<std::string, at::Tensor>& state) {
   std::vector<std::string> expected_names, given_names;
   for (const auto& item : module.named_parameters()) {
+    expected_names.push_back(item.key());
+  }
+  for (const auto& item : module.named_buffers()) {
     expected_names.push_back(item.key());
   }
   for (const auto& [name, tensor] : state) {
@@ -51,6 +75,9 @@ void load_state_dict(torch::nn::Module& module, const std::map<std::string, at::
   ASSERT_EQ(given_names, expected_names);
   torch::NoGradGuard no_grad;
   for (auto& item : module.named_parameters()) {
+    item.value().copy_(state.at(item.key()));
+  }
+  for (auto& item : module.named_buffers()) {
     item.value().copy_(state.at(item.key()));
   }
 }
@@ -105,16 +132,53 @@ TEST(PythonInterop, PythonWeightsLoadIntoTheCppModule) {
             1e-6);
 }
 
+TEST(PythonInterop, PythonWeightsWithScoreOptionsLoadAndBackpropagateAlikeInCpp) {
+  std::filesystem::path expected_path;
+  ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", kTorchScriptExporter, &expected_path));
+  const auto expected = load_python_dict(expected_path);
+  const std::string prefix = "options_attention.";
+  nn::CausalSelfAttention module(options_from(expected, prefix));
+  ASSERT_TRUE(module->sinks.defined() && module->alibi_slopes.defined());
+  EXPECT_EQ(module->options.window(), (std::array<int64_t, 2>{5, 0}));
+  EXPECT_EQ(module->options.softcap().value_or(0.0), 0.5);
+  const auto state = state_dict_from(expected.at(prefix + "state_dict"));
+  // Python computes the slopes itself, to the bit.
+  EXPECT_TRUE(state.at("alibi_slopes").equal(module->alibi_slopes));
+  load_state_dict(*module, state);
+
+  const at::Tensor x = expected.at(prefix + "x").toTensor().detach().requires_grad_(true);
+  const at::Tensor y = module(x);
+  EXPECT_LE(max_abs_diff(y, expected.at(prefix + "y").toTensor()), 1e-6);
+  y.backward(expected.at(prefix + "grad_out").toTensor());
+  EXPECT_LE(max_abs_diff(x.grad(), expected.at(prefix + "grad.x").toTensor()), 1e-6);
+  for (const auto& parameter : module->named_parameters()) {
+    SCOPED_TRACE(parameter.key());
+    EXPECT_LE(max_abs_diff(parameter.value().grad(),
+                           expected.at(prefix + "grad." + parameter.key()).toTensor()),
+              1e-5);
+  }
+}
+
 TEST(PythonInterop, CppWeightsAreWrittenForPython) {
   std::filesystem::path dir;
   ASSERT_TRUE(interop_dir(&dir));
-  nn::CausalSelfAttention module(
-      nn::CausalSelfAttentionOptions(24, 4).num_kv_heads(2).head_dim(8).value_head_dim(5).bias(
-          false));
+  nn::CausalSelfAttention module(nn::CausalSelfAttentionOptions(24, 4)
+                                     .num_kv_heads(2)
+                                     .head_dim(8)
+                                     .value_head_dim(5)
+                                     .bias(false)
+                                     .window({4, 0})
+                                     .softcap(0.5)
+                                     .sinks(true)
+                                     .alibi(true));
   const at::Tensor x = torch::randn({2, 9, 24});
   torch::NoGradGuard no_grad;
+  module->sinks.normal_();  // not its zero initialization, so that loading them matters
   c10::Dict<std::string, at::Tensor> state;
   for (const auto& item : module->named_parameters()) {
+    state.insert(item.key(), item.value());
+  }
+  for (const auto& item : module->named_buffers()) {
     state.insert(item.key(), item.value());
   }
   c10::impl::GenericDict written(c10::StringType::get(), c10::AnyType::get());
@@ -125,6 +189,10 @@ TEST(PythonInterop, CppWeightsAreWrittenForPython) {
   written.insert("head_dim", *o.head_dim());
   written.insert("value_head_dim", *o.value_head_dim());
   written.insert("bias", o.bias());
+  written.insert("window", c10::List<int64_t>({o.window()[0], o.window()[1]}));
+  written.insert("softcap", o.softcap().has_value() ? c10::IValue(*o.softcap()) : c10::IValue());
+  written.insert("sinks", o.sinks());
+  written.insert("alibi", o.alibi());
   written.insert("state_dict", state);
   written.insert("x", x);
   written.insert("y", module(x));
@@ -135,11 +203,8 @@ TEST(PythonInterop, CppWeightsAreWrittenForPython) {
   // Read back as tests/python/nn/test_cpp_interop.py does: options, weights, output.
   const auto read = load_python_dict(dir / "cpp_attention.pt");
   nn::CausalSelfAttention reloaded(options_from(read, ""));
-  std::map<std::string, at::Tensor> reloaded_state;
-  for (const auto& entry : read.at("state_dict").toGenericDict()) {
-    reloaded_state.emplace(entry.key().toStringRef(), entry.value().toTensor());
-  }
-  load_state_dict(*reloaded, reloaded_state);
+  load_state_dict(*reloaded, state_dict_from(read.at("state_dict")));
+  EXPECT_TRUE(reloaded->sinks.equal(module->sinks));
   EXPECT_TRUE(reloaded(x).equal(read.at("y").toTensor()));
 }
 

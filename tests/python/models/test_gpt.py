@@ -29,6 +29,24 @@ def test_sdpa_variant_has_the_same_parameters_and_computes_the_same_function():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(window=(3, 0)),
+        dict(softcap=1.0),
+        dict(sinks=True),
+        dict(alibi=True),
+        dict(attn_dropout=0.1),
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_sdpa_variant_refuses_the_score_options_rather_than_ignoring_them(option):
+    expected = f"score options are not implemented.*{next(iter(option))}="
+    with pytest.raises(NotImplementedError, match=expected):
+        SDPASelfAttention(32, 4, **option)
+    SDPASelfAttention(32, 4)
+
+
 @pytest.mark.parametrize("attention", ["causal_attention", "sdpa"])
 def test_decoding_in_chunks_through_the_caches_matches_the_full_forward(attention):
     model = gpt(attention).eval()

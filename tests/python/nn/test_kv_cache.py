@@ -1,13 +1,14 @@
 """KV-cache decoding with causal_attention.CausalSelfAttention: token by token and in chunks it
-equals the full-sequence forward; with a key mask, a left-padded batch of prompts decodes as each
-prompt alone, unpadded; every misuse raises a typed error and leaves the cache as it was; reset
-and reuse work."""
+equals the full-sequence forward, with every causal score option too (sliding windows, softcap,
+sinks, ALiBi: the op's bottom-right alignment counts positions from the first cached one); with a
+key mask, a left-padded batch of prompts decodes as each prompt alone, unpadded; every misuse
+raises a typed error and leaves the cache as it was; reset and reuse work."""
 
 import pytest
 import torch
 
 from causal_attention import CausalSelfAttention, KVCache
-from nn_testing import CONFIGS, left_padded_key_mask
+from nn_testing import CAUSAL_SCORE_OPTIONS, CONFIGS, left_padded_key_mask, randomize_sinks
 
 LENGTH = 11
 
@@ -40,6 +41,29 @@ def test_decoding_equals_the_full_forward(config, chunks):
     heads_kv = module.num_kv_heads
     assert cache.keys.shape == (2, heads_kv, LENGTH, module.head_dim)
     assert cache.values.shape == (2, heads_kv, LENGTH, module.value_head_dim)
+
+
+@pytest.mark.parametrize("options", CAUSAL_SCORE_OPTIONS)
+def test_decoding_with_score_options_equals_the_full_forward(options):
+    # 40 positions: past the sliding window of 16, and far enough for ALiBi's bias to matter.
+    module = CausalSelfAttention(24, 4, num_kv_heads=2, value_head_dim=5, **options).eval()
+    randomize_sinks(module)
+    x = torch.randn(2, 40, 24)
+    with torch.no_grad():
+        full = module(x)
+        for chunks in ([1] * 40, [13, 1, 9, 17]):
+            cache = module.make_cache(batch_size=2, max_len=40)
+            decoded = decode(module, x, cache, chunks)
+            torch.testing.assert_close(decoded, full, atol=1e-5, rtol=1e-5)
+        # The last step's weights are the last row of the full forward's.
+        cache = module.make_cache(batch_size=2, max_len=40)
+        decode(module, x[:, :39], cache, [39])
+        _, step_weights = module(x[:, 39:], cache=cache, need_weights=True)
+        torch.testing.assert_close(
+            step_weights, module(x, need_weights=True)[1][:, :, 39:], atol=1e-6, rtol=1e-5
+        )
+    if "window" in options:
+        assert torch.count_nonzero(step_weights[..., : 40 - 16]) == 0
 
 
 def test_reset_and_reuse_give_the_same_outputs():
@@ -187,6 +211,22 @@ def test_left_padded_prompts_decode_like_each_prompt_alone(config, steps, decode
         real = batched[row, key_mask[row]]
         torch.testing.assert_close(real, expected[0], atol=1e-5, rtol=1e-5, msg=f"row {row}")
     assert torch.equal(cache.key_mask, key_mask)
+
+
+def test_left_padded_prompts_decode_like_each_prompt_alone_with_score_options():
+    # A window of 4 positions binds within the prompts; padding lies before every real position,
+    # so it shifts no window and no ALiBi distance between real positions.
+    options = dict(window=(3, 0), softcap=0.5, sinks=True, alibi=True)
+    module = CausalSelfAttention(32, 4, num_kv_heads=2, **options).eval()
+    randomize_sinks(module)
+    sequences, x, key_mask = left_padded_batch(32, 4)
+    cache = module.make_cache(len(sequences), x.size(1))
+    with torch.no_grad():
+        batched = decode(module, x, cache, [PROMPT, 1, 2, 1], key_mask)
+        alone = [module(sequence) for sequence in sequences]
+    for row, expected in enumerate(alone):
+        real = batched[row, key_mask[row]]
+        torch.testing.assert_close(real, expected[0], atol=1e-5, rtol=1e-5, msg=f"row {row}")
 
 
 def test_positions_hidden_in_any_step_stay_hidden_in_every_later_one():

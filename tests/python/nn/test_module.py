@@ -1,6 +1,9 @@
 """causal_attention.CausalSelfAttention: equal to nn.MultiheadAttention with a causal mask and to a
-nanoGPT-style reference, in output and in every gradient, with and without a key mask; nanoGPT
-checkpoints load strictly; bad options and inputs raise typed errors."""
+nanoGPT-style reference, in output and in every gradient, with and without a key mask, and with
+every score option (windows, softcap, sinks, ALiBi) against a materialized reference; attention
+dropout in training uses the op's mask and evaluation is exact; nanoGPT checkpoints load strictly,
+and the options' sinks and slopes go through the state_dict; bad options and inputs raise typed
+errors."""
 
 import pytest
 import torch
@@ -8,12 +11,16 @@ from torch import nn
 
 from attention_testing import dtype_params, visible_keys
 from causal_attention import CausalSelfAttention
+from causal_attention.nn import alibi_slopes
 from nn_testing import (
     CONFIGS,
+    EVERY_SCORE_OPTION,
+    SCORE_OPTIONS,
     NanoGPTAttention,
     assert_close_to_reference,
     forward_backward,
     left_padded_key_mask,
+    randomize_sinks,
 )
 
 SMALL = dict(embed_dim=32, num_heads=4)
@@ -23,6 +30,7 @@ def module_and_references(config, dtype):
     """Our module, and nanoGPT's in `dtype` and in float64 with the same weights (loading our
     state_dict strictly into nanoGPT's layout is itself part of the claim)."""
     ours = CausalSelfAttention(**config, dtype=dtype)
+    randomize_sinks(ours)
     ref = NanoGPTAttention(config).to(dtype)
     ref64 = NanoGPTAttention(config).double()
     ref.load_state_dict(ours.state_dict(), strict=True)
@@ -243,6 +251,15 @@ def test_strict_load_still_reports_missing_and_unexpected_keys():
         (dict(embed_dim=32, num_heads=4, head_dim=0), "head_dim=0"),
         (dict(embed_dim=32, num_heads=4, value_head_dim=-2), "value_head_dim=-2"),
         (dict(embed_dim=32, num_heads=4, dropout=1.5), r"dropout must be in \[0, 1\].*1\.5"),
+        # The op has no all-dropped case, unlike nn.Dropout(1.0).
+        (dict(embed_dim=32, num_heads=4, attn_dropout=1.0), r"attn_dropout must be in \[0, 1\)"),
+        (dict(embed_dim=32, num_heads=4, attn_dropout=-0.1), r"attn_dropout=-0\.1"),
+        (dict(embed_dim=32, num_heads=4, window=(-2, 0)), r"entries must be >= -1.*\(-2, 0\)"),
+        (dict(embed_dim=32, num_heads=4, window=(4, -3)), r"window=\(4, -3\)"),
+        (dict(embed_dim=32, num_heads=4, softcap=0.0), r"softcap must be finite and > 0.*=0\.0"),
+        (dict(embed_dim=32, num_heads=4, softcap=-1.0), r"softcap=-1\.0"),
+        (dict(embed_dim=32, num_heads=4, softcap=float("inf")), r"softcap=inf"),
+        (dict(embed_dim=32, num_heads=4, softcap=float("nan")), r"softcap=nan"),
     ],
 )
 def test_bad_options_raise_value_error(kwargs, match):
@@ -250,9 +267,20 @@ def test_bad_options_raise_value_error(kwargs, match):
         CausalSelfAttention(**kwargs)
 
 
-def test_attention_probability_dropout_is_refused_not_ignored():
-    with pytest.raises(NotImplementedError, match="attn_dropout.*attn_dropout=0.1"):
-        CausalSelfAttention(32, 4, attn_dropout=0.1)
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(window=4), "window must be two ints.*window=4"),
+        (dict(window=(4,)), r"window=\(4,\)"),
+        (dict(window=(4.0, 0)), r"window=\(4\.0, 0\)"),
+        (dict(window="40"), "window='40'"),
+        (dict(softcap="2"), "softcap must be a float or None, got str"),
+        (dict(softcap=True), "got bool"),
+    ],
+)
+def test_option_of_the_wrong_type_raises_type_error(kwargs, match):
+    with pytest.raises(TypeError, match=rf"CausalSelfAttention: .*{match}"):
+        CausalSelfAttention(32, 4, **kwargs)
 
 
 def test_bad_input_raises_typed_errors():
@@ -300,3 +328,228 @@ def test_options_are_resolved_and_shown():
     assert module.c_attn.weight.shape == ((6 + 2) * 8 + 2 * 4, 48)
     assert module.c_proj.weight.shape == (48, 6 * 4)
     assert "num_kv_heads=2, head_dim=8, value_head_dim=4" in repr(module)
+    assert "window" not in repr(module) and module.sinks is None and module.alibi_slopes is None
+    with_options = CausalSelfAttention(
+        48, 6, attn_dropout=0.1, window=[7, 0], softcap=30, sinks=True, alibi=True
+    )
+    assert (with_options.window, with_options.softcap) == ((7, 0), 30.0)
+    assert isinstance(with_options.softcap, float)
+    assert "attn_dropout=0.1, window=(7, 0), softcap=30.0, sinks=True, alibi=True" in repr(
+        with_options
+    )
+
+
+@pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32, torch.bfloat16)))
+@pytest.mark.parametrize("masked", [False, True], ids=["", "key-mask"])
+@pytest.mark.parametrize("options", SCORE_OPTIONS)
+@pytest.mark.parametrize("config", CONFIGS[1:3])
+def test_score_options_match_the_materialized_reference(config, options, masked, dtype):
+    plain64 = NanoGPTAttention(config).double()
+    config = {**config, **options}
+    ours, ref, ref64 = module_and_references(config, dtype)
+    key_mask = padding_and_holes(40) if masked else None
+    x = torch.randn(3, 40, config["embed_dim"]).to(dtype)
+    grad_out = torch.randn(x.shape).to(dtype)
+
+    out, grads = forward_backward(ours, x, grad_out, key_mask=key_mask)
+    ref_out, ref_grads = forward_backward(ref, x, grad_out, key_mask=key_mask)
+    out64, grads64 = forward_backward(ref64, x.double(), grad_out.double(), key_mask=key_mask)
+
+    # The options must matter, or this would test the plain module again.
+    plain64.load_state_dict(ours.state_dict(), strict=False)  # without sinks and slopes
+    with torch.no_grad():
+        assert (out64 - plain64(x.double(), key_mask=key_mask)).abs().max() > 1e-2
+    assert ("param.sinks" in grads) == bool(options.get("sinks"))
+    assert set(grads) == set(ref_grads) == set(grads64)
+    assert_matches(dtype, out, grads, ref_out, ref_grads, out64, grads64)
+
+
+def test_weights_with_score_options_are_the_reference_probabilities():
+    config = dict(embed_dim=32, num_heads=4, num_kv_heads=2, window=(5, 2), softcap=0.5)
+    config.update(sinks=True, alibi=True)
+    ours, _, ref64 = module_and_references(config, torch.float64)
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    key_mask = left_padded_key_mask([12, 6], 12)
+    with torch.no_grad():
+        out, weights = ours(x, need_weights=True, key_mask=key_mask)
+        torch.testing.assert_close(out, ref64(x, key_mask=key_mask))
+        torch.testing.assert_close(weights, ref64.weights(x, key_mask=key_mask))
+    # The sinks take their share: every row that sees a key sums to less than 1.
+    assert (weights.sum(-1)[key_mask[:, None, :].expand(-1, 4, -1)] < 1 - 1e-3).all()
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 8, 12, 16, 24, 64])
+def test_alibi_slopes_are_bloom_s(num_heads):
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    # BLOOM's bias at key position 1 of a row is its slope; it computes the powers in float32,
+    # ours rounds 2^-e once, so they differ by float32 rounding.
+    bloom = build_alibi_tensor(torch.ones(1, 2), num_heads, torch.float32)[:, 0, 1]
+    slopes = alibi_slopes(num_heads)
+    assert slopes.dtype == torch.float32 and slopes.shape == (num_heads,)
+    torch.testing.assert_close(slopes, bloom, rtol=1e-6, atol=0)
+    module = CausalSelfAttention(8 * num_heads, num_heads, alibi=True)
+    assert torch.equal(module.alibi_slopes, slopes)
+
+
+def test_alibi_slopes_are_the_geometric_sequence_and_its_interpolation():
+    exponents8 = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert torch.equal(alibi_slopes(8), torch.tensor([2.0**-e for e in exponents8]))
+    # 12 heads: 8 slopes of the power of two below, then every other slope of 16 heads.
+    exponents12 = exponents8 + [0.5, 1.5, 2.5, 3.5]
+    assert torch.equal(alibi_slopes(12), torch.tensor([2.0**-e for e in exponents12]))
+    with pytest.raises(ValueError, match="num_heads must be positive, got num_heads=0"):
+        alibi_slopes(0)
+
+
+def test_sinks_and_slopes_go_through_the_state_dict():
+    options = dict(num_kv_heads=2, window=(5, 0), softcap=0.5, sinks=True, alibi=True)
+    module = CausalSelfAttention(32, 4, **options)
+    randomize_sinks(module)
+    state = module.state_dict()
+    assert set(state) == {
+        "c_attn.weight",
+        "c_attn.bias",
+        "c_proj.weight",
+        "c_proj.bias",
+        "sinks",
+        "alibi_slopes",
+    }
+    loaded = CausalSelfAttention(32, 4, **options)
+    loaded.load_state_dict(state, strict=True)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), module(x))
+    # A module without the options has no place for them, and says so.
+    with pytest.raises(RuntimeError, match=r"(?s)Unexpected key.*sinks.*alibi_slopes"):
+        CausalSelfAttention(32, 4, num_kv_heads=2).load_state_dict(state, strict=True)
+    with pytest.raises(RuntimeError, match=r"Missing key.*alibi_slopes"):
+        CausalSelfAttention(32, 4, num_kv_heads=2, sinks=True, alibi=True).load_state_dict(
+            {name: value for name, value in state.items() if name != "alibi_slopes"}
+        )
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m.double(),
+        lambda m: m.to("cpu", torch.float16),
+        lambda m: nn.Sequential(m).to(torch.bfloat16)[0],
+    ],
+    ids=["to-bf16", "half", "double", "to-device-and-dtype", "as-a-child"],
+)
+def test_a_dtype_conversion_keeps_the_slopes_float32_and_exact(convert):
+    module = convert(CausalSelfAttention(48, 6, sinks=True, alibi=True))
+    dtype = module.c_attn.weight.dtype
+    assert module.alibi_slopes.dtype == torch.float32
+    assert torch.equal(module.alibi_slopes, alibi_slopes(6))  # 6 heads: slopes of 2^-1.5 etc.
+    assert module.sinks.dtype == dtype
+    # And the module still runs in its new dtype (the op takes float32 slopes only).
+    with torch.no_grad():
+        assert module(torch.randn(1, 5, 48, dtype=dtype)).dtype == dtype
+
+
+def test_options_follow_the_device():
+    module = CausalSelfAttention(32, 4, sinks=True, alibi=True, device="meta")
+    assert module.sinks.device.type == module.alibi_slopes.device.type == "meta"
+    module.to_empty(device="cpu")
+    assert module.alibi_slopes.device.type == "cpu" and module.alibi_slopes.dtype == torch.float32
+
+
+DROPOUT_CONFIG = dict(embed_dim=32, num_heads=4, num_kv_heads=2)
+
+
+def dropout_reference(config, module, x, grad_out, p, seed, key_mask=None):
+    """The float64 reference of ``module`` (made from ``config``) under the dropout mask that
+    the op draws after ``torch.manual_seed(seed)``: (seed, offset) drawn from the default
+    generator as the op draws them, and the op's counter-based keep mask of the scores' shape.
+    Returns the output, the gradients, the dropped probabilities and the keep mask."""
+    ref64 = NanoGPTAttention(config).double()
+    ref64.load_state_dict(module.state_dict(), strict=True)
+    torch.manual_seed(seed)
+    dropout_seed = torch.empty(2, dtype=torch.int64).random_()
+    batch, length = x.shape[:2]
+    shape = [batch, module.num_heads, length, length]
+    keep = torch.ops.causal_attention.dropout_keep_mask(dropout_seed, shape, p)
+    out, grads = forward_backward(ref64, x, grad_out, key_mask=key_mask, keep=keep, dropout_p=p)
+    with torch.no_grad():
+        weights = ref64.weights(x, key_mask, keep, p)
+    return out, grads, weights, keep
+
+
+@pytest.mark.parametrize(
+    "options",
+    [pytest.param({}, id="causal"), pytest.param(EVERY_SCORE_OPTION, id="all-options")],
+)
+def test_attention_dropout_in_training_drops_with_the_op_mask(options):
+    config = {**DROPOUT_CONFIG, **options}
+    p = 0.3
+    module = CausalSelfAttention(**config, attn_dropout=p, dtype=torch.float64).train()
+    randomize_sinks(module)
+    key_mask = left_padded_key_mask([20, 13], 20)
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    grad_out = torch.randn(x.shape, dtype=torch.float64)
+
+    torch.manual_seed(11)
+    out, grads = forward_backward(module, x, grad_out, key_mask=key_mask)
+    ref_out, ref_grads, ref_weights, keep = dropout_reference(
+        config, module, x, grad_out, p, 11, key_mask
+    )
+    torch.testing.assert_close(out, ref_out)
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
+
+    # forward_with_weights: the dropped weights, and the output made with them.
+    torch.manual_seed(11)
+    with torch.no_grad():
+        out_with_weights, weights = module(x, need_weights=True, key_mask=key_mask)
+    torch.testing.assert_close(out_with_weights, ref_out)
+    torch.testing.assert_close(weights, ref_weights)
+    # Dropout acted, at about its rate.
+    assert 0.25 < 1 - keep.double().mean().item() < 0.35
+    with torch.no_grad():
+        assert (module.eval()(x, key_mask=key_mask) - out).abs().max() > 1e-2
+
+
+def test_attention_dropout_draws_a_new_mask_per_call_and_none_in_evaluation():
+    module = CausalSelfAttention(32, 4, attn_dropout=0.5, sinks=True)
+    exact = CausalSelfAttention(32, 4, sinks=True)
+    exact.load_state_dict(module.state_dict(), strict=True)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        first, second = module(x), module(x)
+        torch.manual_seed(3)
+        assert torch.equal(module(x), first)
+        assert (first - second).abs().max() > 1e-3
+        # Evaluation is exact, and draws nothing from the generator.
+        module.eval()
+        state = torch.get_rng_state()
+        assert torch.equal(module(x), exact(x))
+        assert torch.equal(module.forward_with_weights(x)[1], exact.forward_with_weights(x)[1])
+        assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_attention_dropout_backpropagates_through_forward_with_weights():
+    config = {**DROPOUT_CONFIG, "sinks": True, "window": (7, 0)}
+    module = CausalSelfAttention(**config, attn_dropout=0.3, dtype=torch.float64).train()
+    randomize_sinks(module)
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    grad_out = torch.randn(x.shape, dtype=torch.float64)
+
+    class OutputOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = module
+
+        def forward(self, x):
+            return self.attn(x, need_weights=True)[0]
+
+    torch.manual_seed(5)
+    _, grads = forward_backward(OutputOnly(), x, grad_out)
+    _, ref_grads, _, _ = dropout_reference(config, module, x, grad_out, 0.3, 5)
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name.replace("param.", "param.attn.")], ref_grad)

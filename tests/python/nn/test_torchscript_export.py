@@ -1,6 +1,6 @@
 """CausalSelfAttention and TinyGPT under TorchScript and torch.export: the scripted module (with
-and without a KV cache, with and without a key mask) and the exported programs run and match
-eager, and
+and without a KV cache, with and without a key mask, with every score option and attention
+dropout) and the exported programs run and match eager, and
 tests/fixtures/export_torchscript_model.py writes a model that reproduces its expected outputs and
 gradients when loaded back."""
 
@@ -21,9 +21,19 @@ from nn_testing import (
     ROOT,
     forward_backward,
     left_padded_key_mask,
+    randomize_sinks,
 )
 
 pytestmark = IGNORE_TORCHSCRIPT_DEPRECATION
+
+# Every score option, each binding on 9 positions (a window of 6).
+ALL_OPTIONS = dict(window=(5, 0), softcap=0.5, sinks=True, alibi=True, attn_dropout=0.2)
+
+
+def module_with_all_options():
+    module = CausalSelfAttention(32, 4, num_kv_heads=2, **ALL_OPTIONS)
+    randomize_sinks(module)
+    return module
 
 
 def reload(scripted):
@@ -37,7 +47,7 @@ def reload(scripted):
 def test_scripted_module_matches_eager_after_save_and_load(config):
     module = CausalSelfAttention(**config)
     scripted = reload(torch.jit.script(module))
-    assert "ops.causal_attention.attention(" in scripted.code
+    assert "causal_attention::attention(" in str(scripted.inlined_graph)
     x = torch.randn(2, 9, config["embed_dim"])
     grad_out = torch.randn(x.shape)
     out, grads = forward_backward(module, x, grad_out)
@@ -126,6 +136,50 @@ def test_scripted_module_decodes_left_padded_prompts():
     torch.testing.assert_close(outputs["eager"][:1, 3:], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_scripted_module_keeps_the_score_options_after_save_and_load(training):
+    module = module_with_all_options().train(training)
+    scripted = reload(torch.jit.script(module)).train(training)
+    assert scripted.state_dict().keys() == module.state_dict().keys()
+    for name, value in module.state_dict().items():
+        assert torch.equal(scripted.state_dict()[name], value), name
+    x = torch.randn(3, 9, 32)
+    key_mask = left_padded_key_mask([9, 4, 6], 9)
+    grad_out = torch.randn(x.shape)
+    # In training, the same generator state gives the same dropout mask in both.
+    torch.manual_seed(1)
+    out, grads = forward_backward(module, x, grad_out, key_mask=key_mask)
+    torch.manual_seed(1)
+    scripted_out, scripted_grads = forward_backward(scripted, x, grad_out, key_mask=key_mask)
+    torch.testing.assert_close(scripted_out, out)
+    assert "param.sinks" in grads and scripted_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(scripted_grads[name], grads[name], msg=name)
+    with torch.no_grad():
+        torch.manual_seed(2)
+        expected = module(x, need_weights=True, key_mask=key_mask)
+        torch.manual_seed(2)
+        for scripted_value, value in zip(
+            scripted.forward_with_weights(x, None, key_mask), expected
+        ):
+            torch.testing.assert_close(scripted_value, value)
+        # The options are in the scripted module: without them it would attend otherwise.
+        plain = CausalSelfAttention(32, 4, num_kv_heads=2)
+        plain.load_state_dict(module.state_dict(), strict=False)
+        assert (plain(x, key_mask=key_mask) - scripted(x, key_mask=key_mask)).abs().max() > 1e-2
+
+
+def test_scripted_module_decodes_with_score_options():
+    module = module_with_all_options().eval()
+    scripted = torch.jit.script(module)
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad():
+        cache = scripted.make_cache(2, 12)
+        steps = [scripted(x[:, :5], cache)]
+        steps += [scripted(x[:, i : i + 1], cache) for i in range(5, 12)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), module(x), atol=1e-5, rtol=1e-5)
+
+
 def test_scripted_tiny_gpt_matches_eager_forward_and_backward():
     model = TinyGPT()
     scripted = reload(torch.jit.script(model))
@@ -179,6 +233,40 @@ def test_exported_module_takes_a_key_mask_at_any_length(need_weights):
         key_mask = left_padded_key_mask([size - 3, size // 2], size)
         kwargs = dict(need_weights=need_weights, key_mask=key_mask)
         torch.testing.assert_close(exported.module()(x, **kwargs), module(x, **kwargs))
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["output", "with-weights"])
+def test_exported_module_keeps_the_score_options_at_any_length(need_weights, training):
+    module = module_with_all_options().train(training)
+    length = torch.export.Dim("length", min=2, max=128)
+    exported = torch.export.export(
+        module,
+        (torch.randn(2, 9, 32),),
+        {"need_weights": need_weights},
+        dynamic_shapes={"x": {1: length}, "need_weights": None},
+    )
+    calls = [
+        node
+        for node in exported.graph.nodes
+        if node.target
+        in (
+            torch.ops.causal_attention.attention.default,
+            torch.ops.causal_attention.attention_weights.default,
+        )
+    ]
+    assert calls
+    for node in calls:
+        assert (node.kwargs["window"], node.kwargs["softcap"]) == ([5, 0], 0.5)
+        assert node.kwargs["sinks"] is not None and node.kwargs["alibi_slopes"] is not None
+        assert node.kwargs.get("dropout_p", 0.0) == (0.2 if training else 0.0)
+    assert {"sinks", "alibi_slopes"} <= exported.state_dict.keys()
+    for size in (9, 70):
+        x = torch.randn(2, size, 32)
+        torch.manual_seed(3)
+        result = exported.module()(x, need_weights=need_weights)
+        torch.manual_seed(3)
+        torch.testing.assert_close(result, module(x, need_weights=need_weights))
 
 
 def test_exported_tiny_gpt_matches_eager():
