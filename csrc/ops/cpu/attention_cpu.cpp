@@ -141,6 +141,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
                    scale,
                    {},
                    {},
+                   {},
                    {}};
   set_key_mask(t, key_mask);
   set_score_options(t, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
@@ -172,6 +173,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
                     {},
                     {},
                     scale,
+                    {},
+                    {},
                     {},
                     {},
                     {}};
@@ -224,6 +227,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_forward_cpu(
                    scale,
                    {},
                    {},
+                   {},
                    {}};
   t.sequences =
       packed_sequences("causal_attention.varlen_attention_forward", q, k, cu_seqlens_q,
@@ -258,6 +262,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_attention_back
                     packed_as_batch_heads_rows(dk),
                     packed_as_batch_heads_rows(dv),
                     scale,
+                    {},
+                    {},
                     {},
                     {},
                     {}};
