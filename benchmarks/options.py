@@ -23,7 +23,7 @@ import causal_attention
 
 from .cases import MODES
 from .cli import common_parser
-from .sections import leaf, run_sections, step
+from .sections import leaf, parse_section_args, run_sections, step
 
 SECTIONS = ("window", "modifiers")
 
@@ -38,11 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rounds, min_run_time = (1, 0.05) if args.quick else (3, 0.5)
-    args.rounds = args.rounds or rounds
-    args.min_run_time = args.min_run_time or min_run_time
+    args = parse_section_args(parser, argv)
     if args.quick:
         args.window_length, args.window, args.length, args.heads = 256, 64, 128, 2
     return args

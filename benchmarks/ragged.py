@@ -28,7 +28,7 @@ import causal_attention
 
 from .cases import MODES
 from .cli import common_parser
-from .sections import leaf, run_sections, step
+from .sections import leaf, parse_section_args, run_sections, step
 
 SECTIONS = ("mask", "leftpad", "packed")
 
@@ -45,11 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--packed-count", type=int, default=8, help="sequences of a packed batch")
     parser.add_argument("--packed-lengths", nargs=2, type=int, default=[64, 2048],
                         metavar=("MIN", "MAX"), help="range of the packed sequences' lengths")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rounds, min_run_time = (1, 0.05) if args.quick else (3, 0.5)
-    args.rounds = args.rounds or rounds
-    args.min_run_time = args.min_run_time or min_run_time
+    args = parse_section_args(parser, argv)
     if args.quick:
         args.lengths, args.batch, args.heads = [128], 2, 2
         args.packed_count, args.packed_lengths = 3, [16, 200]

@@ -33,6 +33,17 @@ def leaf(*shape, dtype):
 
 
 
+def parse_section_args(parser, argv):
+    """Parses a sections benchmark's command line; rounds and run time default to one short
+    round with --quick, else three of 0.5 s."""
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rounds, min_run_time = (1, 0.05) if args.quick else (3, 0.5)
+    args.rounds = args.rounds or rounds
+    args.min_run_time = args.min_run_time or min_run_time
+    return args
+
+
 def run_sections(args, cases):
     """Runs cases[section](args, dtype, pass_name) for every section in args.only, dtype in
     args.dtypes and pass in args.passes, and writes the rows to args.out (JSON)."""

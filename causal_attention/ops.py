@@ -42,6 +42,25 @@ def _window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
     return (window[0], window[1])
 
 
+def _score_options(
+    op: str,
+    window: Sequence[int],
+    softcap: Optional[float],
+    alibi_slopes: Optional[Tensor],
+    sinks: Optional[Tensor],
+    dropout_p: float,
+) -> dict:
+    """The score options as keyword arguments of ``causal_attention.<op>`` (their names in every
+    schema)."""
+    return dict(
+        window=_window(f"causal_attention.{op}", window),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        dropout_p=dropout_p,
+    )
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -89,11 +108,9 @@ def attention(
         v,
         scale=scale,
         key_mask=key_mask,
-        window=_window("causal_attention.attention", window),
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        dropout_p=dropout_p,
+        **_score_options(
+            "attention", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
         generator=generator,
     )
 
@@ -125,12 +142,10 @@ def attention_forward(
         v,
         scale,
         key_mask,
-        _window("causal_attention.attention_forward", window),
-        softcap,
-        alibi_slopes,
-        sinks,
-        dropout_p,
-        dropout_seed,
+        **_score_options(
+            "attention_forward", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
+        dropout_seed=dropout_seed,
     )
 
 
@@ -162,12 +177,10 @@ def attention_backward(
         lse,
         scale,
         key_mask,
-        _window("causal_attention.attention_backward", window),
-        softcap,
-        alibi_slopes,
-        sinks,
-        dropout_p,
-        dropout_seed,
+        **_score_options(
+            "attention_backward", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
+        dropout_seed=dropout_seed,
     )
 
 
@@ -204,11 +217,9 @@ def attention_weights(
         v,
         scale=scale,
         key_mask=key_mask,
-        window=_window("causal_attention.attention_weights", window),
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        dropout_p=dropout_p,
+        **_score_options(
+            "attention_weights", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
         generator=generator,
     )
 
@@ -262,11 +273,9 @@ def varlen_attention(
         max_seqlen_q,
         max_seqlen_k,
         scale=scale,
-        window=_window("causal_attention.varlen_attention", window),
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        dropout_p=dropout_p,
+        **_score_options(
+            "varlen_attention", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
         generator=generator,
     )
 
@@ -299,12 +308,10 @@ def varlen_attention_forward(
         max_seqlen_q,
         max_seqlen_k,
         scale,
-        _window("causal_attention.varlen_attention_forward", window),
-        softcap,
-        alibi_slopes,
-        sinks,
-        dropout_p,
-        dropout_seed,
+        **_score_options(
+            "varlen_attention_forward", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
+        dropout_seed=dropout_seed,
     )
 
 
@@ -341,10 +348,8 @@ def varlen_attention_backward(
         max_seqlen_q,
         max_seqlen_k,
         scale,
-        _window("causal_attention.varlen_attention_backward", window),
-        softcap,
-        alibi_slopes,
-        sinks,
-        dropout_p,
-        dropout_seed,
+        **_score_options(
+            "varlen_attention_backward", window, softcap, alibi_slopes, sinks, dropout_p
+        ),
+        dropout_seed=dropout_seed,
     )

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
@@ -26,6 +27,16 @@ DTYPE_IDS = {
     torch.bfloat16: "bf16",
     torch.float16: "f16",
 }
+
+# hypothesis settings of every property test: the same examples on every run and machine (no
+# database, derandomized), no deadline (the machines' speed varies), the failing example printed.
+REPRODUCIBLE_EXAMPLES = dict(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # Unit roundoff of each dtype.
 UNIT_ROUNDOFF = {

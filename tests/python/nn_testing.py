@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attention_testing import UNIT_ROUNDOFF, visibility
+from attention_testing import UNIT_ROUNDOFF, visibility, visible_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,20 +56,6 @@ def randomize_sinks(module: nn.Module) -> None:
     if module.sinks is not None:
         with torch.no_grad():
             module.sinks.normal_()
-
-
-def window_visibility(lq: int, lk: int, window: Tuple[int, int]) -> Tensor:
-    """Bool (lq, lk): query row i sees key j iff i + off - left <= j <= i + off + right with
-    off = lk - lq, a side of -1 unbounded."""
-    rows = torch.arange(lq).unsqueeze(-1) + (lk - lq)
-    keys = torch.arange(lk)
-    left, right = window
-    visible = torch.ones(lq, lk, dtype=torch.bool)
-    if left >= 0:
-        visible &= keys >= rows - left
-    if right >= 0:
-        visible &= keys <= rows + right
-    return visible
 
 
 class NanoGPTAttention(nn.Module):
@@ -148,7 +134,7 @@ class NanoGPTAttention(nn.Module):
         if self.alibi_slopes is not None:
             distance = (torch.arange(length).unsqueeze(-1) - torch.arange(length)).abs()
             scores = scores - self.alibi_slopes[:, None, None] * distance
-        visible = window_visibility(length, length, self.window)
+        visible = visible_keys(length, length, self.window)
         if key_mask is not None:
             visible = visible & key_mask[:, None, None, :]
         no_key = ~visible.any(-1, keepdim=True)

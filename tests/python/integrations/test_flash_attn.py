@@ -67,19 +67,6 @@ def softcapped_reference(q, k, v, visible, scale, softcap):
     return (probs @ vh).transpose(-3, -2), leaves
 
 
-def window_visible(lq, lk, left, right):
-    """(lq, lk): flash-attn's documented window: row i sees keys i + lk - lq - left <= j <=
-    i + lk - lq + right, a negative bound unbounded."""
-    diagonal = torch.arange(lq).unsqueeze(1) + (lk - lq)
-    j = torch.arange(lk)
-    visible = torch.ones(lq, lk, dtype=torch.bool)
-    if left >= 0:
-        visible &= j >= diagonal - left
-    if right >= 0:
-        visible &= j <= diagonal + right
-    return visible
-
-
 def alibi_bias(slopes, lq, lk):
     """``-slope * |i + lk - lq - j|`` as (..., H, lq, lk) for slopes (..., H)."""
     distance = (torch.arange(lq).unsqueeze(1) + (lk - lq) - torch.arange(lk)).abs()
@@ -195,7 +182,7 @@ WINDOWS = [
 
 def window_of(lq, lk, causal, window_size):
     left, right = window_size
-    return window_visible(lq, lk, left, 0 if causal else right)
+    return visible_keys(lq, lk, (left, 0 if causal else right))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -405,11 +392,11 @@ def test_flash_attn_varlen_func_served_windows_and_one_row_sequences():
 
 
 def packed_window_visible(lengths_q, lengths_k, window):
-    """(total_q, total_k): each sequence sees itself through ``window_visible``'s window."""
+    """(total_q, total_k): each sequence sees itself through ``visible_keys``' window."""
     visible = torch.zeros(sum(lengths_q), sum(lengths_k), dtype=torch.bool)
     row = col = 0
     for lq, lk in zip(lengths_q, lengths_k):
-        visible[row : row + lq, col : col + lk] = window_visible(lq, lk, *window)
+        visible[row : row + lq, col : col + lk] = visible_keys(lq, lk, window)
         row, col = row + lq, col + lk
     return visible
 
@@ -479,11 +466,11 @@ def expected_cache(cache, new, rows, seqlens):
 
 def kv_visible(lq, capacity, starts, ends, window=(-1, 0)):
     """(batch, Lq, capacity): row b, query i sees cache position j iff starts[b] <= j < ends[b]
-    and ``window_visible``'s window (causal by default) aligned to the row's own length,
+    and ``visible_keys``' window (causal by default) aligned to the row's own length,
     ends[b] - Lq + i the diagonal."""
     j = torch.arange(capacity)
     masks = [
-        (j >= s) & (j < e) & F.pad(window_visible(lq, e, *window), (0, capacity - e))
+        (j >= s) & (j < e) & F.pad(visible_keys(lq, e, window), (0, capacity - e))
         for s, e in zip(starts, ends)
     ]
     return torch.stack(masks) if masks else torch.zeros(0, lq, capacity, dtype=torch.bool)

@@ -20,11 +20,12 @@ from typing import Optional, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import causal_attention
 from attention_testing import (
+    REPRODUCIBLE_EXAMPLES,
     DTYPES,
     abs_magnitudes,
     accumulation_roundoff,
@@ -221,16 +222,7 @@ def _check_empty_rows(call: Call, out, dq=None):
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-_FUZZ_SETTINGS = dict(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
-
-@settings(max_examples=FORWARD_EXAMPLES, **_FUZZ_SETTINGS)
+@settings(max_examples=FORWARD_EXAMPLES, **REPRODUCIBLE_EXAMPLES)
 @given(call=calls())
 def test_forward_and_lse_match_float64(call):
     q, k, v, _ = make_inputs(call, requires_grad=False)
@@ -250,7 +242,7 @@ def test_forward_and_lse_match_float64(call):
         assert lse_error <= lse_bound, f"lse: max error {lse_error:.3e} > bound {lse_bound:.3e}"
 
 
-@settings(max_examples=GRADIENT_EXAMPLES, **_FUZZ_SETTINGS)
+@settings(max_examples=GRADIENT_EXAMPLES, **REPRODUCIBLE_EXAMPLES)
 @given(call=calls())
 def test_gradients_match_float64(call):
     q, k, v, grad_out = make_inputs(call, requires_grad=True)

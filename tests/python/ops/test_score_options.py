@@ -12,11 +12,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import causal_attention
 from attention_testing import (
+    REPRODUCIBLE_EXAMPLES,
     DTYPE_IDS,
     DTYPES,
     RESULT_NAMES,
@@ -521,14 +522,7 @@ def option_calls(draw):
     return case, options, dropout_p, scale, draw(st.integers(0, 2**16))
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(max_examples=EXAMPLES, **REPRODUCIBLE_EXAMPLES)
 @given(call=option_calls())
 def test_random_calls_with_every_option_match_float64_reference(call):
     """In float64. With dropout the op's keep mask is read off attention_weights (called with a

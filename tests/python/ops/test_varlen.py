@@ -11,11 +11,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import causal_attention
 from attention_testing import (
+    REPRODUCIBLE_EXAMPLES,
     DTYPES,
     RESULT_NAMES,
     Packed,
@@ -379,14 +380,7 @@ def packed_calls(draw):
     return packed, draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**16))
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(max_examples=EXAMPLES, **REPRODUCIBLE_EXAMPLES)
 @given(call=packed_calls())
 def test_random_lengths_match_sequences_alone(call):
     packed, dtype, seed = call
