@@ -134,7 +134,7 @@ class BlockPairGradients {
       const GradientRow row = softmax_gradient_row(
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
           cols, modifiers.row(dims, b, bh % dims.heads_q, q0 + r, k0, s.kept), row_lse[r],
-          with_delta ? row_delta[r] : acc_t(0), modifiers.keep_scale(),
+          with_delta ? row_delta[r] : acc_t(0),
           /*exact_delta_form=*/!with_delta,
           GradientRowScratch<acc_t>{s.softcap_grad.data(), s.keep_factors.data()});
       s.first_visible[r] = row.range.begin;

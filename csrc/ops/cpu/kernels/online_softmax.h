@@ -171,7 +171,7 @@ struct GradientRowScratch {
 template <typename acc_t>
 inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
                                         const RowScoring<acc_t>& scoring, acc_t lse, acc_t delta,
-                                        acc_t keep_scale, bool exact_delta_form,
+                                        bool exact_delta_form,
                                         const GradientRowScratch<acc_t>& scratch) {
   acc_t* softcap_grad = scratch.softcap_grad;
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
@@ -184,7 +184,7 @@ inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int
   const auto times = [](Vec x, Vec y) { return x * y; };
   if (scoring.dropout) {
     // The mask once, for dP here and for P below.
-    scoring.keep_factors(scratch.keep_factors, begin, end, keep_scale);
+    scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);
     at::vec::map2<acc_t>(times, ds + begin, ds + begin, scratch.keep_factors + begin, end - begin);
   }
   const Vec delta_vec(exact_delta_form ? acc_t(0) : delta);

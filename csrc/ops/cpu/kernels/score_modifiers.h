@@ -62,10 +62,11 @@ struct RowScoring {
   // The block's column at distance 0 from the row (row + off - k0), for ALiBi.
   int64_t diagonal;
   const bool* kept;  // the block's key mask where it hides some keys, else null
-  // Dropout: the row's key, the block's first key and the generator; null generator: off.
+  // Dropout: the row's key, the block's first key, the generator (null: off) and 1 / (1 - p).
   const DropoutHash* dropout;
   uint32_t dropout_row;
   int64_t k0;
+  acc_t keep_scale;
 
   // Only the scale: the fused fast path.
   bool plain() const { return softcap == acc_t(0) && slope == acc_t(0) && kept == nullptr; }
@@ -191,7 +192,8 @@ class ScoreModifiers {
             kept,
             dropout_.active() ? &dropout_ : nullptr,
             dropout_.active() ? dropout_.row_key(b, h, row) : 0u,
-            k0};
+            k0,
+            keep_scale_};
   }
 
   // The sink logit of query head h, -inf without sinks (exp(-inf) joins no denominator).
@@ -199,10 +201,8 @@ class ScoreModifiers {
     return sinks_ ? sinks_[h] : -std::numeric_limits<acc_t>::infinity();
   }
   bool has_sinks() const { return sinks_ != nullptr; }
-  bool dropout() const { return dropout_.active(); }
   // 1 / (1 - p): the factor of the kept probabilities.
   acc_t keep_scale() const { return keep_scale_; }
-  acc_t scale() const { return scale_; }
 
  private:
   acc_t scale_, softcap_;
