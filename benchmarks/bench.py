@@ -120,6 +120,11 @@ def print_header(env, args):
     flags = " ".join(f"{f}={'yes' if v else 'no'}" for f, v in env["cpu_flags"].items())
     print(env["cpu_model"])
     print(f"CPU flags: {flags}; torch CPU capability {env['torch_cpu_capability']}")
+    products = ", ".join(f"{dtype} {kind}" for dtype, kind in env["block_products"].items())
+    caps = [f"{name}={env[key]}" for name, key in (
+        ("ONEDNN_MAX_CPU_ISA", "onednn_max_cpu_isa"),
+        ("CAUSAL_ATTENTION_REDUCED_PRODUCTS", "reduced_products_switch")) if env[key]]
+    print(f"block products of two inputs: {products}{' (' + ', '.join(caps) + ')' if caps else ''}")
     print(f"torch {env['torch']}, python {env['python']}, {args.threads} threads "
           f"({env['cores_available']} cores available), median of {args.rounds} rounds of "
           f"blocked_autorange (min_run_time {args.min_run_time} s)"

@@ -3,8 +3,8 @@
 // `python -m benchmarks.bench` uses it as the practical limit ("share of the limit") that the
 // attention kernels are held to. It lives in a library of its own (CMake option
 // CAUSAL_ATTENTION_BUILD_BENCH_PROBE), so that torch.ops.causal_attention holds only the product.
-// For bfloat16 it measures what the kernels use on this CPU: the bfloat16 micro-kernel where
-// it runs natively, else float32 (the kernels then convert bfloat16 tiles to float32).
+// For bfloat16 and float16 it measures what the kernels' calls use now (block_gemm.h): the
+// native micro-kernel where this process has it, else the float32 one (the widened products).
 #include "block_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <chrono>
+#include <string>
 #include <vector>
 
 namespace causal_attention::cpu {
@@ -45,11 +46,17 @@ double block_gemm_gflops(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
   TORCH_CHECK_VALUE(m > 0 && n > 0 && k > 0 && iterations > 0,
                     "block_gemm_gflops: m, n, k and iterations must be positive, got m=", m,
                     ", n=", n, ", k=", k, ", iterations=", iterations);
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
-                   "block_gemm_gflops: dtype must be float32 or bfloat16, got ", dtype);
-  const bool native_bf16 = dtype == at::kBFloat16 && bf16_block_gemm_available();
-  return native_bf16 ? run_blocks<at::BFloat16>(m, n, k + (k & 1), iterations)
-                     : run_blocks<float>(m, n, k, iterations);
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "block_gemm_gflops: dtype must be float32, bfloat16 or float16, got ", dtype);
+  const bool native = std::string(block_products_in_use(dtype)) == "native";
+  const int64_t k_even = k + (k & 1);
+  if (native && dtype == at::kBFloat16) {
+    return run_blocks<at::BFloat16>(m, n, k_even, iterations);
+  }
+  if (native && dtype == at::kHalf) {
+    return run_blocks<at::Half>(m, n, k_even, iterations);
+  }
+  return run_blocks<float>(m, n, k, iterations);
 }
 
 }  // namespace

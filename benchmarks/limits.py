@@ -13,7 +13,8 @@ import causal_attention  # noqa: F401  (the probe library links the op library: 
 from .cases import DTYPES
 from .timing import interleaved_median, timer
 
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_fp16")
 PROBE_LIBRARY = Path(__file__).with_name("libcausal_attention_bench_probe.so")
 
 
@@ -41,6 +42,14 @@ def cpu_environment():
         "cpu_model": model or platform.processor() or "unknown",
         "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # Which block products bfloat16/float16 calls use here ("native" oneDNN bf16/f16 dot
+        # products, or "widened" to float32), and the caps that decided it.
+        "block_products": {
+            name: torch.ops.causal_attention.block_products(dtype)
+            for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16))
+        },
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "reduced_products_switch": os.environ.get("CAUSAL_ATTENTION_REDUCED_PRODUCTS"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cores_available": len(os.sched_getaffinity(0)),

@@ -5,9 +5,12 @@
 #include "causal_attention/ops.h"
 
 #include "checks.h"
+#include "cpu/block_gemm.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include <string>
 
 namespace causal_attention {
 
@@ -203,6 +206,10 @@ TORCH_LIBRARY(causal_attention, m) {
       "SymInt max_seqlen_k, float scale, " CAUSAL_ATTENTION_SCORE_OPTIONS
           CAUSAL_ATTENTION_GIVEN_SEED ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def("dropout_keep_mask(Tensor dropout_seed, SymInt[] shape, float dropout_p) -> Tensor");
+  // How a call of this dtype made now multiplies its blocks on the CPU: "native" or "widened"
+  // (cpu/block_gemm.h).
+  m.def("block_products(ScalarType dtype) -> str",
+        [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
 
   // The backends of attention_forward and varlen_attention_forward (cpu/, meta/).
   for (const c10::DispatchKey backend : {c10::DispatchKey::CPU, c10::DispatchKey::Meta}) {

@@ -4,8 +4,10 @@
 #include "../checks.h"
 #include "../dropout_hash.h"
 #include "../shapes.h"
+#include "block_gemm.h"
 #include "kernels/kernel_api.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
@@ -51,10 +53,14 @@ InstructionSet instruction_set() {
   return chosen;
 }
 
-// Calls the build of a kernel for this CPU's instruction set.
+// Calls the build of a kernel for this CPU's instruction set, with the block products of
+// bfloat16/float16 decided once for the call (block_gemm.h): torch.backends.mkldnn is read here
+// only, so that a flag flipped by another thread meanwhile changes no product of this call.
 template <typename Tensors>
-void run_kernel(const Tensors& tensors, void (*avx512)(const Tensors&),
-                void (*avx2)(const Tensors&), void (*baseline)(const Tensors&)) {
+void run_kernel(Tensors tensors, void (*avx512)(const Tensors&), void (*avx2)(const Tensors&),
+                void (*baseline)(const Tensors&)) {
+  tensors.native_products =
+      native_block_products(tensors.q.scalar_type()) && at::globalContext().userEnabledMkldnn();
   switch (instruction_set()) {
     case InstructionSet::kAvx512:
       return avx512(tensors);

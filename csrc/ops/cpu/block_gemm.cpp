@@ -5,6 +5,12 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <vector>
 
 namespace causal_attention::cpu {
 namespace {
@@ -43,15 +49,6 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, co
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
 }
 
-void block_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
-                const c10::BFloat16* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  if (degenerate(M, N, K, C, ldc, accumulate)) {
-    return;
-  }
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B_vnni, C,
-                              /*is_vnni=*/true);
-}
-
 // float64 has no micro-kernel in libtorch; a plain i-k-j loop keeps the inner loop contiguous
 // so the compiler vectorizes it. float64 is for reference accuracy, not speed.
 void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
@@ -71,27 +68,161 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, c
   }
 }
 
-bool bf16_block_gemm_available() {
-  // The CPU must be one on which libtorch's brgemm takes the oneDNN path for bfloat16 (ISA at
-  // least avx512_core; elsewhere a VNNI-layout call would raise), and the ATen capability that
-  // selects the kernels (attention_cpu.cpp; ATEN_CPU_CAPABILITY can lower it) must be AVX512,
-  // the only build that uses the bfloat16 micro-kernel. Both are fixed for the process.
+namespace {
+
+// CAUSAL_ATTENTION_REDUCED_PRODUCTS, read once per process: whether native products may be used.
+bool native_products_allowed() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("CAUSAL_ATTENTION_REDUCED_PRODUCTS");
+    const std::string choice = value == nullptr ? "auto" : value;
+    TORCH_CHECK_VALUE(choice == "auto" || choice == "widened" || choice.empty(),
+                      "CAUSAL_ATTENTION_REDUCED_PRODUCTS must be \"auto\" or \"widened\", got \"",
+                      choice, "\"");
+    return choice != "widened";
+  }();
+  return allowed;
+}
+
+// Asks oneDNN (through libtorch's brgemm) for the VNNI-layout kernel of T and checks that it
+// multiplies a probe block exactly: small integers, whose products and sums float32 holds
+// exactly. False where oneDNN cannot generate the kernel (an AVX-512 CPU without avx512_bf16,
+// ONEDNN_MAX_CPU_ISA below it, no AMX-FP16 / AVX512-FP16 for float16), which libtorch or oneDNN
+// reports by raising (c10::Error, or oneDNN's own std::exception), and where it computes anything
+// else.
+template <typename T>
+bool native_kernel_multiplies_exactly() {
+  constexpr int64_t M = 3, N = 16, K = 4;
+  T a[M * K];
+  T b_vnni[K * N];
+  float c[M * N];
+  for (int64_t i = 0; i < M * K; ++i) a[i] = T(float(i % 7) - 3.0f);
+  for (int64_t i = 0; i < K * N; ++i) b_vnni[i] = T(float(i % 5) - 2.0f);
+  try {
+    at::native::cpublas::brgemm(M, N, K, K, N, N, /*add_C=*/false, a, b_vnni, c,
+                                /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float want = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        want += float(a[m * K + k]) * float(b_vnni[((k / 2) * N + n) * 2 + k % 2]);
+      }
+      if (c[m * N + n] != want) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Whether this process multiplies T natively (block_gemm.h). The probe needs oneDNN enabled
+// (libtorch's brgemm reads the flag): while it is disabled nothing is decided, and the next call
+// with it enabled probes.
+template <typename T>
+bool native_products_of() {
 #if defined(CAUSAL_ATTENTION_BASELINE_KERNELS_ONLY)
   return false;  // not x86-64: there is no AVX512 build (CMakeLists.txt)
 #else
-  static const bool avx512_selected =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      at::get_cpu_capability() == "AVX512";
-  return avx512_selected && at::globalContext().userEnabledMkldnn();
+  enum : int { kUnknown, kNative, kWidened };
+  static std::atomic<int> state{kUnknown};
+  static std::mutex probing;
+  const int known = state.load(std::memory_order_acquire);
+  if (known != kUnknown) {
+    return known == kNative;
+  }
+  // Only the AVX512 kernel build multiplies natively: it is the one the kernels' dispatch pairs
+  // with these products, and ATEN_CPU_CAPABILITY lowering it must lower them too.
+  if (!native_products_allowed() || at::get_cpu_capability() != "AVX512") {
+    state.store(kWidened, std::memory_order_release);
+    return false;
+  }
+  if (!at::globalContext().userEnabledMkldnn()) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(probing);
+  if (state.load(std::memory_order_acquire) == kUnknown) {
+    state.store(native_kernel_multiplies_exactly<T>() ? kNative : kWidened,
+                std::memory_order_release);
+  }
+  return state.load(std::memory_order_acquire) == kNative;
 #endif
 }
 
-void block_gemm_release() {
-  at::native::cpublas::brgemm_release(/*is_vnni=*/false);
-  if (bf16_block_gemm_available()) {
-    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+// The widened product of VNNI-layout operands: A and B converted to float32 (exactly), then the
+// float32 product. Where a native call cannot be made (oneDNN disabled, or disabled by another
+// thread between the caller's check and libtorch's), this computes the same values.
+template <typename T>
+void widened_vnni_product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B_vnni,
+                          int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  thread_local std::vector<float> a_wide, b_wide;
+  a_wide.resize(M * K);
+  b_wide.resize(K * N);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      a_wide[m * K + k] = float(A[m * lda + k]);
+    }
   }
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n) {
+      b_wide[k * N + n] = float(B_vnni[((k / 2) * ldb + n) * 2 + k % 2]);
+    }
+  }
+  at::native::cpublas::brgemm(M, N, K, K, N, ldc, accumulate, a_wide.data(), b_wide.data(), C,
+                              /*is_vnni=*/false);
+}
+
+template <typename T>
+void vnni_product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B_vnni,
+                  int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (degenerate(M, N, K, C, ldc, accumulate)) {
+    return;
+  }
+  if (native_products_of<T>() && at::globalContext().userEnabledMkldnn()) {
+    try {
+      at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B_vnni, C,
+                                  /*is_vnni=*/true);
+      return;
+    } catch (const c10::Error&) {
+      // oneDNN was disabled after the check above: libtorch refused the call, C is untouched.
+    }
+  }
+  widened_vnni_product(M, N, K, A, lda, B_vnni, ldb, C, ldc, accumulate);
+}
+
+}  // namespace
+
+void block_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
+                const c10::BFloat16* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  vnni_product(M, N, K, A, lda, B_vnni, ldb, C, ldc, accumulate);
+}
+
+void block_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* A, int64_t lda,
+                const c10::Half* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  vnni_product(M, N, K, A, lda, B_vnni, ldb, C, ldc, accumulate);
+}
+
+bool native_block_products(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16:
+      return native_products_of<c10::BFloat16>();
+    case at::kHalf:
+      return native_products_of<c10::Half>();
+    default:
+      return false;
+  }
+}
+
+const char* block_products_in_use(at::ScalarType dtype) {
+  return native_block_products(dtype) && at::globalContext().userEnabledMkldnn() ? "native"
+                                                                                 : "widened";
+}
+
+void block_gemm_release() {
+  // Releases the AMX tile state a native product configured; elsewhere it does nothing.
+  at::native::cpublas::brgemm_release(/*is_vnni=*/true);
 }
 
 }  // namespace causal_attention::cpu

@@ -2,7 +2,9 @@
 // backward's products). Swapping the micro-kernel behind it is a change to block_gemm.cpp.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 
@@ -16,17 +18,34 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, co
                 int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
                 int64_t ldb, double* C, int64_t ldc, bool accumulate);
-// bfloat16 with float32 accumulation: K must be even and B is in VNNI layout, pairs of
-// consecutive k interleaved: B_vnni[(p * ldb + n) * 2 + i] = B[2 * p + i][n], ldb >= N.
-// Only where bf16_block_gemm_available().
+// bfloat16 or float16 with float32 accumulation: K must be even and B is in VNNI layout, pairs
+// of consecutive k interleaved: B_vnni[(p * ldb + n) * 2 + i] = B[2 * p + i][n], ldb >= N.
+// Only where native_block_products(dtype) (and oneDNN is enabled).
 void block_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
                 const c10::BFloat16* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+void block_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* A, int64_t lda,
+                const c10::Half* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
-// Whether the bfloat16 micro-kernel is in use: an AVX-512 CPU, the AVX512 ATen CPU capability
-// selected (at::get_cpu_capability(), which ATEN_CPU_CAPABILITY can lower: the kernels follow
-// it) and oneDNN enabled (checked at each call). Elsewhere the kernels convert bfloat16 tiles
-// to float32 instead.
-bool bf16_block_gemm_available();
+// How bfloat16/float16 inputs are multiplied. The algorithm is the same on every CPU: the
+// products of two inputs (S = Q K^T, dP = dO V^T) take them in their own dtype; every product
+// with P or dS takes those in float32 and the input widened to float32 (kernels/
+// backward_block_pair.h says why). Only the products of two inputs follow the CPU:
+//   - native: the overloads above, oneDNN's bf16/f16 dot products (AVX-512 BF16, AMX,
+//     AVX512-FP16);
+//   - widened: the inputs converted to float32 tiles and multiplied by the float32 product
+//     (bf16 x bf16 and f16 x f16 products are exact in float32, the sums float32's), so any x86
+//     CPU computes what a native one does, up to the order of float32 sums.
+// native_block_products(dtype) is true where the process uses native products for `dtype`
+// (bfloat16 or float16; false for any other): the AVX512 kernel build is selected
+// (at::get_cpu_capability(), which ATEN_CPU_CAPABILITY can lower), oneDNN really builds the
+// kernel and it multiplies a probe block exactly (asked once per process, so ONEDNN_MAX_CPU_ISA
+// is honoured), and the environment variable CAUSAL_ATTENTION_REDUCED_PRODUCTS is not
+// "widened" (it is "auto", the default, or "widened"; read once per process). A call uses native
+// products only if torch.backends.mkldnn is also enabled, which each call reads once.
+bool native_block_products(at::ScalarType dtype);
+
+// What a call of `dtype` made now would multiply with: "native" or "widened".
+const char* block_products_in_use(at::ScalarType dtype);
 
 // Releases per-thread micro-kernel state; call once at the end of each task that used
 // block_gemm.

@@ -1,5 +1,6 @@
 // The block products of csrc/ops/cpu/block_gemm.h against at::matmul in float64: every overload
-// (float32, float64, and bfloat16 with B in VNNI layout), odd and empty K, empty M or N,
+// (float32, float64, and bfloat16 and float16 with B in VNNI layout, on every CPU: native where
+// this process has the native products, widened elsewhere), odd and empty K, empty M or N,
 // accumulate into a nonzero C, and leading dimensions wider than the blocks. Padding of A and B
 // holds NaN (a product that reads it shows NaN), padding of C holds values that must survive.
 #include "block_gemm.h"
@@ -18,9 +19,10 @@
 namespace causal_attention::tests {
 namespace {
 
-using cpu::bf16_block_gemm_available;
 using cpu::block_gemm;
 using cpu::block_gemm_release;
+using cpu::block_products_in_use;
+using cpu::native_block_products;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -204,24 +206,24 @@ TEST_F(BlockGemm, Float64EmptyDimensions) {
   check_all_empty_products<double>();
 }
 
-// ---- bfloat16: B in VNNI layout ----
+// ---- bfloat16 and float16: B in VNNI layout ----
 
 // B (K, N) in the layout block_gemm.h documents, B_vnni[(p * ldb + n) * 2 + i] = B[2 * p + i][n],
 // with an odd K padded by a zero row; entries for n in [N, ldb) hold `fill`. Returns the padded
 // K (even) through k_even.
-std::vector<c10::BFloat16> pack_vnni(const at::Tensor& b, int64_t ldb, float fill,
-                                     int64_t* k_even) {
+template <typename T = c10::BFloat16>
+std::vector<T> pack_vnni(const at::Tensor& b, int64_t ldb, float fill, int64_t* k_even) {
   const int64_t k = b.size(0), n = b.size(1);
   const int64_t pairs = (k + 1) / 2;
   *k_even = 2 * pairs;
-  const at::Tensor b_bf16 = b.to(at::kBFloat16).contiguous();
-  const c10::BFloat16* src = b_bf16.data_ptr<c10::BFloat16>();
-  std::vector<c10::BFloat16> packed(pairs * ldb * 2, c10::BFloat16(fill));
+  const at::Tensor b_reduced = b.to(c10::CppTypeToScalarType<T>::value).contiguous();
+  const T* src = b_reduced.data_ptr<T>();
+  std::vector<T> packed(pairs * ldb * 2, T(fill));
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t col = 0; col < n; ++col) {
       for (int64_t i = 0; i < 2; ++i) {
         const int64_t row = 2 * p + i;
-        packed[(p * ldb + col) * 2 + i] = row < k ? src[row * n + col] : c10::BFloat16(0.0f);
+        packed[(p * ldb + col) * 2 + i] = row < k ? src[row * n + col] : T(0.0f);
       }
     }
   }
@@ -285,79 +287,97 @@ TEST(BlockGemmVnni, PackThenUnpackGivesBBack) {
   }
 }
 
-// Why the bfloat16 micro-kernel does not run here, condition by condition.
-std::string why_no_bf16_block_gemm() {
+// Which product multiplies T here (the test names it, so a log says which path it checked).
+template <typename T>
+std::string products_here() {
+  const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
   std::ostringstream os;
-  os << "bf16_block_gemm_available() is false, and block_gemm.h allows the bfloat16 overload "
-        "only where it is true (CPU avx512f/bw/vl/dq: "
-     << (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-             ? "yes"
-             : "no")
-     << "; ATen CPU capability: " << at::get_cpu_capability()
-     << "; oneDNN enabled: " << (at::globalContext().userEnabledMkldnn() ? "yes" : "no") << ")";
+  os << c10::toString(dtype) << " products: " << block_products_in_use(dtype)
+     << " (ATen CPU capability " << at::get_cpu_capability() << ")";
   return os.str();
 }
 
-void check_bf16_product(const Sizes& s, const Padding& pad, bool accumulate, double tol) {
+template <typename T>
+void check_vnni_product(const Sizes& s, const Padding& pad, bool accumulate, double tol) {
+  const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
   // An odd K is padded: A with a zero column, B with a zero row (what the kernels do).
   const int64_t k_even = s.k + (s.k & 1);
   const int64_t lda = k_even + pad.a, ldb = s.n + pad.b, ldc = s.n + pad.c;
-  SCOPED_TRACE(describe(s, lda, ldb, ldc, accumulate) + " K padded to " + std::to_string(k_even));
-  const Operands o = random_operands(s, ldc, at::kBFloat16, at::kFloat);
+  SCOPED_TRACE(products_here<T>() + ", " + describe(s, lda, ldb, ldc, accumulate) +
+               " K padded to " + std::to_string(k_even));
+  const Operands o = random_operands(s, ldc, dtype, at::kFloat);
   at::Tensor a_padded = at::zeros({s.m, k_even}, at::kDouble);
   a_padded.narrow(1, 0, s.k).copy_(o.a);
-  const at::Tensor a = padded(a_padded.to(at::kBFloat16), lda, kNaN);
+  const at::Tensor a = padded(a_padded.to(dtype), lda, kNaN);
   int64_t packed_k = 0;
-  const std::vector<c10::BFloat16> b_vnni = pack_vnni(o.b, ldb, std::nanf(""), &packed_k);
+  const std::vector<T> b_vnni = pack_vnni<T>(o.b, ldb, std::nanf(""), &packed_k);
   ASSERT_EQ(packed_k, k_even);
   at::Tensor c = o.c0.to(at::kFloat).clone();
-  block_gemm(s.m, s.n, k_even, a.data_ptr<c10::BFloat16>(), lda, b_vnni.data(), ldb,
-             c.data_ptr<float>(), ldc, accumulate);
+  block_gemm(s.m, s.n, k_even, a.data_ptr<T>(), lda, b_vnni.data(), ldb, c.data_ptr<float>(), ldc,
+             accumulate);
   check_result(c, o, s.n, accumulate, tol);
 }
 
-TEST_F(BlockGemm, BFloat16VnniMatchesFloat64Matmul) {
-  if (!bf16_block_gemm_available()) {
-    GTEST_SKIP() << why_no_bf16_block_gemm();
-  }
-  // bfloat16 products are exact in float32: the error is float32 accumulation's.
+template <typename T>
+void check_all_vnni_products() {
+  // bfloat16 and float16 products are exact in float32: the error is float32 accumulation's.
   for (const Sizes& s : product_sizes()) {
     for (const Padding& pad : paddings()) {
       for (bool accumulate : {false, true}) {
-        check_bf16_product(s, pad, accumulate, kFloat32Tol);
+        check_vnni_product<T>(s, pad, accumulate, kFloat32Tol);
       }
     }
-  }
-}
-
-TEST_F(BlockGemm, BFloat16VnniEmptyDimensions) {
-  if (!bf16_block_gemm_available()) {
-    GTEST_SKIP() << why_no_bf16_block_gemm();
   }
   for (const Sizes& s : empty_sizes()) {
     for (const Padding& pad : {Padding{0, 0, 0}, Padding{2, 3, 4}}) {
       for (bool accumulate : {false, true}) {
-        check_bf16_product(s, pad, accumulate, /*tol=*/0.0);
+        check_vnni_product<T>(s, pad, accumulate, /*tol=*/0.0);
       }
     }
   }
 }
 
-// One instruction-set truth: the bfloat16 micro-kernel counts as available only under the
-// ATen capability that selects the AVX-512 kernels, and only while oneDNN is enabled. CMake also
-// runs this test under ATEN_CPU_CAPABILITY=default, where it must be unavailable on any CPU.
-TEST(BlockGemmAvailability, FollowsTheAtenCapabilityAndOneDnn) {
-  const bool available = bf16_block_gemm_available();
-  if (at::get_cpu_capability() != "AVX512") {
-    EXPECT_FALSE(available) << "ATen capability " << at::get_cpu_capability()
-                            << " runs no AVX-512 kernel";
-  }
+TEST_F(BlockGemm, BFloat16VnniMatchesFloat64Matmul) {
+  check_all_vnni_products<c10::BFloat16>();
+}
+
+TEST_F(BlockGemm, Float16VnniMatchesFloat64Matmul) {
+  check_all_vnni_products<c10::Half>();
+}
+
+// With oneDNN disabled, the VNNI overloads still multiply, widened (libtorch's native call would
+// raise): what a call sees when another thread disables oneDNN while it runs.
+TEST_F(BlockGemm, VnniProductsWithOneDnnDisabled) {
   const bool mkldnn = at::globalContext().userEnabledMkldnn();
   at::globalContext().setUserEnabledMkldnn(false);
-  EXPECT_FALSE(bf16_block_gemm_available()) << "oneDNN disabled";
+  EXPECT_STREQ(block_products_in_use(at::kBFloat16), "widened");
+  for (const Sizes& s : {Sizes{3, 5, 7}, Sizes{64, 64, 64}}) {
+    check_vnni_product<c10::BFloat16>(s, Padding{1, 2, 3}, /*accumulate=*/true, kFloat32Tol);
+    check_vnni_product<c10::Half>(s, Padding{0, 0, 0}, /*accumulate=*/false, kFloat32Tol);
+  }
   at::globalContext().setUserEnabledMkldnn(mkldnn);
-  EXPECT_EQ(bf16_block_gemm_available(), available);
+}
+
+// One instruction-set truth: native products only under the ATen capability that selects the
+// AVX-512 kernels, never for float32 or float64, and in use only while oneDNN is enabled. CMake
+// also runs this test under ATEN_CPU_CAPABILITY=default, where they must be off on any CPU.
+TEST(BlockGemmAvailability, FollowsTheAtenCapabilityAndOneDnn) {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const bool native = native_block_products(dtype);
+    if (at::get_cpu_capability() != "AVX512") {
+      EXPECT_FALSE(native) << "ATen capability " << at::get_cpu_capability()
+                           << " runs no AVX-512 kernel";
+    }
+    const bool mkldnn = at::globalContext().userEnabledMkldnn();
+    EXPECT_STREQ(block_products_in_use(dtype), native && mkldnn ? "native" : "widened");
+    at::globalContext().setUserEnabledMkldnn(false);
+    EXPECT_STREQ(block_products_in_use(dtype), "widened") << "oneDNN disabled";
+    at::globalContext().setUserEnabledMkldnn(mkldnn);
+    EXPECT_EQ(native_block_products(dtype), native) << "decided once per process";
+  }
+  EXPECT_FALSE(native_block_products(at::kFloat));
+  EXPECT_FALSE(native_block_products(at::kDouble));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ template <typename scalar_t, typename gemm_t>
 class ForwardKernel {
   using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;
+  using ValuePack = Packing<acc_t>;
   using Packed = PackedKeyValues<scalar_t, gemm_t>;
 
  public:
@@ -73,16 +74,15 @@ class ForwardKernel {
 
  private:
   struct Scratch {
-    std::vector<gemm_t> q_tile, p_tile, v_tile;
-    std::vector<acc_t> scores;
+    std::vector<gemm_t> q_tile;
+    std::vector<acc_t> v_tile, scores;
     // The keys of the current block each row of a query block sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     NonFiniteRowGuard<scalar_t> v_guard;
     RowState<acc_t> state;  // every row of the tile
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile_rows)
         : q_tile(Pack::scratch_size(tile_rows, d.head_dim)),
-          p_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
-          v_tile(Pack::scratch_size(blocks.keys, d.value_dim)),
+          v_tile(blocks.keys * d.value_dim),
           scores(blocks.query_rows * blocks.keys),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
@@ -147,18 +147,18 @@ class ForwardKernel {
                       s.state.out.data() + first_state_row * dims_.value_dim, s);
   }
 
-  // O += P V_j, with P in s.scores; V_j is the packed block unless the guard cleaned it.
+  // O += P V_j, with P in s.scores (float32 for every input dtype, V widened to it:
+  // backward_block_pair.h says why); V_j is the packed block unless the guard cleaned it.
   void accumulate_values(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, const bool* kept, const Packed& packed, acc_t* out,
                          Scratch& s) const {
-    const Operand<gemm_t> p = Pack::a(s.scores.data(), rows, cols, cols, s.p_tile.data());
+    const Operand<acc_t> p{s.scores.data(), cols};
     const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
     const auto pack_values = [&](Operand<scalar_t> source) {
-      const Operand<gemm_t> prepacked = packed.values(b, h_kv, k0, cols);
-      if (source.data == v_rows.data && prepacked.data != nullptr) {
-        return prepacked;
+      if (source.data == v_rows.data) {
+        return packed.values(b, h_kv, k0);
       }
-      return Pack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
+      return ValuePack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
     };
     s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols), rows, dims_.value_dim,
                            cols, p,

@@ -5,6 +5,13 @@
 // with x the modified scores of score_modifiers.h (x' / scale = 1 - tanh^2 under softcap, else 1)
 // and, under dropout, P and dP masked and scaled by 1 / (1 - p) (the factor `scale` of dK and dQ
 // is applied once, when they are stored). P is recomputed from the saved lse, never stored.
+//
+// Operands, the same on every CPU: S and dP multiply two inputs (Q, dO by K_j^T, V_j^T) in their
+// own dtype, with the products of gemm_t (for bfloat16/float16 native or widened, block_gemm.h).
+// The three gradient products, like the forward's O += P V_j, multiply P or dS, kept in float32,
+// by dO, Q or K widened to float32. Rounding P and dS to bfloat16 for native products would add
+// an error as large as the final rounding of the results: measured, dq, dk and dv up to 3x the
+// error of SDPA's math path (which computes in float32) and out above SDPA's flash kernel's.
 #pragma once
 
 #include "geometry.h"
@@ -26,14 +33,15 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 template <typename scalar_t, typename gemm_t>
 class BlockPairGradients {
   using acc_t = at::opmath_type<scalar_t>;
-  using Pack = Packing<gemm_t>;
+  using Pack = Packing<gemm_t>;         // the operands of S and dP
+  using GradientPack = Packing<acc_t>;  // the operands of dV, dK and dQ
 
  public:
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
-    std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile, k_rows, p_tile, ds_tile;
-    std::vector<acc_t> p, ds, grad_a, grad_b, grad_c, row_sums, delta_shares, softcap_grad,
-        keep_factors;
+    std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile;
+    std::vector<acc_t> p_tile, ds_tile, b_rows;
+    std::vector<acc_t> p, ds, grad_a, grad_b, row_sums, softcap_grad, keep_factors;
     // The keys of the current block each query row sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     const bool* kept = nullptr;  // the key mask of the current block, if it hides some keys
@@ -44,16 +52,14 @@ class BlockPairGradients {
           do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
           k_tile(tile * Pack::scratch_size(blocks.keys, d.head_dim)),
           v_tile(tile * Pack::scratch_size(blocks.keys, d.value_dim)),
-          k_rows(Pack::scratch_size(blocks.keys, d.head_dim)),
-          p_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
-          ds_tile(Pack::scratch_size(blocks.query_rows, blocks.keys)),
+          p_tile(blocks.query_rows * blocks.keys),
+          ds_tile(blocks.query_rows * blocks.keys),
+          b_rows(std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim)),
           p(blocks.query_rows * blocks.keys),
           ds(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
           grad_b(tile * blocks.keys * d.value_dim),
-          grad_c(blocks.query_rows * d.head_dim),
           row_sums(blocks.query_rows),
-          delta_shares(blocks.query_rows),
           softcap_grad(blocks.keys),
           keep_factors(blocks.keys),
           first_visible(blocks.query_rows),
@@ -115,64 +121,73 @@ class BlockPairGradients {
                                s.v_tile.data() + t * s.value_slot)};
   }
 
-  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS), s.first_visible, s.visible and
-  // s.kept the keys each row sees; without `with_delta`, the exact-delta form of the two-pass
-  // dQ (softmax_gradient_row), each row's share of delta in s.delta_shares.
+  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS); s.first_visible, s.visible and
+  // s.kept the keys each row sees.
   void probabilities_and_gradients(int64_t bh, const QueryOperands& qo, const KeyOperands& ko,
                                    int64_t q0, int64_t rows, int64_t k0, int64_t cols,
-                                   bool with_delta, Scratch& s) const {
-    const int64_t b = bh / dims.heads_q;
-    // S = Q_i K_j^T;  dP = dO_i V_j^T
-    multiply(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, /*accumulate=*/false);
-    multiply(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols,
-             /*accumulate=*/false);
-    const acc_t* row_lse = lse.row(b, bh % dims.heads_q, q0);
+                                   Scratch& s) const {
+    const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
+    scores_and_output_gradients(qo, ko, rows, cols, s);
+    const acc_t* row_lse = lse.row(b, h, q0);
     const acc_t* row_delta = delta + bh * dims.len_q + q0;
     s.kept = dims.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       // P = exp(x - lse);  dS = P o (dP - delta) o x'
-      const GradientRow row = softmax_gradient_row(
+      const KeyRange range = softmax_gradient_row(s.p.data() + r * cols, s.ds.data() + r * cols,
+                                                  dims.visible_in_block(b, q0 + r, k0, cols), cols,
+                                                  modifiers.row(dims, b, h, q0 + r, k0, s.kept),
+                                                  row_lse[r], row_delta[r], row_scratch(s));
+      s.first_visible[r] = range.begin;
+      s.visible[r] = range.end;
+    }
+  }
+
+  // delta_r += sum_j P_rj dP'_rj over the pair's visible keys (delta_share_row), for each of
+  // its rows: the delta step of the reduced-precision backward.
+  void add_delta_shares(int64_t bh, const QueryOperands& qo, const KeyOperands& ko, int64_t q0,
+                        int64_t rows, int64_t k0, int64_t cols, acc_t* row_deltas,
+                        Scratch& s) const {
+    const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
+    scores_and_output_gradients(qo, ko, rows, cols, s);
+    const acc_t* row_lse = lse.row(b, h, q0);
+    const bool* kept = dims.hidden_keys(b, k0, cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      row_deltas[r] += delta_share_row(
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
-          cols, modifiers.row(dims, b, bh % dims.heads_q, q0 + r, k0, s.kept), row_lse[r],
-          with_delta ? row_delta[r] : acc_t(0),
-          /*exact_delta_form=*/!with_delta,
-          GradientRowScratch<acc_t>{s.softcap_grad.data(), s.keep_factors.data()});
-      s.first_visible[r] = row.range.begin;
-      s.visible[r] = row.range.end;
-      s.delta_shares[r] = acc_t(row.delta_share);
+          cols, modifiers.row(dims, b, h, q0 + r, k0, kept), row_lse[r], row_scratch(s));
     }
   }
 
   // dV_j += P^T dO_i (into dv_acc, cols x Dv).
   void add_value_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                           acc_t* dv_acc, Scratch& s) const {
-    const Operand<gemm_t> p_t = Pack::a_transposed(s.p.data(), rows, cols, cols, s.p_tile.data());
-    // dO_i is packed as B into the scratch of its A operand, which dP no longer needs.
+    const Operand<acc_t> p_t =
+        GradientPack::a_transposed(s.p.data(), rows, cols, cols, s.p_tile.data());
     add_transposed_product(p_t, s.p.data(), {grad_out.row(b, h, q0), grad_out.row_stride},
-                           dims.value_dim, b, q0, rows, k0, cols, dv_acc, s.do_tile.data(), s);
+                           dims.value_dim, b, q0, rows, k0, cols, dv_acc, s);
   }
 
   // dK_j += dS^T Q_i (into dk_acc, cols x D).
   void add_key_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                         acc_t* dk_acc, Scratch& s) const {
-    const Operand<gemm_t> ds_t =
-        Pack::a_transposed(s.ds.data(), rows, cols, cols, s.ds_tile.data());
-    // Q_i likewise, into the scratch S no longer needs.
+    const Operand<acc_t> ds_t =
+        GradientPack::a_transposed(s.ds.data(), rows, cols, cols, s.ds_tile.data());
     add_transposed_product(ds_t, s.ds.data(), {q.row(b, h, q0), q.row_stride}, dims.head_dim, b, q0,
-                           rows, k0, cols, dk_acc, s.q_tile.data(), s);
+                           rows, k0, cols, dk_acc, s);
   }
 
-  // acc (rows x D) += A K_j, for A = dS (s.ds) or P (s.p): the dQ products.
-  void add_query_product(const acc_t* a_values, int64_t b, int64_t h_kv, int64_t q0, int64_t rows,
-                         int64_t k0, int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
-    const Operand<gemm_t> a = Pack::a(a_values, rows, cols, cols, s.ds_tile.data());
+  // acc (rows x D) += dS K_j (dS in s.ds): the dQ product.
+  void add_query_product(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
+                         int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
+    const acc_t* a_values = s.ds.data();
+    const Operand<acc_t> a = GradientPack::a(a_values, rows, cols, cols, s.ds_tile.data());
     s.guard.multiply_add(
         dims.has_masked_entries(b, q0, rows, k0, cols), rows, dims.head_dim, cols, a,
         MaskedFactor<acc_t>{a_values, cols, s.first_visible.data(), s.visible.data(),
                             /*transposed=*/false, s.kept},
         Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
         [&](Operand<scalar_t> source) {
-          return Pack::b(source.data, cols, dims.head_dim, source.ld, s.k_rows.data());
+          return GradientPack::b(source.data, cols, dims.head_dim, source.ld, s.b_rows.data());
         },
         acc, ld_acc);
   }
@@ -187,10 +202,22 @@ class BlockPairGradients {
   const ScoreModifiers<acc_t> modifiers;
 
  private:
+  // S = Q_i K_j^T into s.p;  dP = dO_i V_j^T into s.ds
+  void scores_and_output_gradients(const QueryOperands& qo, const KeyOperands& ko, int64_t rows,
+                                   int64_t cols, Scratch& s) const {
+    multiply(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, /*accumulate=*/false);
+    multiply(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols,
+             /*accumulate=*/false);
+  }
+
+  static GradientRowScratch<acc_t> row_scratch(Scratch& s) {
+    return {s.softcap_grad.data(), s.keep_factors.data()};
+  }
+
   // acc (cols x width) += A^T B_i, B_i the query rows `rows_of_b` (rows x width).
-  void add_transposed_product(Operand<gemm_t> a_t, const acc_t* a_values,
+  void add_transposed_product(Operand<acc_t> a_t, const acc_t* a_values,
                               Operand<scalar_t> rows_of_b, int64_t width, int64_t b, int64_t q0,
-                              int64_t rows, int64_t k0, int64_t cols, acc_t* acc, gemm_t* b_scratch,
+                              int64_t rows, int64_t k0, int64_t cols, acc_t* acc,
                               Scratch& s) const {
     s.guard.multiply_add(
         dims.has_masked_entries(b, q0, rows, k0, cols), cols, width, rows, a_t,
@@ -198,7 +225,7 @@ class BlockPairGradients {
                             /*transposed=*/true, s.kept},
         rows_of_b,
         [&](Operand<scalar_t> source) {
-          return Pack::b(source.data, rows, width, source.ld, b_scratch);
+          return GradientPack::b(source.data, rows, width, source.ld, s.b_rows.data());
         },
         acc, width);
   }

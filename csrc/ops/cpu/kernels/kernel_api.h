@@ -42,6 +42,9 @@ struct ForwardTensors {
   at::Tensor key_mask, kept_keys_before;
   PackedSequences sequences;
   ScoreOptions options;
+  // bfloat16/float16: whether the block products are native (block_gemm.h), decided once per
+  // call at the op boundary so that every product of the call agrees.
+  bool native_products = false;
 };
 
 // As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v, and with
@@ -53,6 +56,7 @@ struct BackwardTensors {
   PackedSequences sequences;
   ScoreOptions options;
   at::Tensor dsinks;
+  bool native_products = false;  // as ForwardTensors
 };
 
 #define CAUSAL_ATTENTION_DECLARE_KERNELS(capability)    \

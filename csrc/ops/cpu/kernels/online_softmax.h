@@ -151,43 +151,72 @@ inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim
   }
 }
 
-// The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
-//   P = exp(x - lse);  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
-// over the keys of `range` less those the key mask hides, zeros elsewhere (a row with
-// lse = -inf sees nothing); g = dx/d(scale S) / scale (1 - tanh^2 under softcap, else 1). Then P
-// is the dropped P o keep / (1 - p) that dV needs. In the exact-delta form of the two-pass dQ,
-// instead, delta is taken as 0 (dS = P o dP' o g), P is left undropped as P o g, and the row's
-// share of delta, sum P o dP', is returned with the range of columns the row reaches.
-// scratch: rows of `cols`.
-struct GradientRow {
-  KeyRange range;
-  double delta_share;
-};
+// The backward's rows of one block pair start from raw scores p = q.k and dp = dO.v over `cols`
+// keys, of which row sees `range`, less those the key mask hides (scoring.kept).
 template <typename acc_t>
 struct GradientRowScratch {
   acc_t* softcap_grad;  // dx/d(scale S) / scale of each key
   acc_t* keep_factors;  // the dropout mask times 1 / (1 - p)
 };
+
+// P = exp(x - lse) over the row's keys, zeros elsewhere, with x the modified scores (and their
+// softcap factors into scratch.softcap_grad); then, under dropout, dP' = dP o keep / (1 - p)
+// (the keep factors left in scratch.keep_factors). Returns the keys the row reaches: none when
+// lse = -inf (a row that sees nothing).
 template <typename acc_t>
-inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
-                                        const RowScoring<acc_t>& scoring, acc_t lse, acc_t delta,
-                                        bool exact_delta_form,
-                                        const GradientRowScratch<acc_t>& scratch) {
-  acc_t* softcap_grad = scratch.softcap_grad;
+inline KeyRange probabilities_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
+                                  const RowScoring<acc_t>& scoring, acc_t lse,
+                                  const GradientRowScratch<acc_t>& scratch) {
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
     range.end = range.begin;
   }
   const int64_t begin = range.begin, end = range.end;
-  score_row(scoring, p, begin, end, softcap_grad);
+  score_row(scoring, p, begin, end, scratch.softcap_grad);
   exp_and_sum(p, begin, end, cols, lse);
+  if (scoring.dropout) {
+    // The mask once, for dP here and for P in softmax_gradient_row.
+    scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);
+    at::vec::map2<acc_t>([](auto x, auto y) { return x * y; }, dp + begin, dp + begin,
+                         scratch.keep_factors + begin, end - begin);
+  }
+  return range;
+}
+
+// The step that gives the backward its delta = rowsum(dO o O) exactly as the block pairs see it:
+// the row's share sum_j P_ij dP'_ij over its visible keys of this block (P and dP' as
+// probabilities_row leaves them; hidden keys, whose dP may be 0 * inf, are left out).
+template <typename acc_t>
+inline acc_t delta_share_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
+                             const RowScoring<acc_t>& scoring, acc_t lse,
+                             const GradientRowScratch<acc_t>& scratch) {
+  range = probabilities_row(p, dp, range, cols, scoring, lse, scratch);
+  using Vec = at::vec::Vectorized<acc_t>;
+  if (scoring.kept) {
+    acc_t share = 0;
+    for (int64_t c = range.begin; c < range.end; ++c) {
+      share += scoring.kept[c] ? p[c] * dp[c] : acc_t(0);
+    }
+    return share;
+  }
+  return at::vec::map2_reduce_all<acc_t>([](Vec x, Vec y) { return x * y; },
+                                         [](Vec x, Vec y) { return x + y; }, p + range.begin,
+                                         dp + range.begin, range.end - range.begin);
+}
+
+// The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
+//   P = exp(x - lse);  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
+// over the keys of `range` less those the key mask hides, zeros elsewhere; g = dx/d(scale S) /
+// scale (1 - tanh^2 under softcap, else 1). Then P is the dropped P o keep / (1 - p) that dV
+// needs. Returns the range of columns the row reaches.
+template <typename acc_t>
+inline KeyRange softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
+                                     const RowScoring<acc_t>& scoring, acc_t lse, acc_t delta,
+                                     const GradientRowScratch<acc_t>& scratch) {
+  range = probabilities_row(p, ds, range, cols, scoring, lse, scratch);
+  const int64_t begin = range.begin, end = range.end;
   using Vec = at::vec::Vectorized<acc_t>;
   const auto times = [](Vec x, Vec y) { return x * y; };
-  if (scoring.dropout) {
-    // The mask once, for dP here and for P below.
-    scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);
-    at::vec::map2<acc_t>(times, ds + begin, ds + begin, scratch.keep_factors + begin, end - begin);
-  }
-  const Vec delta_vec(exact_delta_form ? acc_t(0) : delta);
+  const Vec delta_vec(delta);
   // Only over the visible keys: a NaN delta (poisoned row) must not reach masked entries.
   at::vec::map2<acc_t>([&](Vec pv, Vec dv) { return pv * (dv - delta_vec); }, ds + begin, p + begin,
                        ds + begin, end - begin);
@@ -201,17 +230,13 @@ inline GradientRow softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int
       ds[c] = scoring.kept[c] ? ds[c] : acc_t(0);
     }
   }
-  const double delta_share = exact_delta_form ? double(row_sum(ds + begin, end - begin)) : 0.0;
   if (scoring.softcap != acc_t(0)) {
-    at::vec::map2<acc_t>(times, ds + begin, ds + begin, softcap_grad + begin, end - begin);
-    if (exact_delta_form) {
-      at::vec::map2<acc_t>(times, p + begin, p + begin, softcap_grad + begin, end - begin);
-    }
+    at::vec::map2<acc_t>(times, ds + begin, ds + begin, scratch.softcap_grad + begin, end - begin);
   }
-  if (scoring.dropout && !exact_delta_form) {
+  if (scoring.dropout) {
     at::vec::map2<acc_t>(times, p + begin, p + begin, scratch.keep_factors + begin, end - begin);
   }
-  return {range, delta_share};
+  return range;
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

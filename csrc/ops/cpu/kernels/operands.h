@@ -1,8 +1,8 @@
 // Operands of the block products: how a block of rows reaches block_gemm for operand type gemm_t
 // (the type the micro-kernel multiplies). float32 and float64 row-major, used in place when the
-// source already has that type; bfloat16 with B in VNNI layout (pairs of consecutive k
-// interleaved) and the reduction dim K padded to even with zeros. Every packing function returns
-// the operand it made: a pointer and a leading dimension.
+// source already has that type; bfloat16 and float16 (native products) with B in VNNI layout
+// (pairs of consecutive k interleaved) and the reduction dim K padded to even with zeros. Every
+// packing function returns the operand it made: a pointer and a leading dimension.
 #pragma once
 
 #include "../block_gemm.h"
@@ -66,7 +66,8 @@ inline void transpose_block(const src_t* src, int64_t rows, int64_t cols, int64_
 
 template <typename gemm_t>
 struct Packing {
-  static constexpr bool kVnni = std::is_same_v<gemm_t, c10::BFloat16>;
+  static constexpr bool kVnni =
+      std::is_same_v<gemm_t, c10::BFloat16> || std::is_same_v<gemm_t, c10::Half>;
 
   static int64_t padded_k(int64_t k) { return kVnni ? k + (k & 1) : k; }
   // Scratch elements that any operand of at most `rows` x `cols` (either orientation) needs.
@@ -136,7 +137,8 @@ struct Packing {
                                       gemm_t* scratch) {
     if constexpr (kVnni) {
       // VNNI pairs are consecutive along k, i.e. along a row of src: one 32-bit word each.
-      static_assert(std::is_same_v<src_t, gemm_t>, "VNNI operands come from bfloat16 rows");
+      static_assert(std::is_same_v<src_t, gemm_t>,
+                    "VNNI operands come from rows of their own dtype");
       const int64_t pairs = k / 2;
       for (int64_t j = 0; j < n; ++j) {
         const src_t* row = src + j * ld;

@@ -1,13 +1,15 @@
 // K and V packed once per call for the forward's block products: K_j^T (the B operand of
-// S = Q_i K_j^T) and, where the micro-kernel cannot read value rows in place (VNNI pairs, or
-// a dtype it does not multiply), V_j. Every query block and every query head of the GQA group
-// then reuses the block packed for its (batch, KV head), instead of repacking it per pair. The
-// copy has the size of K (and V), O(L) memory, and is freed with the call.
+// S = Q_i K_j^T, multiplied as gemm_t) and, where the value rows are not in the accumulation
+// dtype that O += P V_j multiplies them in (backward_block_pair.h says why), V_j widened to it.
+// Every query block and every query head of the GQA group then reuses the block packed for its
+// (batch, KV head), instead of repacking it per pair. The copy has the size of K (and V), O(L)
+// memory, and is freed with the call.
 #pragma once
 
 #include "geometry.h"
 #include "operands.h"
 
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -19,10 +21,12 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 
 template <typename scalar_t, typename gemm_t>
 class PackedKeyValues {
+  using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;
+  using ValuePack = Packing<acc_t>;
 
  public:
-  static constexpr bool kPacksValues = Pack::template b_is_packed<scalar_t>();
+  static constexpr bool kPacksValues = ValuePack::template b_is_packed<scalar_t>();
 
   // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
   // causally (the first blocks_of(b) of them), for every (batch, KV head); blocks the key mask
@@ -33,17 +37,16 @@ class PackedKeyValues {
         v_(v),
         key_block_(key_block),
         key_slot_(Pack::padded_k(d.head_dim) * key_block),
-        value_slot_(kPacksValues ? (key_block + 1) * d.value_dim : 0),
+        value_slot_(kPacksValues ? key_block * d.value_dim : 0),
         first_block_(d.batch + 1, 0) {
     for (int64_t b = 0; b < d.batch; ++b) {
       first_block_[b + 1] = first_block_[b] + blocks_of(b);
     }
     const int64_t slots = d.heads_kv * first_block_[d.batch];
-    const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<gemm_t>::value);
-    keys_ = at::empty({slots * key_slot_}, options);
-    values_ = at::empty({slots * value_slot_}, options);
+    keys_ = at::empty({slots * key_slot_}, c10::CppTypeToScalarType<gemm_t>::value);
+    values_ = at::empty({slots * value_slot_}, c10::CppTypeToScalarType<acc_t>::value);
     gemm_t* keys = keys_.data_ptr<gemm_t>();
-    gemm_t* values = values_.data_ptr<gemm_t>();
+    acc_t* values = values_.data_ptr<acc_t>();
     at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
         const int64_t b =
@@ -58,7 +61,8 @@ class PackedKeyValues {
         Pack::b_transposed(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
                            keys + slot * key_slot_);
         if constexpr (kPacksValues) {
-          Pack::b(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride, values + slot * value_slot_);
+          ValuePack::b(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
+                       values + slot * value_slot_);
         }
       }
     });
@@ -70,14 +74,10 @@ class PackedKeyValues {
   }
 
   // The first `cols` rows of V_j as the B operand of O += P V_j: packed, or the value rows
-  // themselves; null where the packed block cannot serve (an odd prefix of VNNI pairs would
-  // pair its last row with the next, unseen one).
-  Operand<gemm_t> values(int64_t b, int64_t h_kv, int64_t k0, int64_t cols) const {
+  // themselves.
+  Operand<acc_t> values(int64_t b, int64_t h_kv, int64_t k0) const {
     if constexpr (kPacksValues) {
-      if (Pack::kVnni && cols % 2 == 1 && cols < block_width(b, k0)) {
-        return {nullptr, 0};
-      }
-      return {values_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * value_slot_, dims_.value_dim};
+      return {values_.data_ptr<acc_t>() + slot(b, h_kv, k0) * value_slot_, dims_.value_dim};
     } else {
       return {v_.row(b, h_kv, k0), v_.row_stride};
     }

@@ -53,13 +53,6 @@ inline void store_scaled_row(const acc_t* src, int64_t n, acc_t factor, scalar_t
   }
 }
 
-// Sum of row[0, n).
-template <typename acc_t>
-inline acc_t row_sum(const acc_t* row, int64_t n) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  return at::vec::reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, row, n);
-}
-
 // sum_c a[c] * b[c], accumulated in acc_t.
 template <typename acc_t, typename scalar_t>
 inline acc_t dot_row(const scalar_t* a, const scalar_t* b, int64_t n) {
