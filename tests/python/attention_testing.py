@@ -569,11 +569,11 @@ def expand_kv_heads(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     return t.repeat_interleave(heads_q // t.shape[-3], dim=-3)
 
 
-def scaled_scores(q, k, scale: float) -> torch.Tensor:
-    """scale * q k^T in float64, K's heads expanded to q's; differentiable (float64 leaves stay
-    in the graph)."""
+def scaled_scores(q, k, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """scale * q k^T in ``dtype``, K's heads expanded to q's; differentiable (leaves of that
+    dtype stay in the graph)."""
     heads_q = q.shape[-3] if q.dim() >= 3 else 1
-    q64, k64 = q.to(torch.float64), k.to(torch.float64)
+    q64, k64 = q.to(dtype), k.to(dtype)
     return q64 @ expand_kv_heads(k64, heads_q).transpose(-2, -1) * scale
 
 
@@ -592,6 +592,7 @@ def float64_reference(
     sinks: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     keep: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float64,
 ) -> Reference:
     """Attention with the op's semantics, materialized in float64 from the given (already
     dtype-rounded) inputs, in FlashAttention's order: scores scale * q k^T -> softcap (softcap *
@@ -600,7 +601,9 @@ def float64_reference(
     broadcastable to the scores) -> softmax whose denominators get exp(sink[h]) -> dropout, which
     keeps the probabilities where ``keep`` (broadcastable to them; the op's mask, which the
     reference cannot draw) and divides them by 1 - ``dropout_p``. Autograd for the gradients,
-    the sinks' included. Independent of SDPA and of the op's blocked online softmax."""
+    the sinks' included. Independent of SDPA and of the op's blocked online softmax.
+    ``compute_dtype=torch.float32`` gives the same materialized computation in float32: the error
+    a plain float32 implementation makes, for rules that hold the op to it."""
     lq, lk = q.shape[-2], k.shape[-2]
     if visible is None:
         visible = visibility(lq, lk, key_mask, window)
@@ -609,15 +612,15 @@ def float64_reference(
     if dropout_p > 0 and keep is None:
         raise ValueError(f"float64_reference: dropout_p={dropout_p} needs the keep mask")
     differentiable = grad_out is not None
-    leaves = [to64(t).requires_grad_(differentiable) for t in (q, k, v)]
+    leaves = [t.detach().to(compute_dtype).requires_grad_(differentiable) for t in (q, k, v)]
     q64, k64, v64 = leaves
     heads_q = q.shape[-3] if q.dim() >= 3 else 1
-    raw = scaled_scores(q64, k64, scale)
+    raw = scaled_scores(q64, k64, scale, compute_dtype)
     scores = raw
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, lq, lk, q.dim())
+        scores = scores + alibi_bias(alibi_slopes, lq, lk, q.dim()).to(compute_dtype)
     logit_shift = (scores - raw).detach().masked_fill(~visible, 0.0)
     no_key = ~visible.any(-1, keepdim=True)
     scores = scores.masked_fill(~visible, -math.inf)
@@ -632,7 +635,7 @@ def float64_reference(
     else:
         # The sink is one more column of every row's softmax, which keeps rows without keys
         # finite: their keys get probability 0 and the sink 1.
-        sinks64 = to64(sinks).requires_grad_(differentiable)
+        sinks64 = sinks.detach().to(compute_dtype).requires_grad_(differentiable)
         sink_column = sinks64.reshape((-1, 1, 1) if q.dim() >= 3 else (1, 1))
         with_sink = torch.cat([scores, sink_column.expand(scores.shape[:-1] + (1,))], -1)
         lse = torch.logsumexp(with_sink, -1)
@@ -646,7 +649,7 @@ def float64_reference(
     grads = dsinks = None
     if differentiable:
         wrt = leaves + ([sinks64] if sinks64 is not None else [])
-        all_grads = torch.autograd.grad(out, wrt, to64(grad_out))
+        all_grads = torch.autograd.grad(out, wrt, grad_out.to(compute_dtype))
         grads = tuple(all_grads[:3])
         if sinks64 is not None:
             dsinks = all_grads[3]
@@ -776,6 +779,7 @@ def assert_matches_float64_reference(
     options: Dict[str, object],
     dropout_p: float = 0.0,
     keep: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float64,
 ) -> Reference:
     """A call of ``case`` with the score options ``options`` (the op's keyword arguments, e.g.
     ``ScoreOptions.for_case``), dropout from the keep mask ``keep``: each of its ``results`` (out,

@@ -41,7 +41,7 @@ class ForwardKernel {
                 dims_.heads_q, dims_.value_dim, modifiers_} {}
 
   void run() {
-    if (dims_.len_q <= kMaxDecodeQueryRows) {
+    if (forward_decodes(dims_)) {
       DecodeForward<scalar_t>(dims_, q_, k_, v_, output_, modifiers_).run();
       return;
     }
@@ -76,6 +76,7 @@ class ForwardKernel {
   struct Scratch {
     std::vector<gemm_t> q_tile;
     std::vector<acc_t> v_tile, scores;
+    std::vector<acc_t> partial;  // one chain's scores (multiply_in_chains)
     // The keys of the current block each row of a query block sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     NonFiniteRowGuard<scalar_t> v_guard;
@@ -84,6 +85,7 @@ class ForwardKernel {
         : q_tile(Pack::scratch_size(tile_rows, d.head_dim)),
           v_tile(blocks.keys * d.value_dim),
           scores(blocks.query_rows * blocks.keys),
+          partial(blocks.query_rows * blocks.keys),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           state(tile_rows, d.value_dim) {}
@@ -130,8 +132,8 @@ class ForwardKernel {
                  int64_t rows, int64_t k0, int64_t cols, const Packed& packed, Scratch& s) const {
     const int64_t h_kv = h / dims_.group();
     // S = Q_i K_j^T
-    multiply(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0), s.scores.data(), cols,
-             /*accumulate=*/false);
+    multiply_in_chains(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0),
+                       s.scores.data(), cols, score_chain(dims_), s.partial.data());
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
     // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
     const bool* kept = dims_.hidden_keys(b, k0, cols);

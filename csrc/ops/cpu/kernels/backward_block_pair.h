@@ -41,6 +41,7 @@ class BlockPairGradients {
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile;
     std::vector<acc_t> p_tile, ds_tile, b_rows;
+    std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
     std::vector<acc_t> p, ds, grad_a, grad_b, row_sums, softcap_grad, keep_factors;
     // The keys of the current block each query row sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
@@ -55,6 +56,7 @@ class BlockPairGradients {
           p_tile(blocks.query_rows * blocks.keys),
           ds_tile(blocks.query_rows * blocks.keys),
           b_rows(std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim)),
+          partial(blocks.query_rows * blocks.keys),
           p(blocks.query_rows * blocks.keys),
           ds(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
@@ -90,7 +92,10 @@ class BlockPairGradients {
     Operand<gemm_t> k_t, v_t;
   };
 
-  BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta)
+  // delta: one value per query row; normalizers: one factor per query row that P is scaled by,
+  // or null for none (attention_backward_kernel.cpp).
+  BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta,
+                     const acc_t* normalizers)
       : dims(t),
         blocks(blocks),
         q(t.q, dims.cu_q),
@@ -103,6 +108,7 @@ class BlockPairGradients {
         dv(t.dv, dims.cu_k),
         lse(t.lse, dims.cu_q),
         delta(delta),
+        normalizers(normalizers),
         scale(static_cast<acc_t>(t.scale)),
         modifiers(t) {}
 
@@ -130,31 +136,34 @@ class BlockPairGradients {
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
     const acc_t* row_delta = delta + bh * dims.len_q + q0;
+    const acc_t* row_normalizer = normalizers ? normalizers + bh * dims.len_q + q0 : nullptr;
     s.kept = dims.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       // P = exp(x - lse);  dS = P o (dP - delta) o x'
-      const KeyRange range = softmax_gradient_row(s.p.data() + r * cols, s.ds.data() + r * cols,
-                                                  dims.visible_in_block(b, q0 + r, k0, cols), cols,
-                                                  modifiers.row(dims, b, h, q0 + r, k0, s.kept),
-                                                  row_lse[r], row_delta[r], row_scratch(s));
+      const KeyRange range = softmax_gradient_row(
+          s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
+          cols, modifiers.row(dims, b, h, q0 + r, k0, s.kept), row_lse[r],
+          row_normalizer ? row_normalizer[r] : acc_t(1), row_delta[r], row_scratch(s));
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
     }
   }
 
-  // delta_r += sum_j P_rj dP'_rj over the pair's visible keys (delta_share_row), for each of
-  // its rows: the delta step of the reduced-precision backward.
-  void add_delta_shares(int64_t bh, const QueryOperands& qo, const KeyOperands& ko, int64_t q0,
-                        int64_t rows, int64_t k0, int64_t cols, acc_t* row_deltas,
-                        Scratch& s) const {
+  // For each row r of the pair: mass_r += sum_j P_rj and share_r += sum_j P_rj dP'_rj over its
+  // visible keys (row_shares): the row-statistics step of the backward.
+  void add_row_shares(int64_t bh, const QueryOperands& qo, const KeyOperands& ko, int64_t q0,
+                      int64_t rows, int64_t k0, int64_t cols, acc_t* mass, acc_t* share,
+                      Scratch& s) const {
     const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
     const bool* kept = dims.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      row_deltas[r] += delta_share_row(
+      const RowShares<acc_t> row = row_shares(
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
           cols, modifiers.row(dims, b, h, q0 + r, k0, kept), row_lse[r], row_scratch(s));
+      mass[r] += row.mass;
+      share[r] += row.share;
     }
   }
 
@@ -197,17 +206,20 @@ class BlockPairGradients {
   const HeadRows<const scalar_t> q, k, v, out, grad_out;
   const HeadRows<scalar_t> dq, dk, dv;
   const HeadRows<const acc_t> lse;
-  const acc_t* const delta;  // (batch * heads_q, len_q)
+  const acc_t* const delta;        // (batch * heads_q, len_q)
+  const acc_t* const normalizers;  // likewise, or null
   const acc_t scale;
   const ScoreModifiers<acc_t> modifiers;
 
  private:
-  // S = Q_i K_j^T into s.p;  dP = dO_i V_j^T into s.ds
+  // S = Q_i K_j^T into s.p;  dP = dO_i V_j^T into s.ds (in chains: schedule.h, score_chain)
   void scores_and_output_gradients(const QueryOperands& qo, const KeyOperands& ko, int64_t rows,
                                    int64_t cols, Scratch& s) const {
-    multiply(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, /*accumulate=*/false);
-    multiply(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols,
-             /*accumulate=*/false);
+    const int64_t chain = score_chain(dims);
+    multiply_in_chains(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, chain,
+                       s.partial.data());
+    multiply_in_chains(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols, chain,
+                       s.partial.data());
   }
 
   static GradientRowScratch<acc_t> row_scratch(Scratch& s) {

@@ -159,60 +159,80 @@ struct GradientRowScratch {
   acc_t* keep_factors;  // the dropout mask times 1 / (1 - p)
 };
 
-// P = exp(x - lse) over the row's keys, zeros elsewhere, with x the modified scores (and their
-// softcap factors into scratch.softcap_grad); then, under dropout, dP' = dP o keep / (1 - p)
-// (the keep factors left in scratch.keep_factors). Returns the keys the row reaches: none when
-// lse = -inf (a row that sees nothing).
+// The probabilities of a row as the backward recomputes them, and their sum over the row's keys
+// of this block (the undropped ones; 0 where lse = -inf).
 template <typename acc_t>
-inline KeyRange probabilities_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
-                                  const RowScoring<acc_t>& scoring, acc_t lse,
-                                  const GradientRowScratch<acc_t>& scratch) {
+struct RecomputedRow {
+  KeyRange range;
+  acc_t mass;
+};
+
+// P = exp(x - lse) over the row's keys, zeros elsewhere, with x the modified scores (and their
+// softcap factors into scratch.softcap_grad), times `normalizer` where it is not 1 (the
+// backward's own normalization, attention_backward_kernel.cpp); then, under dropout,
+// dP' = dP o keep / (1 - p) (the keep factors left in scratch.keep_factors). Returns the keys the
+// row reaches (none when lse = -inf: a row that sees nothing) and the sum of P before
+// `normalizer`.
+template <typename acc_t>
+inline RecomputedRow<acc_t> probabilities_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
+                                              const RowScoring<acc_t>& scoring, acc_t lse,
+                                              acc_t normalizer,
+                                              const GradientRowScratch<acc_t>& scratch) {
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
     range.end = range.begin;
   }
   const int64_t begin = range.begin, end = range.end;
   score_row(scoring, p, begin, end, scratch.softcap_grad);
-  exp_and_sum(p, begin, end, cols, lse);
+  const acc_t mass = exp_and_sum(p, begin, end, cols, lse);
+  if (normalizer != acc_t(1)) {
+    scale_row(p + begin, end - begin, normalizer);
+  }
   if (scoring.dropout) {
     // The mask once, for dP here and for P in softmax_gradient_row.
     scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);
     at::vec::map2<acc_t>([](auto x, auto y) { return x * y; }, dp + begin, dp + begin,
                          scratch.keep_factors + begin, end - begin);
   }
-  return range;
+  return {range, mass};
 }
 
-// The step that gives the backward its delta = rowsum(dO o O) exactly as the block pairs see it:
-// the row's share sum_j P_ij dP'_ij over its visible keys of this block (P and dP' as
-// probabilities_row leaves them; hidden keys, whose dP may be 0 * inf, are left out).
+// The step that gives the backward its row statistics exactly as the block pairs see them: the
+// row's sums over its visible keys of this block (P and dP' as probabilities_row leaves them;
+// hidden keys, whose dP may be 0 * inf, are left out) of P (`mass`) and of P o dP' (`share`).
 template <typename acc_t>
-inline acc_t delta_share_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
-                             const RowScoring<acc_t>& scoring, acc_t lse,
-                             const GradientRowScratch<acc_t>& scratch) {
-  range = probabilities_row(p, dp, range, cols, scoring, lse, scratch);
+struct RowShares {
+  acc_t mass, share;
+};
+template <typename acc_t>
+inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
+                                   const RowScoring<acc_t>& scoring, acc_t lse,
+                                   const GradientRowScratch<acc_t>& scratch) {
+  const RecomputedRow<acc_t> row =
+      probabilities_row(p, dp, range, cols, scoring, lse, acc_t(1), scratch);
+  range = row.range;
   using Vec = at::vec::Vectorized<acc_t>;
   if (scoring.kept) {
     acc_t share = 0;
     for (int64_t c = range.begin; c < range.end; ++c) {
       share += scoring.kept[c] ? p[c] * dp[c] : acc_t(0);
     }
-    return share;
+    return {row.mass, share};
   }
-  return at::vec::map2_reduce_all<acc_t>([](Vec x, Vec y) { return x * y; },
-                                         [](Vec x, Vec y) { return x + y; }, p + range.begin,
-                                         dp + range.begin, range.end - range.begin);
+  return {row.mass, at::vec::map2_reduce_all<acc_t>(
+                        [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; },
+                        p + range.begin, dp + range.begin, range.end - range.begin)};
 }
 
 // The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
-//   P = exp(x - lse);  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
+//   P = exp(x - lse) normalizer;  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
 // over the keys of `range` less those the key mask hides, zeros elsewhere; g = dx/d(scale S) /
 // scale (1 - tanh^2 under softcap, else 1). Then P is the dropped P o keep / (1 - p) that dV
 // needs. Returns the range of columns the row reaches.
 template <typename acc_t>
 inline KeyRange softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
-                                     const RowScoring<acc_t>& scoring, acc_t lse, acc_t delta,
-                                     const GradientRowScratch<acc_t>& scratch) {
-  range = probabilities_row(p, ds, range, cols, scoring, lse, scratch);
+                                     const RowScoring<acc_t>& scoring, acc_t lse, acc_t normalizer,
+                                     acc_t delta, const GradientRowScratch<acc_t>& scratch) {
+  range = probabilities_row(p, ds, range, cols, scoring, lse, normalizer, scratch).range;
   const int64_t begin = range.begin, end = range.end;
   using Vec = at::vec::Vectorized<acc_t>;
   const auto times = [](Vec x, Vec y) { return x * y; };

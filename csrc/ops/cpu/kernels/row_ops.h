@@ -2,6 +2,7 @@
 // split-key combine.
 #pragma once
 
+#include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -53,14 +54,13 @@ inline void store_scaled_row(const acc_t* src, int64_t n, acc_t factor, scalar_t
   }
 }
 
-// sum_c a[c] * b[c], accumulated in acc_t.
-template <typename acc_t, typename scalar_t>
-inline acc_t dot_row(const scalar_t* a, const scalar_t* b, int64_t n) {
-  acc_t sum = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    sum += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
-  }
-  return sum;
+// sum_c a[c] * b[c], in one partial sum per vector lane added at the end (a fixed order): lanes
+// keep each chain of rounding errors short, which a sequential sum over a long row (D = 256) does
+// not; delta = rowsum(dO o O) is then cancelled against dP in every dS.
+template <typename scalar_t>
+inline at::opmath_type<scalar_t> dot_row(const scalar_t* a, const scalar_t* b, int64_t n) {
+  return static_cast<at::opmath_type<scalar_t>>(at::vec::map2_reduce_all<scalar_t>(
+      [](auto x, auto y) { return x * y; }, [](auto x, auto y) { return x + y; }, a, b, n));
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -121,6 +121,23 @@ void schedule_head_blocks(const AttentionDims& d, int64_t num_heads, int64_t num
   }
 }
 
+// Up to this many query rows the forward decodes (decode.h). Decoding measured faster than the
+// block path up to 64 rows against a 4096-key cache; 32 keeps the rows one task carries (the GQA
+// group times this) small enough for its scores and outputs to stay in L1/L2.
+constexpr int64_t kMaxDecodeQueryRows = 32;
+inline bool forward_decodes(const AttentionDims& d) {
+  return d.len_q <= kMaxDecodeQueryRows;
+}
+
+// The longest chain of k the scores S = Q K^T (and the backward's dP = dO V^T) are summed in
+// (multiply_in_chains, operands.h): the same in the forward's block path and the backward, so
+// that both compute the same scores. 64 keeps D <= 64 to one product and costs D = 128 one more
+// (measured 2-4 % of a float32 call at L = 2048); with few query rows (the forward decoded), where
+// the backward is short and its rows' softmax often peaked, 32.
+inline int64_t score_chain(const AttentionDims& d) {
+  return forward_decodes(d) ? 32 : 64;
+}
+
 // Fewer work items than this and the forward splits the keys of each item into chunks computed
 // by separate tasks, merged afterwards in chunk order (split_combine.h).
 constexpr int64_t kMinItemsWithoutSplit = 32;

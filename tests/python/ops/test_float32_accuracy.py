@@ -1,0 +1,94 @@
+"""float32 in the two shape classes where it once was several times SDPA's error.
+
+- Few query rows with a peaked softmax (decode-like, Lq <= 3, scale 0.3-0.5, a key mask): the
+  forward decodes and sums its scores in another order than the backward's block products, and
+  the micro-kernel's one long chain of sums along D = 128 doubled the scores' error, which the
+  peaked softmax turns into P's. Measured before the fix: dq, dk, dv 3-12x SDPA's error. Held to
+  the suite's rule (at most twice SDPA's error against float64).
+- Softcap 50 with a window and ALiBi: held to twice the error of the same materialized
+  computation in float32 (``float64_reference(..., compute_dtype=torch.float32)``), which SDPA
+  cannot express.
+"""
+
+import pytest
+import torch
+
+import causal_attention
+from attention_testing import (
+    RESULT_NAMES,
+    SDPA_RULE_SLACK,
+    float64_reference,
+    forward_and_grads,
+    max_abs_diff,
+    sdpa_reference,
+    to64,
+    twice_sdpa_error_failures,
+    visibility,
+)
+
+
+@pytest.mark.parametrize(
+    "lq, lk, d, scale",
+    [
+        pytest.param(3, 600, 128, 0.3, id="Lq3-Lk600-D128-scale0.3"),
+        pytest.param(3, 600, 128, 0.5, id="Lq3-Lk600-D128-scale0.5"),
+        pytest.param(1, 600, 128, 0.3, id="Lq1-Lk600-D128-scale0.3"),
+        pytest.param(2, 300, 64, 0.4, id="Lq2-Lk300-D64-scale0.4"),
+    ],
+)
+def test_few_peaked_rows_within_twice_sdpa_error(lq, lk, d, scale):
+    failures = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, grad_out = torch.randn(2, 4, lq, d), torch.randn(2, 4, lq, d)
+        k, v = torch.randn(2, 1, lk, d), torch.randn(2, 1, lk, d)
+        key_mask = torch.rand(2, lk) > 0.2
+        key_mask[:, -1] = True
+        visible = visibility(lq, lk, key_mask)
+        ours = forward_and_grads(
+            lambda a, b, c: causal_attention.attention(a, b, c, scale=scale, key_mask=key_mask),
+            (q, k, v),
+            grad_out,
+        )
+        ref_out, ref_grads = sdpa_reference(
+            *(to64(t) for t in (q, k, v)), to64(grad_out), scale=scale, visible=visible
+        )
+        same_out, same_grads = sdpa_reference(q, k, v, grad_out, scale=scale, visible=visible)
+        failures += [
+            f"seed {seed}: {f}"
+            for f in twice_sdpa_error_failures(
+                RESULT_NAMES, ours, (same_out,) + same_grads, (ref_out,) + ref_grads
+            )
+        ]
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize(
+    "heads, length, d, window",
+    [
+        pytest.param(4, 300, 64, (11, 87), id="L300-D64-window"),
+        pytest.param(4, 1000, 128, (11, 87), id="L1000-D128-window"),
+        pytest.param(4, 1000, 128, (-1, 0), id="L1000-D128-causal"),
+    ],
+)
+def test_softcap_alibi_window_within_twice_a_float32_reference(heads, length, d, window):
+    torch.manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, heads, length, d) for _ in range(4))
+    slopes = torch.rand(heads) * 0.5
+    options = {"window": window, "softcap": 50.0, "alibi_slopes": slopes}
+    scale = d**-0.5
+    ours = forward_and_grads(
+        lambda a, b, c: causal_attention.attention(a, b, c, scale=scale, **options),
+        (q, k, v),
+        grad_out,
+    )
+    exact = float64_reference(q, k, v, scale, grad_out, **options)
+    plain = float64_reference(q, k, v, scale, grad_out, compute_dtype=torch.float32, **options)
+    failures = []
+    for name, got, want, plain_result in zip(
+        RESULT_NAMES, ours, (exact.out,) + exact.grads, (plain.out,) + plain.grads
+    ):
+        err, bound = max_abs_diff(got, want), 2 * max_abs_diff(plain_result, want) + SDPA_RULE_SLACK
+        if not err <= bound:
+            failures.append(f"{name}: ours {err:.3g} > bound {bound:.3g}")
+    assert not failures, "; ".join(failures)
