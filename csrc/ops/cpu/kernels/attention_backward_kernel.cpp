@@ -23,10 +23,10 @@
 // The gradients step, two schedules, chosen from the shapes:
 // - One pass (enough (batch, KV head) items to share between threads): a task owns a (batch, KV
 //   head) with every query head of its GQA group and walks its key blocks once, a tile of them at
-//   a time (as many as fit half of L2): K_j^T and V_j^T packed once, dK_j and dV_j summed over the
-//   query blocks that see them, and each pair's dS K_j added to dQ_i, which only this task sums
-//   (in dq itself for float32/float64, else in a float32 buffer of the task's, rounded once at
-//   the end). 5 block products a pair, as in FlashAttention-2.
+//   a time (as many as fit half of L2): K_j^T and V_j^T (packed once per call), dK_j and dV_j
+//   summed over the query blocks that see them, and each pair's dS K_j added to dQ_i, which only
+//   this task sums (in dq itself for float32/float64, else in a float32 buffer of the task's,
+//   rounded once at the end). 5 block products a pair, as in FlashAttention-2.
 // - Two passes (few items): tasks own a (batch, KV head, key block) and sum dK_j, dV_j; then
 //   tasks own a (batch, query head, query block) and sum dQ_i. Pass 2 recomputes S and dP once
 //   more: 7 block products, for parallelism over blocks.
@@ -103,7 +103,7 @@ class BackwardKernel {
       std::fill_n(delta, rows, acc_t(0));
       std::fill_n(normalizer, rows, acc_t(0));
       for_each_visible_key_block(b, q0, rows, [&](int64_t k0, int64_t cols) {
-        const auto ko = pair_.key_operands(b, h / dims_.group(), k0, cols, /*t=*/0, s);
+        const auto ko = pair_.key_operands(b, h / dims_.group(), k0);
         pair_.add_row_shares(bh, qo, ko, q0, rows, k0, cols, normalizer, delta, s);
       });
       const acc_t* lse = pair_.lse.row(b, h, q0);
@@ -256,7 +256,7 @@ class BackwardKernel {
     std::array<typename Pair::KeyOperands, kMaxKeyTileBlocks> ko;
     for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
       const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
-      ko[t] = pair_.key_operands(b, h_kv, kj, cols, t, s);
+      ko[t] = pair_.key_operands(b, h_kv, kj);
       std::fill_n(s.key_gradient(t, dims_), cols * dims_.head_dim, acc_t(0));
       std::fill_n(s.value_gradient(t, dims_), cols * dims_.value_dim, acc_t(0));
     }
@@ -312,7 +312,7 @@ class BackwardKernel {
     acc_t* dq = s.grad_a.data();  // sum_j dS_ij K_j
     std::fill_n(dq, rows * D, acc_t(0));
     for_each_visible_key_block(b, q0, rows, [&](int64_t k0, int64_t cols) {
-      const auto ko = pair_.key_operands(b, h / dims_.group(), k0, cols, /*t=*/0, s);
+      const auto ko = pair_.key_operands(b, h / dims_.group(), k0);
       pair_.probabilities_and_gradients(bh, qo, ko, q0, rows, k0, cols, s);
       pair_.add_query_product(b, h / dims_.group(), q0, rows, k0, cols, dq, D, s);
     });

@@ -19,6 +19,7 @@
 #include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
+#include "packed_kv.h"
 #include "schedule.h"
 #include "score_modifiers.h"
 
@@ -39,7 +40,7 @@ class BlockPairGradients {
  public:
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
-    std::vector<gemm_t> q_tile, do_tile, k_tile, v_tile;
+    std::vector<gemm_t> q_tile, do_tile;
     std::vector<acc_t> p_tile, ds_tile, b_rows;
     std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
     std::vector<acc_t> p, ds, grad_a, grad_b, row_sums, softcap_grad, keep_factors;
@@ -51,8 +52,6 @@ class BlockPairGradients {
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
         : q_tile(Pack::scratch_size(blocks.query_rows, d.head_dim)),
           do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
-          k_tile(tile * Pack::scratch_size(blocks.keys, d.head_dim)),
-          v_tile(tile * Pack::scratch_size(blocks.keys, d.value_dim)),
           p_tile(blocks.query_rows * blocks.keys),
           ds_tile(blocks.query_rows * blocks.keys),
           b_rows(std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim)),
@@ -66,8 +65,6 @@ class BlockPairGradients {
           keep_factors(blocks.keys),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
-          key_slot(Pack::scratch_size(blocks.keys, d.head_dim)),
-          value_slot(Pack::scratch_size(blocks.keys, d.value_dim)),
           keys_per_block(blocks.keys) {}
 
     // The dK_j and dV_j accumulators of block t of a key tile (cols x D, cols x Dv).
@@ -77,8 +74,6 @@ class BlockPairGradients {
     acc_t* value_gradient(int64_t t, const AttentionDims& d) {
       return grad_b.data() + t * keys_per_block * d.value_dim;
     }
-
-    const int64_t key_slot, value_slot;  // per block of k_tile, v_tile
 
    private:
     int64_t keys_per_block;
@@ -110,7 +105,8 @@ class BlockPairGradients {
         delta(delta),
         normalizers(normalizers),
         scale(static_cast<acc_t>(t.scale)),
-        modifiers(t) {}
+        modifiers(t),
+        packed(dims, k, v, blocks.keys) {}
 
   QueryOperands query_operands(int64_t b, int64_t h, int64_t q0, int64_t rows, Scratch& s) const {
     return {Pack::a(q.row(b, h, q0), rows, dims.head_dim, q.row_stride, s.q_tile.data()),
@@ -118,13 +114,9 @@ class BlockPairGradients {
                     s.do_tile.data())};
   }
 
-  // K_j^T and V_j^T packed into slot t of the task's key tile.
-  KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, int64_t t,
-                           Scratch& s) const {
-    return {Pack::b_transposed(k.row(b, h_kv, k0), cols, dims.head_dim, k.row_stride,
-                               s.k_tile.data() + t * s.key_slot),
-            Pack::b_transposed(v.row(b, h_kv, k0), cols, dims.value_dim, v.row_stride,
-                               s.v_tile.data() + t * s.value_slot)};
+  // K_j^T and V_j^T of the key block from k0, packed once per call (packed_kv.h).
+  KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0) const {
+    return {packed.keys_t(b, h_kv, k0), packed.values_t(b, h_kv, k0)};
   }
 
   // S, P, dP and dS of the pair into s.p (P) and s.ds (dS); s.first_visible, s.visible and
@@ -210,6 +202,7 @@ class BlockPairGradients {
   const acc_t* const normalizers;  // likewise, or null
   const acc_t scale;
   const ScoreModifiers<acc_t> modifiers;
+  const PackedKeyValues<scalar_t, gemm_t, ValueOperand::kTransposed> packed;
 
  private:
   // S = Q_i K_j^T into s.p;  dP = dO_i V_j^T into s.ds (in chains: schedule.h, score_chain)

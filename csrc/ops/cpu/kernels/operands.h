@@ -140,11 +140,9 @@ struct Packing {
       static_assert(std::is_same_v<src_t, gemm_t>,
                     "VNNI operands come from rows of their own dtype");
       const int64_t pairs = k / 2;
+      transpose_pairs(src, n, pairs, ld, scratch);
       for (int64_t j = 0; j < n; ++j) {
         const src_t* row = src + j * ld;
-        for (int64_t p = 0; p < pairs; ++p) {
-          std::memcpy(scratch + (p * n + j) * 2, row + 2 * p, 2 * sizeof(gemm_t));
-        }
         if (k & 1) {
           scratch[(pairs * n + j) * 2] = row[k - 1];
           scratch[(pairs * n + j) * 2 + 1] = gemm_t(0);
@@ -157,6 +155,39 @@ struct Packing {
   }
 
  private:
+  // dst[(p * n + j) * 2 + i] = src[j * ld + 2 * p + i] for p < pairs: the transpose of the
+  // n x pairs matrix of 32-bit words (pairs of 16-bit values) that the rows of src hold. Whole
+  // tiles go through at::vec's register transposes of float (pure moves: the bits are kept)
+  // where the rows are 32-bit aligned, the rest word by word.
+  static void transpose_pairs(const gemm_t* src, int64_t n, int64_t pairs, int64_t ld,
+                              gemm_t* dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+    constexpr int64_t kTile = 16;
+#else
+    constexpr int64_t kTile = 8;
+#endif
+    const bool aligned = ld % 2 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 &&
+                         reinterpret_cast<uintptr_t>(dst) % 4 == 0;
+    int64_t full_rows = 0, full_pairs = 0;
+    if (aligned) {
+      full_rows = n / kTile * kTile;
+      full_pairs = pairs / kTile * kTile;
+      const auto* words = reinterpret_cast<const float*>(src);
+      auto* out = reinterpret_cast<float*>(dst);
+      for (int64_t j = 0; j < full_rows; j += kTile) {
+        for (int64_t p = 0; p < full_pairs; p += kTile) {
+          at::vec::transpose_mxn<float, kTile, kTile>(words + j * (ld / 2) + p, ld / 2,
+                                                      out + p * n + j, n);
+        }
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t p = j < full_rows ? full_pairs : 0; p < pairs; ++p) {
+        std::memcpy(dst + (p * n + j) * 2, src + j * ld + 2 * p, 2 * sizeof(gemm_t));
+      }
+    }
+  }
+
   // out[2 * j + i] = row i (even, then odd; a missing odd row is zeros) at column j.
   template <typename src_t>
   static void interleave_pair(const src_t* even, const src_t* odd, int64_t n, gemm_t* out) {

@@ -1,9 +1,10 @@
-// K and V packed once per call for the forward's block products: K_j^T (the B operand of
-// S = Q_i K_j^T, multiplied as gemm_t) and, where the value rows are not in the accumulation
-// dtype that O += P V_j multiplies them in (backward_block_pair.h says why), V_j widened to it.
-// Every query block and every query head of the GQA group then reuses the block packed for its
-// (batch, KV head), instead of repacking it per pair. The copy has the size of K (and V), O(L)
-// memory, and is freed with the call.
+// K and V packed once per call for the block products: K_j^T (the B operand of S = Q_i K_j^T,
+// multiplied as gemm_t) and V_j, as the forward needs it (ValueOperand::kRows: the B operand of
+// O += P V_j, the value rows widened to the accumulation dtype where they are not in it;
+// backward_block_pair.h says why) or as the backward does (kTransposed: V_j^T, the B operand of
+// dP = dO_i V_j^T, as gemm_t). Every query block and every query head of the GQA group then
+// reuses the block packed for its (batch, KV head), instead of repacking it per pair. The copy
+// has the size of K and V, O(L) memory, and is freed with the call.
 #pragma once
 
 #include "geometry.h"
@@ -15,18 +16,24 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-template <typename scalar_t, typename gemm_t>
+enum class ValueOperand { kRows, kTransposed };
+
+template <typename scalar_t, typename gemm_t, ValueOperand kValues = ValueOperand::kRows>
 class PackedKeyValues {
   using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;
   using ValuePack = Packing<acc_t>;
+  static constexpr bool kTransposedValues = kValues == ValueOperand::kTransposed;
+  using value_t = std::conditional_t<kTransposedValues, gemm_t, acc_t>;
 
  public:
-  static constexpr bool kPacksValues = ValuePack::template b_is_packed<scalar_t>();
+  static constexpr bool kPacksValues =
+      kTransposedValues || ValuePack::template b_is_packed<scalar_t>();
 
   // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
   // causally (the first blocks_of(b) of them), for every (batch, KV head); blocks the key mask
@@ -37,16 +44,18 @@ class PackedKeyValues {
         v_(v),
         key_block_(key_block),
         key_slot_(Pack::padded_k(d.head_dim) * key_block),
-        value_slot_(kPacksValues ? key_block * d.value_dim : 0),
+        value_slot_(!kPacksValues       ? 0
+                    : kTransposedValues ? Pack::padded_k(d.value_dim) * key_block
+                                        : key_block * d.value_dim),
         first_block_(d.batch + 1, 0) {
     for (int64_t b = 0; b < d.batch; ++b) {
       first_block_[b + 1] = first_block_[b] + blocks_of(b);
     }
     const int64_t slots = d.heads_kv * first_block_[d.batch];
     keys_ = at::empty({slots * key_slot_}, c10::CppTypeToScalarType<gemm_t>::value);
-    values_ = at::empty({slots * value_slot_}, c10::CppTypeToScalarType<acc_t>::value);
+    values_ = at::empty({slots * value_slot_}, c10::CppTypeToScalarType<value_t>::value);
     gemm_t* keys = keys_.data_ptr<gemm_t>();
-    acc_t* values = values_.data_ptr<acc_t>();
+    value_t* values = values_.data_ptr<value_t>();
     at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
         const int64_t b =
@@ -60,7 +69,10 @@ class PackedKeyValues {
         }
         Pack::b_transposed(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
                            keys + slot * key_slot_);
-        if constexpr (kPacksValues) {
+        if constexpr (kTransposedValues) {
+          Pack::b_transposed(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
+                             values + slot * value_slot_);
+        } else if constexpr (kPacksValues) {
           ValuePack::b(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
                        values + slot * value_slot_);
         }
@@ -73,9 +85,16 @@ class PackedKeyValues {
     return {keys_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * key_slot_, block_width(b, k0)};
   }
 
-  // The first `cols` rows of V_j as the B operand of O += P V_j: packed, or the value rows
-  // themselves.
+  // V_j^T for the key block starting at k0 (kTransposed); a product may use its first columns.
+  Operand<gemm_t> values_t(int64_t b, int64_t h_kv, int64_t k0) const {
+    static_assert(kTransposedValues, "values_t() is the backward's operand");
+    return {values_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * value_slot_, block_width(b, k0)};
+  }
+
+  // The first `cols` rows of V_j as the B operand of O += P V_j (kRows): packed, or the value
+  // rows themselves.
   Operand<acc_t> values(int64_t b, int64_t h_kv, int64_t k0) const {
+    static_assert(!kTransposedValues, "values() is the forward's operand");
     if constexpr (kPacksValues) {
       return {values_.data_ptr<acc_t>() + slot(b, h_kv, k0) * value_slot_, dims_.value_dim};
     } else {
