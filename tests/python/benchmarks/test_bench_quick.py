@@ -125,3 +125,25 @@ def test_the_block_product_probe_is_its_own_library():
         probe(torch.float32, 0, 64, 64, 4)
     assert not hasattr(torch.ops.causal_attention, "_block_gemm_gflops")
     assert not hasattr(torch.ops.causal_attention, "block_gemm_gflops")
+
+
+def test_breakdown_quick_reports_both_views():
+    """`python -m benchmarks.breakdown --quick`: the products' time at their probe rate against
+    the call's, and (where perf is installed) the sampling profile's categories; perf missing is
+    said, not hidden."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.breakdown", "--quick"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "block products of two inputs: bfloat16 " in out
+    assert "block products at their probe rate:" in out
+    for product in ("S = Q K^T", "O += P V", "dV += P^T dO", "dK += dS^T Q", "dQ += dS K"):
+        assert product in out, product
+    if "no sampling profile" not in out:
+        for category in ("block products (oneDNN JIT)", "softmax pass", "packing and conversion"):
+            assert category in out, category

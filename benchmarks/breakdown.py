@@ -1,0 +1,241 @@
+"""Where one call's time goes, on whatever chip runs it.
+
+    python -m benchmarks.breakdown                                # bfloat16 f+b, B=1 H=8 L=4096 D=128
+    python -m benchmarks.breakdown --dtype float32 --pass fwd --length 2048 --dim 64
+    python -m benchmarks.breakdown --quick                        # seconds: a tiny call (the tests)
+
+Two views of the same call:
+
+1. **The block-product limit on the kernels' own shapes.** The call's block products, counted
+   per block pair from the kernels' schedule (64 query rows by 128 or 64 keys, the scores
+   summed in chains of 64: csrc/ops/cpu/kernels/schedule.h), each timed alone on cache-resident
+   blocks of its shape and operand type by the probe library (benchmarks/block_gemm_probe.cpp):
+   the products of two inputs (S, dP) in the input dtype ("native" or "widened" products), those
+   with P or dS in float32. Their sum is the time the call would take if nothing but its block
+   products ran, at their cache-resident rate.
+2. **A sampling profile** (`perf record -e cpu-clock`, which needs no hardware counters;
+   Debian's linux-perf): the samples of the call's own loop, sorted into the block products
+   (oneDNN's JIT code), the softmax pass (scores, exp, the row passes of the backward), packing
+   and conversion (operand packing, transposes, widening), the rest of our kernels, and the rest
+   (torch, Python, the OS). Where perf is missing it says so and shows view 1 only.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+
+import causal_attention  # noqa: F401  (loads the ops, block_products among them)
+
+from .limits import block_gemm_gflops, cpu_environment
+from .timing import interleaved_median, timer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The kernels' schedule (csrc/ops/cpu/kernels/schedule.h), mirrored: 64 query rows a block, 128
+# keys where 128 float32 key and value rows fit in twice L1d (else 64), scores summed in chains
+# of at most 64 k.
+QUERY_ROWS = 64
+SCORE_CHAIN = 64
+
+CATEGORIES = (
+    ("block products (oneDNN JIT)", None),
+    ("softmax pass", re.compile(
+        r"exp|fold_row|probabilities_row|softmax_gradient_row|score_row|scale_and_max|"
+        r"RowScoring|row_shares|softcap|finish_row|sink")),
+    ("packing and conversion", re.compile(
+        r"transpose|Packing|pack|convert|interleave|PackedKeyValues|widened|cvt|Vectorized<c10")),
+    ("rest of our kernels", None),
+    ("rest (torch, Python, OS)", None),
+)
+
+
+def key_block(head_dim, value_dim):
+    l1d = os.sysconf("SC_LEVEL1_DCACHE_SIZE") if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names else 0
+    l1d = l1d if l1d and l1d > 0 else 32 * 1024
+    return 128 if 128 * (head_dim + value_dim) * 4 <= 2 * l1d else 64
+
+
+def block_products(args):
+    """(name, m, n, k, operand dtype, count per visible block pair) of the call's products."""
+    d, keys = args.dim, key_block(args.dim, args.dim)
+    inputs = DTYPES[args.dtype]
+    chains = -(-d // SCORE_CHAIN)
+    chain = min(d, SCORE_CHAIN)
+    forward = [("S = Q K^T", QUERY_ROWS, keys, chain, inputs, chains),
+               ("O += P V", QUERY_ROWS, d, keys, torch.float32, 1)]
+    if args.pass_ == "fwd":
+        return forward
+    # The backward: S and dP again, for the row statistics too where they are recomputed
+    # (bfloat16/float16), then dV, dK, dQ with P or dS in float32.
+    recompute = 2 if inputs != torch.float32 else 1
+    return forward + [
+        ("S = Q K^T (backward)", QUERY_ROWS, keys, chain, inputs, recompute * chains),
+        ("dP = dO V^T (backward)", QUERY_ROWS, keys, chain, inputs, recompute * chains),
+        ("dV += P^T dO", keys, d, QUERY_ROWS, torch.float32, 1),
+        ("dK += dS^T Q", keys, d, QUERY_ROWS, torch.float32, 1),
+        ("dQ += dS K", QUERY_ROWS, d, keys, torch.float32, 1),
+    ]
+
+
+def make_call(args):
+    dtype = DTYPES[args.dtype]
+    shape = (args.batch, args.heads, args.length, args.dim)
+    q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=args.pass_ == "fb") for _ in range(3))
+    grad_out = torch.randn(shape, dtype=dtype)
+
+    def call():
+        if args.pass_ == "fwd":
+            with torch.no_grad():
+                causal_attention.attention(q, k, v)
+        else:
+            out = causal_attention.attention(q, k, v)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+    return call
+
+
+def product_limit(args, call_seconds):
+    """View 1: each product's probe rate and the call's products' time at those rates."""
+    probe = block_gemm_gflops()
+    keys = key_block(args.dim, args.dim)
+    # Visible block pairs of the causal triangle, per (batch, head).
+    q_blocks = -(-args.length // QUERY_ROWS)
+    pairs_per_head = sum(-(-min(args.length, (i + 1) * QUERY_ROWS) // keys) for i in range(q_blocks))
+    pairs = pairs_per_head * args.batch * args.heads
+    rows, total = [], 0.0
+    for name, m, n, k, dtype, count in block_products(args):
+        iterations = max(4, int(args.probe_flops / (2 * m * n * k)))
+        gflops = max(probe(dtype, m, n, k, iterations) for _ in range(3))
+        seconds = 2 * m * n * k * count * pairs / (gflops * 1e9)
+        total += seconds
+        rows.append((name, f"{m}x{n}x{k}", str(dtype).replace("torch.", ""), count, gflops, seconds))
+    print(f"\nblock products per visible pair ({pairs} pairs), each timed alone at "
+          f"{args.threads} threads on cache-resident blocks:")
+    print(f"  {'product':26s} {'m x n x k':>12s} {'operands':>9s} {'x':>3s} {'GFLOP/s':>8s} "
+          f"{'ms':>8s}")
+    for name, shape, dtype, count, gflops, seconds in rows:
+        print(f"  {name:26s} {shape:>12s} {dtype:>9s} {count:3d} {gflops:8.1f} {seconds * 1e3:8.2f}")
+    print(f"  block products at their probe rate: {total * 1e3:.2f} ms of the call's "
+          f"{call_seconds * 1e3:.2f} ms ({100 * total / call_seconds:.0f} %)")
+    return total
+
+
+PROFILED = textwrap.dedent(
+    """
+    import sys, time
+    sys.path[:0] = [{root!r}]
+    import torch
+    from benchmarks.breakdown import make_call, parse_args
+    args = parse_args({argv!r})
+    torch.set_num_threads(args.threads)
+    call = make_call(args)
+    call()
+    print("PROFILE_START", flush=True)
+    end = time.perf_counter() + args.profile_seconds
+    while time.perf_counter() < end:
+        call()
+    """
+)
+
+
+def categorize(dso, symbol):
+    if dso.startswith("[JIT]"):
+        return CATEGORIES[0][0]
+    if "libcausal_attention" not in dso:
+        return CATEGORIES[4][0]
+    for name, pattern in CATEGORIES[1:3]:
+        if pattern.search(symbol):
+            return name
+    return CATEGORIES[3][0]
+
+
+def sampling_profile(args, argv):
+    """View 2, or None where perf is missing or refuses."""
+    perf = shutil.which("perf")
+    if perf is None:
+        print("\nno sampling profile: perf is not installed (Debian: apt-get install linux-perf)")
+        return None
+    root = str(Path(__file__).resolve().parents[1])
+    script = PROFILED.format(root=root, argv=argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "perf.data"
+        record = subprocess.run(
+            [perf, "record", "-e", "cpu-clock", "-F", "1999", "-o", str(data), "--",
+             sys.executable, "-c", script],
+            capture_output=True, text=True, timeout=args.profile_seconds + 300)
+        if record.returncode != 0:
+            print(f"\nno sampling profile: perf record failed: {record.stderr.strip()[-500:]}")
+            return None
+        report = subprocess.run(
+            [perf, "report", "-i", str(data), "--stdio", "--no-children", "--sort", "dso,symbol",
+             "--percent-limit", "0"], capture_output=True, text=True, timeout=300)
+    shares = {name: 0.0 for name, _ in CATEGORIES}
+    line = re.compile(r"^\s*([\d.]+)%\s+(\S+(?: tid \d+)?)\s+\[[.k]\]\s+(.*)$")
+    for text in report.stdout.splitlines():
+        match = line.match(text)
+        if match:
+            percent, dso, symbol = float(match[1]), match[2], match[3]
+            shares[categorize(dso, symbol)] += percent
+    kernel_total = sum(v for k, v in shares.items() if k != CATEGORIES[4][0])
+    print(f"\nsampling profile ({args.profile_seconds:.0f} s of calls, perf -e cpu-clock): "
+          "share of the kernels' samples (and of all samples)")
+    for name, percent in shares.items():
+        of_kernels = f"{100 * percent / kernel_total:5.1f} %" if name != CATEGORIES[4][0] and \
+            kernel_total else "      "
+        print(f"  {name:30s} {of_kernels}   ({percent:5.1f} % of all)")
+    return shares
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--pass", dest="pass_", choices=("fwd", "fb"), default="fb",
+                        help="forward, or forward and backward")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--profile-seconds", type=float, default=10.0)
+    parser.add_argument("--probe-flops", type=float, default=2e9,
+                        help="floating-point operations each probe of a product shape times")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds-long run on a tiny call (what the tests run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.heads, args.length, args.dim = 2, 256, 64
+        args.profile_seconds, args.probe_flops = 1.0, 2e7
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    env = cpu_environment()
+    print(env["cpu_model"])
+    print("CPU flags: " + " ".join(f"{f}={'yes' if v else 'no'}"
+                                   for f, v in env["cpu_flags"].items()))
+    print(f"torch CPU capability {env['torch_cpu_capability']}; block products of two inputs: "
+          + ", ".join(f"{k} {v}" for k, v in env["block_products"].items()))
+    print(f"call: {args.dtype} {'forward' if args.pass_ == 'fwd' else 'forward+backward'}, "
+          f"B={args.batch} H={args.heads} L={args.length} D={args.dim}, {args.threads} threads")
+    call = make_call(args)
+    rounds = 1 if args.quick else 3
+    seconds = interleaved_median({"call": timer(call, args.threads)}, rounds,
+                                 0.2 if args.quick else 1.0)["call"]
+    product_limit(args, seconds)
+    sampling_profile(args, argv)
+
+
+if __name__ == "__main__":
+    main()
