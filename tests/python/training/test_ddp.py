@@ -48,6 +48,12 @@ def ddp_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(gradients(model), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Leave without Python's teardown. Freeing the DDP reducer runs torch 2.13's
+    # ProcessGroupGloo destructor, which joins the group's worker threads while holding the GIL,
+    # and a worker still freeing its last work item waits for the GIL: a deadlock (seen once, in
+    # a full test run: ~ProcessGroupGloo in std::thread::join, the worker in gil_scoped_acquire).
+    # The gradients are saved and the group destroyed; an exception above still propagates.
+    os._exit(0)
 
 
 def test_ddp_gradients_equal_single_process_gradients_on_the_whole_batch(tmp_path):
