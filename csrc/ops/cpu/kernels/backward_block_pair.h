@@ -43,7 +43,7 @@ class BlockPairGradients {
     std::vector<gemm_t> q_tile, do_tile;
     std::vector<acc_t> p_tile, ds_tile, b_rows;
     std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
-    std::vector<acc_t> p, ds, grad_a, grad_b, row_sums, softcap_grad, keep_factors;
+    std::vector<acc_t> p, ds, grad_a, grad_b, softcap_grad, keep_factors;
     // The keys of the current block each query row sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     const bool* kept = nullptr;  // the key mask of the current block, if it hides some keys
@@ -60,7 +60,6 @@ class BlockPairGradients {
           ds(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
           grad_b(tile * blocks.keys * d.value_dim),
-          row_sums(blocks.query_rows),
           softcap_grad(blocks.keys),
           keep_factors(blocks.keys),
           first_visible(blocks.query_rows),
