@@ -34,14 +34,19 @@ def _sdpa_causal(q, k, v):
 
 
 def _errors_against_float64(q, k, v, grad_out):
-    """Largest error of ours and of SDPA in the inputs' dtype against SDPA in float64, for out,
-    dq, dk and dv."""
+    """Largest error of ours and of SDPA in the inputs' dtype against SDPA in float64, and half a
+    unit in the last place of the result's largest magnitude, for out, dq, dk and dv."""
     inputs = (q, k, v)
     ref = forward_and_grads(_sdpa_causal, tuple(map(to64, inputs)), to64(grad_out))
     sdpa = forward_and_grads(_sdpa_causal, inputs, grad_out)
     ours = forward_and_grads(causal_attention.attention, inputs, grad_out)
+    half_ulp = torch.finfo(q.dtype).eps / 2
     return {
-        name: ((o.double() - r).abs().max().item(), (s.double() - r).abs().max().item())
+        name: (
+            (o.double() - r).abs().max().item(),
+            (s.double() - r).abs().max().item(),
+            half_ulp * r.abs().max().item(),
+        )
         for name, o, s, r in zip(RESULT_NAMES, ours, sdpa, ref)
     }
 
@@ -82,16 +87,18 @@ def test_a_row_that_sees_one_key_gets_zero_dq(dtype, window, one_key_rows):
     ],
 )
 def test_at_most_sdpa_error(dtype, shape, mean):
-    """Out, dq, dk, dv no farther from float64 than SDPA's own kernel in the same dtype. With
-    values of mean 3, dP - delta cancels: SDPA's delta over the rounded O then errs by 2^-9 |dO||O|
-    in bfloat16, ours by float32's rounding."""
+    """Out, dq, dk, dv no farther from float64 than SDPA's own kernel in the same dtype, but for
+    half a unit in the last place: both round each result once, and where the errors tie (out,
+    whose error is mostly that rounding) the last rounding of a value a float32 sum-order away
+    can tip either way. With values of mean 3, dP - delta cancels: SDPA's delta over the rounded
+    O then errs by 2^-9 |dO||O| in bfloat16, ours by float32's rounding."""
     torch.manual_seed(1)
     q, k = make_tensor(shape, dtype), make_tensor(shape, dtype)
     v = (torch.randn(shape) + mean).to(dtype)
     grad_out = (torch.randn(shape) + mean).to(dtype)
     errors = _errors_against_float64(q, k, v, grad_out)
-    worse = {n: e for n, e in errors.items() if e[0] > e[1]}
-    assert not worse, f"{_products(dtype)} products, (ours, sdpa) errors: {errors}"
+    worse = {n: e for n, e in errors.items() if e[0] > e[1] + e[2]}
+    assert not worse, f"{_products(dtype)} products, (ours, sdpa, half ulp): {errors}"
 
 
 SCRIPT = """
