@@ -7,7 +7,6 @@
 #include "block_gemm.h"
 #include "kernels/kernel_api.h"
 
-#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
@@ -59,8 +58,7 @@ InstructionSet instruction_set() {
 template <typename Tensors>
 void run_kernel(Tensors tensors, void (*avx512)(const Tensors&), void (*avx2)(const Tensors&),
                 void (*baseline)(const Tensors&)) {
-  tensors.native_products =
-      native_block_products(tensors.q.scalar_type()) && at::globalContext().userEnabledMkldnn();
+  tensors.native_products = native_products_now(tensors.q.scalar_type());
   switch (instruction_set()) {
     case InstructionSet::kAvx512:
       return avx512(tensors);

@@ -180,7 +180,7 @@ void vnni_product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, cons
   if (degenerate(M, N, K, C, ldc, accumulate)) {
     return;
   }
-  if (native_products_of<T>() && at::globalContext().userEnabledMkldnn()) {
+  if (native_products_now(c10::CppTypeToScalarType<T>::value)) {
     try {
       at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B_vnni, C,
                                   /*is_vnni=*/true);
@@ -215,9 +215,12 @@ bool native_block_products(at::ScalarType dtype) {
   }
 }
 
+bool native_products_now(at::ScalarType dtype) {
+  return native_block_products(dtype) && at::globalContext().userEnabledMkldnn();
+}
+
 const char* block_products_in_use(at::ScalarType dtype) {
-  return native_block_products(dtype) && at::globalContext().userEnabledMkldnn() ? "native"
-                                                                                 : "widened";
+  return native_products_now(dtype) ? "native" : "widened";
 }
 
 void block_gemm_release() {

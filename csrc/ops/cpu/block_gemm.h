@@ -20,7 +20,8 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, c
                 int64_t ldb, double* C, int64_t ldc, bool accumulate);
 // bfloat16 or float16 with float32 accumulation: K must be even and B is in VNNI layout, pairs
 // of consecutive k interleaved: B_vnni[(p * ldb + n) * 2 + i] = B[2 * p + i][n], ldb >= N.
-// Only where native_block_products(dtype) (and oneDNN is enabled).
+// Native where native_products_now(dtype), else widened here (exactly the same values, up to the
+// order of float32 sums): so they multiply on every CPU.
 void block_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
                 const c10::BFloat16* B_vnni, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void block_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* A, int64_t lda,
@@ -44,7 +45,11 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* A, int64_t lda
 // products only if torch.backends.mkldnn is also enabled, which each call reads once.
 bool native_block_products(at::ScalarType dtype);
 
-// What a call of `dtype` made now would multiply with: "native" or "widened".
+// Whether a call of `dtype` made now multiplies natively: native_block_products(dtype) and oneDNN
+// enabled now. The op boundary reads it once per call.
+bool native_products_now(at::ScalarType dtype);
+
+// The same as a word: "native" or "widened".
 const char* block_products_in_use(at::ScalarType dtype);
 
 // Releases per-thread micro-kernel state; call once at the end of each task that used

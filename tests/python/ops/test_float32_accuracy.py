@@ -7,7 +7,9 @@
   the suite's rule (at most twice SDPA's error against float64).
 - Softcap 50 with a window and ALiBi: held to twice the error of the same materialized
   computation in float32 (``float64_reference(..., compute_dtype=torch.float32)``), which SDPA
-  cannot express.
+  cannot express. A guard rather than a fix's proof: these shapes were within that bound before
+  the change too (the issue's failing varlen case was not reproduced); a wrong softcap factor or
+  slope fails it.
 """
 
 import pytest

@@ -57,10 +57,9 @@ class BackwardKernel {
   explicit BackwardKernel(const BackwardTensors& t)
       : recomputed_statistics_(kReducedPrecision || forward_decodes(AttentionDims(t))),
         delta_(padded_query_rows(AttentionDims(t))),
-        normalizers_(recomputed_statistics_ ? delta_.size() : 0),
+        normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
-        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data(),
-              recomputed_statistics_ ? normalizers_.data() : nullptr),
+        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data(), normalizers_.data()),
         dims_(pair_.dims),
         blocks_(pair_.blocks) {}
 
@@ -107,11 +106,11 @@ class BackwardKernel {
         pair_.add_row_shares(bh, qo, ko, q0, rows, k0, cols, normalizer, delta, s);
       });
       const acc_t* lse = pair_.lse.row(b, h, q0);
+      const bool sinks = pair_.modifiers.has_sinks();
+      const acc_t sink = sinks ? pair_.modifiers.sink(h) : acc_t(0);
       for (int64_t r = 0; r < rows; ++r) {
-        const acc_t sink = pair_.modifiers.has_sinks() ? pair_.modifiers.sink(h) : acc_t(0);
-        const acc_t mass = normalizer[r] + (pair_.modifiers.has_sinks()
-                                                ? std::exp(sink - lse[r * pair_.lse.row_stride])
-                                                : acc_t(0));
+        const acc_t mass =
+            normalizer[r] + (sinks ? std::exp(sink - lse[r * pair_.lse.row_stride]) : acc_t(0));
         // A row that sees nothing (mass 0) has no gradient: any finite normalizer serves.
         normalizer[r] = mass > acc_t(0) ? acc_t(1) / mass : acc_t(1);
         delta[r] *= normalizer[r];
@@ -182,8 +181,8 @@ class BackwardKernel {
     }
   }
 
-  // dsink_h = -sum over the rows of head h of P_sink delta, P_sink = exp(sink_h - lse) (times the
-  // row's normalizer where there is one): the sink's probability times the row's
+  // dsink_h = -sum over the rows of head h of P_sink delta, P_sink = exp(sink_h - lse) times the
+  // row's normalizer: the sink's probability times the row's
   // delta = dO . O, since d out / d sink = -P_sink out. Summed per head in a
   // fixed order.
   void sink_gradients() const {
@@ -196,10 +195,8 @@ class BackwardKernel {
           const acc_t* lse = pair_.lse.row(b, h, 0);
           const int64_t first_row = (b * dims_.heads_q + h) * dims_.len_q;
           for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
-            const acc_t normalizer =
-                recomputed_statistics_ ? normalizers_[first_row + r] : acc_t(1);
-            sum +=
-                std::exp(sink - lse[r * pair_.lse.row_stride]) * normalizer * delta_[first_row + r];
+            sum += std::exp(sink - lse[r * pair_.lse.row_stride]) * normalizers_[first_row + r] *
+                   delta_[first_row + r];
           }
         }
         dsinks[h] = -sum;
@@ -321,7 +318,8 @@ class BackwardKernel {
     }
   }
 
-  // Whether the row statistics come from the probabilities (see the file comment).
+  // Whether the row statistics come from the probabilities (see the file comment); else every
+  // normalizer stays 1.
   const bool recomputed_statistics_;
   std::vector<acc_t> delta_, normalizers_;
   const at::Tensor dsinks_;

@@ -86,8 +86,8 @@ class BlockPairGradients {
     Operand<gemm_t> k_t, v_t;
   };
 
-  // delta: one value per query row; normalizers: one factor per query row that P is scaled by,
-  // or null for none (attention_backward_kernel.cpp).
+  // delta: one value per query row; normalizers: one factor per query row that P is scaled by
+  // (attention_backward_kernel.cpp).
   BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta,
                      const acc_t* normalizers)
       : dims(t),
@@ -127,14 +127,14 @@ class BlockPairGradients {
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
     const acc_t* row_delta = delta + bh * dims.len_q + q0;
-    const acc_t* row_normalizer = normalizers ? normalizers + bh * dims.len_q + q0 : nullptr;
+    const acc_t* row_normalizer = normalizers + bh * dims.len_q + q0;
     s.kept = dims.hidden_keys(b, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       // P = exp(x - lse);  dS = P o (dP - delta) o x'
       const KeyRange range = softmax_gradient_row(
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
-          cols, modifiers.row(dims, b, h, q0 + r, k0, s.kept), row_lse[r],
-          row_normalizer ? row_normalizer[r] : acc_t(1), row_delta[r], row_scratch(s));
+          cols, modifiers.row(dims, b, h, q0 + r, k0, s.kept), row_lse[r], row_normalizer[r],
+          row_delta[r], row_scratch(s));
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
     }
@@ -198,7 +198,7 @@ class BlockPairGradients {
   const HeadRows<scalar_t> dq, dk, dv;
   const HeadRows<const acc_t> lse;
   const acc_t* const delta;        // (batch * heads_q, len_q)
-  const acc_t* const normalizers;  // likewise, or null
+  const acc_t* const normalizers;  // likewise
   const acc_t scale;
   const ScoreModifiers<acc_t> modifiers;
   const PackedKeyValues<scalar_t, gemm_t, ValueOperand::kTransposed> packed;

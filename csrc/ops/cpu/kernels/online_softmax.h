@@ -210,7 +210,6 @@ inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t 
   const RecomputedRow<acc_t> row =
       probabilities_row(p, dp, range, cols, scoring, lse, acc_t(1), scratch);
   range = row.range;
-  using Vec = at::vec::Vectorized<acc_t>;
   if (scoring.kept) {
     acc_t share = 0;
     for (int64_t c = range.begin; c < range.end; ++c) {
@@ -218,9 +217,7 @@ inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t 
     }
     return {row.mass, share};
   }
-  return {row.mass, at::vec::map2_reduce_all<acc_t>(
-                        [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; },
-                        p + range.begin, dp + range.begin, range.end - range.begin)};
+  return {row.mass, dot_row(p + range.begin, dp + range.begin, range.end - range.begin)};
 }
 
 // The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:

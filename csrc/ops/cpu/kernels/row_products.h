@@ -19,6 +19,7 @@
 #pragma once
 
 #include "register_tiles.h"
+#include "schedule.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -91,25 +92,23 @@ void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k
   }
 }
 
-// The longest chain of fused multiply-adds one transposed score is summed in: a register tile
-// sums along the head dim in one chain per score, whose rounding error grows with its length
-// (with D = 128 it measured twice the error of a blocked sum, which a peaked softmax turns into
-// twice the error of P); chunks of this many are summed apart and added in order.
-constexpr int64_t kScoreChunk = 32;
-
+// A register tile sums a transposed score along the head dim in one chain of fused
+// multiply-adds, whose rounding error grows with its length (with D = 128 it measured twice the
+// error of a blocked sum, which a peaked softmax turns into twice the error of P): chunks of
+// kShortScoreChain (schedule.h) are summed apart and added in order.
 // scores_t tile (kKeys rows of kVecs vectors, from `scores`) = the q_t columns' products with
-// kKeys key rows from `keys`, over the head dim in chunks of kScoreChunk.
+// kKeys key rows from `keys`, over the head dim in chunks of kShortScoreChain.
 template <int64_t kKeys, int64_t kVecs, typename acc_t>
 inline void key_query_tile(const acc_t* q_t, int64_t ld_qt, const acc_t* keys, int64_t ld_k,
                            int64_t dim, acc_t* scores, int64_t ld_st) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = kVecs * Vec::size();
-  rank_one_tile<kKeys, kVecs, false>(keys, ld_k, q_t, ld_qt, 0, std::min(dim, kScoreChunk), scores,
-                                     ld_st);
-  for (int64_t d0 = kScoreChunk; d0 < dim; d0 += kScoreChunk) {
+  rank_one_tile<kKeys, kVecs, false>(keys, ld_k, q_t, ld_qt, 0, std::min(dim, kShortScoreChain),
+                                     scores, ld_st);
+  for (int64_t d0 = kShortScoreChain; d0 < dim; d0 += kShortScoreChain) {
     __at_align__ acc_t chunk[kKeys * kWidth];
-    rank_one_tile<kKeys, kVecs, false>(keys, ld_k, q_t, ld_qt, d0, std::min(dim, d0 + kScoreChunk),
-                                       chunk, kWidth);
+    rank_one_tile<kKeys, kVecs, false>(keys, ld_k, q_t, ld_qt, d0,
+                                       std::min(dim, d0 + kShortScoreChain), chunk, kWidth);
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kKeys; ++i) {
 #pragma GCC unroll 16

@@ -129,13 +129,17 @@ inline bool forward_decodes(const AttentionDims& d) {
   return d.len_q <= kMaxDecodeQueryRows;
 }
 
+// The longest chain of k a score is summed in where few query rows (decoding, and the backward
+// of such calls) make the cost small and a peaked softmax likely: the decode path's transposed
+// scores (row_products.h) and, there, score_chain.
+constexpr int64_t kShortScoreChain = 32;
+
 // The longest chain of k the scores S = Q K^T (and the backward's dP = dO V^T) are summed in
 // (multiply_in_chains, operands.h): the same in the forward's block path and the backward, so
 // that both compute the same scores. 64 keeps D <= 64 to one product and costs D = 128 one more
-// (measured 2-4 % of a float32 call at L = 2048); with few query rows (the forward decoded), where
-// the backward is short and its rows' softmax often peaked, 32.
+// (measured 2-4 % of a float32 call at L = 2048); where the forward decoded, kShortScoreChain.
 inline int64_t score_chain(const AttentionDims& d) {
-  return forward_decodes(d) ? 32 : 64;
+  return forward_decodes(d) ? kShortScoreChain : 64;
 }
 
 // Fewer work items than this and the forward splits the keys of each item into chunks computed
