@@ -193,10 +193,11 @@ def main(argv=None):
     accuracy = None
     if "accuracy" in args.only:
         bar.set_description("bf16 gradient error")
-        accuracy = bf16_gradient_error(preset.accuracy_shape)
+        accuracy = bf16_gradient_error(tuple(args.accuracy_shape or preset.accuracy_shape),
+                                       args.accuracy_value_mean)
         bar.update()
-        tqdm.write("\nbfloat16 max |error| vs float64, B={B} H={H} L={L} D={D}:".format(
-            **accuracy["shape"]))
+        tqdm.write("\nbfloat16 max |error| vs float64, B={B} H={H} L={L} D={D}, values of mean "
+                   "{mean}:".format(mean=args.accuracy_value_mean, **accuracy["shape"]))
         for impl, errors in accuracy["max_abs_error"].items():
             tqdm.write(f"  {impl:<5} " + "  ".join(f"{n} {e:.3e}" for n, e in errors.items()))
     bar.close()

@@ -214,6 +214,10 @@ def parse_args(argv=None):
     if args.quick:
         args.heads, args.length, args.dim = 2, 256, 64
         args.profile_seconds, args.probe_flops = 1.0, 2e7
+    if args.length <= 32:
+        # The forward decodes there (schedule.h, kMaxDecodeQueryRows): its products are register
+        # tiles, not the block products counted here.
+        parser.error(f"--length must be above 32 (the decode path's), got {args.length}")
     return args
 
 

@@ -34,6 +34,10 @@ def parse_bench_args(doc, argv=None):
                         help="implementations (sdpa always runs: the ratios)")
     parser.add_argument("--mem-budget-gib", type=float, default=4.0,
                         help="skip sdpa_math and naive where their L x L scores exceed this")
+    parser.add_argument("--accuracy-shape", nargs=4, type=int, metavar=("B", "H", "L", "D"),
+                        default=None, help="the accuracy section's shape (default: the preset's)")
+    parser.add_argument("--accuracy-value-mean", type=float, default=0.0,
+                        help="the mean of v and grad_out in the accuracy section")
     parser.add_argument("--table-from", type=Path, default=None,
                         help="print the grid table of a saved results.json and exit")
     args = parser.parse_args(argv)
