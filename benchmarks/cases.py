@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 import causal_attention
+from causal_attention._masks import visible_keys
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 IMPLS = ("sdpa", "ours", "sdpa_math", "naive")  # sdpa first: every other row's ratio needs it
@@ -44,7 +45,7 @@ def sdpa_math(q, k, v):
 def naive(q, k, v):
     """Materialized attention as one writes it by hand: scores, mask, softmax, product."""
     lq, lk = q.size(-2), k.size(-2)
-    visible = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)  # bottom-right causal
+    visible = visible_keys(lq, lk)  # bottom-right causal
     scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
@@ -54,8 +55,8 @@ IMPL_FN = {"ours": ours, "sdpa": sdpa, "sdpa_math": sdpa_math, "naive": naive}
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """Every size a run uses; FULL is the performance issue's grid, QUICK a seconds-long smoke
-    run of every code path."""
+    """Every size a run uses; FULL is the full-size run, whose summary is checked against
+    targets.json, QUICK a seconds-long smoke run of every code path."""
 
     grid_lengths: tuple
     grid_dims: tuple

@@ -12,7 +12,7 @@ Every time is the median over --rounds interleaved rounds of torch.utils.benchma
 blocked_autorange medians, at --threads threads; "fwd" is the forward, "f+b" forward and
 backward. Writes --out (JSON) and prints a table.
 
-    python -m benchmarks.options                            # the issue's sizes (minutes)
+    python -m benchmarks.options                            # the full sizes (minutes)
     python -m benchmarks.options --quick --out /tmp/o.json  # seconds: every path, tiny sizes
 """
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
+from causal_attention._masks import visible_keys
 
 from .cases import MODES
 from .cli import common_parser
@@ -52,8 +53,7 @@ def window_cases(args, dtype, pass_name):
     """A sliding window against full causal attention and against SDPA with the band mask."""
     length, width = args.window_length, args.window
     tensors = qkv(args, length, dtype)
-    rows = torch.arange(length)[:, None]
-    band = (torch.arange(length) <= rows) & (torch.arange(length) > rows - width)
+    band = visible_keys(length, length, (width - 1, 0))
 
     def sliding(q, k, v):
         return causal_attention.attention(q, k, v, window=(width - 1, 0))

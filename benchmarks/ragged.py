@@ -14,7 +14,7 @@ Every time is the median over --rounds interleaved rounds of torch.utils.benchma
 blocked_autorange medians, at --threads threads;
 "fwd" is the forward, "f+b" forward and backward. Writes --out (JSON) and prints a table.
 
-    python -m benchmarks.ragged                          # the issue's sizes (minutes)
+    python -m benchmarks.ragged                          # the full sizes (minutes)
     python -m benchmarks.ragged --quick --out /tmp/r.json   # seconds: every path, tiny sizes
 """
 
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
+from causal_attention._masks import visible_keys
 
 from .cases import MODES
 from .cli import common_parser
@@ -94,8 +95,7 @@ def packed_cases(args, dtype, pass_name):
     # SDPA on the right-padded batch: row i of sequence b sees keys j <= i with j < length_b.
     padded = [leaf(len(lengths), args.heads, longest, args.head_dim, dtype=dtype) for _ in "qkv"]
     real_keys = torch.arange(longest) < torch.tensor(lengths)[:, None]
-    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-    attn_mask = causal & real_keys[:, None, None, :]
+    attn_mask = visible_keys(longest, longest, key_mask=real_keys)
 
     # The same packed rows, one call per sequence (each a (H, L_i, D) view): what packing saves
     # or costs, with the memory layout held equal.

@@ -7,10 +7,10 @@ unchanged and the only difference between them is the attention call itself.
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._masks import visible_keys
 from ..kv_cache import KVCache
 from ..nn import CausalSelfAttention
 
@@ -48,5 +48,5 @@ def sdpa_bottom_right_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     enable_gqa = q.size(-3) != k.size(-3)
     if lq == lk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    visible = visible_keys(lq, lk, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=enable_gqa)

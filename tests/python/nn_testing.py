@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attention_testing import UNIT_ROUNDOFF, visibility, visible_keys
+from attention_testing.tolerances import UNIT_ROUNDOFF
+from causal_attention._masks import visible_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +88,7 @@ class NanoGPTAttention(nn.Module):
         self.c_attn = nn.Linear(embed_dim, sum(self.widths), bias=bias)
         self.c_proj = nn.Linear(self.num_heads * self.value_head_dim, embed_dim, bias=bias)
         if block_size is not None:
-            mask = torch.tril(torch.ones(block_size, block_size))
+            mask = visible_keys(block_size, block_size).float()  # nanoGPT: tril of ones
             self.register_buffer("bias", mask.view(1, 1, block_size, block_size))
         self.window = tuple(config.get("window", (-1, 0)))
         self.softcap = config.get("softcap")
@@ -134,9 +135,7 @@ class NanoGPTAttention(nn.Module):
         if self.alibi_slopes is not None:
             distance = (torch.arange(length).unsqueeze(-1) - torch.arange(length)).abs()
             scores = scores - self.alibi_slopes[:, None, None] * distance
-        visible = visible_keys(length, length, self.window)
-        if key_mask is not None:
-            visible = visible & key_mask[:, None, None, :]
+        visible = visible_keys(length, length, self.window, key_mask=key_mask)
         no_key = ~visible.any(-1, keepdim=True)
         # Rows without keys get finite dummy scores (zeroed below), so that neither the softmax
         # nor its gradient sees a row of -inf.
@@ -170,7 +169,7 @@ class NanoGPTAttention(nn.Module):
         elif key_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
         else:
-            visible = visibility(length, length, key_mask)
+            visible = visible_keys(length, length, key_mask=key_mask)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=enable_gqa)
         return self.c_proj(y.transpose(1, 2).reshape(batch, length, -1))
 

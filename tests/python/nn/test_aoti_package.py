@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import causal_attention  # noqa: F401  (registers the ops the packages call)
-from attention_testing import max_abs_diff, run_python
+from attention_testing.subprocesses import run_python
+from attention_testing.tolerances import max_abs_diff
 from nn_testing import ROOT, interop_dir
 
 # How many inputs each package's forward takes (tests/fixtures/export_aoti_packages.py).

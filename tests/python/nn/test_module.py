@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from attention_testing import dtype_params, visible_keys
+from attention_testing.parameters import dtype_params
 from causal_attention import CausalSelfAttention
+from causal_attention._masks import visible_keys
 from causal_attention.nn import alibi_slopes
 from nn_testing import (
     CONFIGS,

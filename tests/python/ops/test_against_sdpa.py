@@ -3,25 +3,19 @@
 For each of out, dq, dk, dv: ``max|ours - ref64| <= 2 * max|sdpa_same_dtype - ref64| + 1e-6``,
 where ref64 is SDPA in float64 on the same (dtype-rounded) inputs and grad_out. So in every
 dtype the op must be at most twice as far from the exact answer as PyTorch's own kernel
-(attention_testing.twice_sdpa_error_failures; test_key_mask.py and test_varlen.py hold the key
-mask and packed sequences to the same rule).
+(attention_testing.tolerances.twice_sdpa_error_failures; test_key_mask.py and test_varlen.py
+hold the key mask and packed sequences to the same rule).
 """
 
 import pytest
 import torch
 
 import causal_attention
-from attention_testing import (
-    RESULT_NAMES,
-    Case,
-    dtype_params,
-    empty_rows,
-    forward_and_grads,
-    make_tensor,
-    sdpa_reference,
-    to64,
-    twice_sdpa_error_failures,
-)
+from attention_testing.inputs import Case, make_tensor
+from attention_testing.parameters import dtype_params
+from attention_testing.references import empty_rows, sdpa_reference, to64
+from attention_testing.results import RESULT_NAMES, forward_and_grads
+from attention_testing.tolerances import twice_sdpa_error_failures
 
 # Together these cover every L in {1, 2, 17, 64, 129, 1000}, D in {1, 8, 64, 80, 128},
 # Hq/Hkv in {1, 2, 4}, batch * Hkv >= 8 (the one-pass backward), Dv != D, Lq < Lk, Lq > Lk,

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import Case, dtype_params, visible_keys
+from attention_testing.inputs import Case
+from attention_testing.parameters import dtype_params
+from causal_attention._masks import visible_keys
 
 CASES = [
     pytest.param(Case(17, 17, 8, hq=4, hkv=2), id="L17-gqa2"),

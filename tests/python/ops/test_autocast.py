@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import causal_attention
 import causal_attention.integrations.transformers as backend
-from attention_testing import make_key_mask
+from attention_testing.inputs import make_key_mask
 
 AUTOCAST_DTYPES = [torch.bfloat16, torch.float16]
 

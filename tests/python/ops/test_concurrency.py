@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import causal_attention
-from attention_testing import DTYPES, assert_bitwise_equal, forward_and_grads
+from attention_testing.parameters import DTYPES
+from attention_testing.results import assert_bitwise_equal, forward_and_grads
 
 THREADS = 16
 CALLS_PER_THREAD = 50

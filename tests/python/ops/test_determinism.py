@@ -11,17 +11,11 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import (
-    DTYPE_IDS,
-    Case,
-    Packed,
-    ScoreOptions,
-    assert_bitwise_equal,
-    forward_and_grads,
-    make_key_mask,
-    make_tensor,
-    run_python,
-)
+from attention_testing.inputs import Case, ScoreOptions, make_key_mask, make_tensor
+from attention_testing.packed import Packed
+from attention_testing.parameters import DTYPE_IDS
+from attention_testing.results import assert_bitwise_equal, forward_and_grads
+from attention_testing.subprocesses import run_python
 
 # The subprocesses import the package this process imported (this checkout's, or the sanitized
 # copy scripts/sanitize.sh puts first on the path), not whatever an installed copy points to.

@@ -1,4 +1,4 @@
-"""Dropout on the attention probabilities (issue 14): the keep rate is 1 - p within 4 sigma over
+"""Dropout on the attention probabilities (the score option dropout_p): the keep rate is 1 - p within 4 sigma over
 many p, and the masks of other heads, batch elements, rows and keys are independent; kept
 probabilities are rescaled by 1 / (1 - p); the same seed gives the same bits and another seed
 (or offset) other bits; the public ops draw the seed from the generator exactly as documented;
@@ -10,26 +10,24 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import (
+from attention_testing.inputs import Case, ScoreOptions, default_scale, make_tensor
+from attention_testing.packed import Packed
+from attention_testing.parameters import dtype_params
+from attention_testing.references import expand_kv_heads, float64_reference, to64
+from attention_testing.results import (
     RESULT_NAMES,
-    Case,
-    Packed,
-    ScoreOptions,
-    abs_magnitudes,
     assert_bitwise_equal,
-    assert_close_to_reference,
     assert_matches_float64_reference,
-    default_scale,
-    dsinks_tolerance,
-    dtype_params,
-    expand_kv_heads,
-    float64_reference,
     forward_and_grads,
-    logit_l1,
-    make_tensor,
-    roundoff_tolerance,
-    to64,
 )
+from attention_testing.tolerances import (
+    abs_magnitudes,
+    assert_close_to_reference,
+    dsinks_tolerance,
+    logit_l1,
+    roundoff_tolerance,
+)
+from causal_attention._masks import visible_keys
 
 # Many small calls: on one thread, as test_fuzz.py does.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -91,16 +89,15 @@ def test_masks_of_heads_batch_elements_rows_and_keys_are_independent():
     key into i - j or i + j would agree on all of them."""
     inputs = STATS_CASE.inputs(torch.float32)
     keep = dropped_weights(inputs, 0.5, seed=99) != 0
-    causal = torch.ones(256, 256, dtype=torch.bool).tril()
-    inner = torch.ones(255, 255, dtype=torch.bool)
+    causal = visible_keys(256, 256)
     pairs = {
         "query heads of one KV head": (keep[:, 0], keep[:, 1], causal),
         "KV heads": (keep[:, 0], keep[:, 2], causal),
         "batch elements": (keep[0], keep[1], causal),
-        # (i + 1, j + 1) against (i, j): both visible for j <= i.
-        "diagonals": (keep[..., 1:, 1:], keep[..., :-1, :-1], inner.tril()),
-        # (i + 1, j) against (i, j + 1): both visible for j < i.
-        "anti-diagonals": (keep[..., 1:, :-1], keep[..., :-1, 1:], inner.tril(-1)),
+        # (i + 1, j + 1) against (i, j): both visible where (i, j) is, j <= i.
+        "diagonals": (keep[..., 1:, 1:], keep[..., :-1, :-1], causal[:-1, :-1]),
+        # (i + 1, j) against (i, j + 1): both visible where (i, j + 1) is, j < i.
+        "anti-diagonals": (keep[..., 1:, :-1], keep[..., :-1, 1:], causal[:-1, 1:]),
     }
     for label, (a, b, visible) in pairs.items():
         a, b = a[..., visible], b[..., visible]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import run_python
+from attention_testing.subprocesses import run_python
 from causal_attention import _library
 
 # --- allocation failure --------------------------------------------------------------------

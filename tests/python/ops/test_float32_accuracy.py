@@ -8,7 +8,7 @@
 - Softcap 50 with a window and ALiBi: held to twice the error of the same materialized
   computation in float32 (``float64_reference(..., compute_dtype=torch.float32)``), which SDPA
   cannot express. A guard rather than a fix's proof: these shapes were within that bound before
-  the change too (the issue's failing varlen case was not reproduced); a wrong softcap factor or
+  the change too (no failing varlen case was reproduced); a wrong softcap factor or
   slope fails it.
 """
 
@@ -16,17 +16,10 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import (
-    RESULT_NAMES,
-    SDPA_RULE_SLACK,
-    float64_reference,
-    forward_and_grads,
-    max_abs_diff,
-    sdpa_reference,
-    to64,
-    twice_sdpa_error_failures,
-    visibility,
-)
+from attention_testing.references import float64_reference, sdpa_reference, to64
+from attention_testing.results import RESULT_NAMES, forward_and_grads
+from attention_testing.tolerances import SDPA_RULE_SLACK, max_abs_diff, twice_sdpa_error_failures
+from causal_attention._masks import visible_keys
 
 
 @pytest.mark.parametrize(
@@ -46,7 +39,7 @@ def test_few_peaked_rows_within_twice_sdpa_error(lq, lk, d, scale):
         k, v = torch.randn(2, 1, lk, d), torch.randn(2, 1, lk, d)
         key_mask = torch.rand(2, lk) > 0.2
         key_mask[:, -1] = True
-        visible = visibility(lq, lk, key_mask)
+        visible = visible_keys(lq, lk, key_mask=key_mask)
         ours = forward_and_grads(
             lambda a, b, c: causal_attention.attention(a, b, c, scale=scale, key_mask=key_mask),
             (q, k, v),

@@ -24,21 +24,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import causal_attention
-from attention_testing import (
-    REPRODUCIBLE_EXAMPLES,
-    DTYPES,
+from attention_testing.inputs import default_scale, with_layout
+from attention_testing.parameters import REPRODUCIBLE_EXAMPLES, DTYPES
+from attention_testing.references import empty_rows, expand_kv_heads, float64_reference, to64
+from attention_testing.tolerances import (
     abs_magnitudes,
     accumulation_roundoff,
     assert_close_to_reference,
-    default_scale,
-    empty_rows,
-    expand_kv_heads,
-    float64_reference,
     logit_and_sum_error,
     logit_l1,
     roundoff_tolerance,
-    to64,
-    with_layout,
 )
 
 _SCALE = float(os.environ.get("CAUSAL_ATTENTION_FUZZ_SCALE", "1"))
@@ -177,7 +172,7 @@ def make_inputs(call: Call, requires_grad: bool):
     return [t.detach().requires_grad_(requires_grad) for t in tensors[:3]] + tensors[3:]
 
 
-# --- error bound: attention_testing.roundoff_tolerance ---------------------------------------
+# --- error bound: attention_testing.tolerances.roundoff_tolerance ----------------------------
 
 
 def _logit_l1(call: Call, q, k) -> float:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import Case, Packed, ScoreOptions, make_key_mask
+from attention_testing.inputs import Case, ScoreOptions, make_key_mask
+from attention_testing.packed import Packed
 
 CASES = [
     pytest.param(Case(5, 5, 3, hq=2, hkv=2), None, id="L5-D3-H2"),
@@ -74,7 +75,7 @@ def test_gradcheck_varlen(packed, scale, fast_mode):
     assert torch.autograd.gradcheck(fn, inputs, fast_mode=fast_mode)
 
 
-# --- score options (issue 14) ------------------------------------------------------------------
+# --- score options (window, softcap, ALiBi, sinks, dropout) ------------------------------------
 
 # (case, options): each option, and all together with GQA, a key mask and rows without keys;
 # the sinks (float64 here) are an input of the check, ALiBi's slopes are not (no gradient).

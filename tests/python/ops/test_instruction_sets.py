@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import run_python
+from attention_testing.subprocesses import run_python
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 # The highest build this torch selects here (lower if this process runs under a lowering

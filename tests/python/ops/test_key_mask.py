@@ -10,24 +10,18 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import (
-    Case,
+from attention_testing.inputs import Case, default_scale, make_key_mask, make_tensor
+from attention_testing.parameters import dtype_params
+from attention_testing.references import float64_reference, sdpa_reference, to64
+from attention_testing.results import assert_bitwise_equal, forward_and_grads
+from attention_testing.tolerances import (
     abs_magnitudes,
-    assert_bitwise_equal,
     assert_close_to_reference,
-    default_scale,
-    dtype_params,
-    float64_reference,
-    forward_and_grads,
     logit_l1,
-    make_key_mask,
-    make_tensor,
     roundoff_tolerance,
-    sdpa_reference,
-    to64,
     twice_sdpa_error_failures,
-    visibility,
 )
+from causal_attention._masks import visible_keys
 
 # Many small calls: on one thread, as test_fuzz.py does.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -96,7 +90,7 @@ def _ours(case: Case, dtype, key_mask, inputs=None, grad_out=None):
 
 def _no_key_rows(case: Case, key_mask) -> torch.Tensor:
     """Bool (*batch, 1, Lq) or (Lq,): the rows that see no key, broadcast over heads."""
-    return ~visibility(case.lq, case.lk, key_mask).any(-1)
+    return ~visible_keys(case.lq, case.lk, key_mask=key_mask).any(-1)
 
 
 def _key_rows(t: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -115,7 +109,7 @@ def _query_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def test_matches_sdpa_within_twice_its_error(case, kind, dtype):
     key_mask = _mask(case, kind)
     inputs, grad_out, out, grads = _ours(case, dtype, key_mask)
-    visible = visibility(case.lq, case.lk, key_mask)
+    visible = visible_keys(case.lq, case.lk, key_mask=key_mask)
     ref_out, ref_grads = sdpa_reference(
         *(to64(t) for t in inputs), to64(grad_out), visible=visible
     )
@@ -137,7 +131,7 @@ def test_forward_lse_and_gradients_match_float64_reference(case, kind, dtype):
     key_mask = _mask(case, kind)
     inputs, grad_out, out, grads = _ours(case, dtype, key_mask)
     scale = default_scale(case.d)
-    visible = visibility(case.lq, case.lk, key_mask)
+    visible = visible_keys(case.lq, case.lk, key_mask=key_mask)
     ref = float64_reference(*inputs, scale, grad_out, visible=visible)
     peaks = abs_magnitudes(*inputs, scale, ref.probs, grad_out)
     sum_length = case.lq + case.lk + case.d + case.value_dim
@@ -314,7 +308,7 @@ def test_attention_weights_are_the_masked_probabilities(case, kind, dtype):
     key_mask = _mask(case, kind)
     q, k, v = case.inputs(dtype)
     weights = causal_attention.attention_weights(q, k, v, key_mask=key_mask)
-    visible = visibility(case.lq, case.lk, key_mask)
+    visible = visible_keys(case.lq, case.lk, key_mask=key_mask)
     ref = float64_reference(q, k, v, default_scale(case.d), visible=visible)
     assert weights.shape == ref.probs.shape and weights.dtype == dtype
     hidden = ~visible.expand(weights.shape)

@@ -15,19 +15,16 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing import (
-    DTYPE_IDS,
-    DTYPES,
+from attention_testing.parameters import DTYPE_IDS, DTYPES, dtype_params
+from attention_testing.references import empty_rows, float64_reference
+from attention_testing.results import forward_and_grads
+from attention_testing.tolerances import (
     UNIT_ROUNDOFF,
     abs_magnitudes,
     accumulation_roundoff,
-    dtype_params,
-    empty_rows,
-    float64_reference,
-    forward_and_grads,
     max_abs_diff,
-    visible_keys,
 )
+from causal_attention._masks import visible_keys
 
 
 @dataclass(frozen=True)
@@ -86,9 +83,9 @@ def _peaked_logits(lq, lk, d, dtype, logit, heads):
 
 
 def _tolerance(dtype, logit):
-    """Relative to attention_testing.abs_magnitudes: rounding to the dtype, plus the error of
-    exp(s - lse) with lse ~ logit held in the accumulation dtype (the reference uses the same
-    rounded inputs, so only the op's own rounding counts)."""
+    """Relative to attention_testing.tolerances.abs_magnitudes: rounding to the dtype, plus the
+    error of exp(s - lse) with lse ~ logit held in the accumulation dtype (the reference uses the
+    same rounded inputs, so only the op's own rounding counts)."""
     return 8 * (UNIT_ROUNDOFF[dtype] + accumulation_roundoff(dtype) * logit)
 
 

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
-from attention_testing import forward_and_grads, make_tensor, to64
+from attention_testing.inputs import make_tensor
+from attention_testing.references import to64
+from attention_testing.results import forward_and_grads
 
 REDUCED = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="f16")]
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]

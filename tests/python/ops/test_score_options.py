@@ -1,6 +1,6 @@
-"""The score options of issue 14 (window, softcap, ALiBi, sinks) on attention,
+"""The score options (window, softcap, ALiBi, sinks) on attention,
 attention_forward / attention_backward and attention_weights: forward, lse and gradients (the
-sinks' included) against the float64 reference (attention_testing.float64_reference) in every
+sinks' included) against the float64 reference (attention_testing.references) in every
 dtype, alone and combined, with the round-off bound; against SDPA by FlashAttention's
 twice-SDPA's-error rule where SDPA can express the call (a window is a boolean attn_mask, ALiBi a
 float one, a softcap's forward too); long sequences with small windows (the skipped key blocks);
@@ -16,37 +16,40 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import causal_attention
-from attention_testing import (
-    REPRODUCIBLE_EXAMPLES,
-    DTYPE_IDS,
-    DTYPES,
-    RESULT_NAMES,
-    SINK_RESULT_NAMES,
-    UNIT_ROUNDOFF,
+from attention_testing.inputs import (
     Case,
     ScoreOptions,
-    abs_magnitudes,
     alibi_slopes_for,
-    assert_bitwise_equal,
-    assert_close_to_reference,
-    assert_matches_float64_reference,
     default_scale,
-    dtype_params,
-    expand_kv_heads,
-    float64_reference,
-    forward_and_grads,
-    logit_l1,
     make_key_mask,
     make_sinks,
     make_tensor,
-    max_abs_diff,
-    roundoff_tolerance,
+)
+from attention_testing.parameters import REPRODUCIBLE_EXAMPLES, DTYPE_IDS, DTYPES, dtype_params
+from attention_testing.references import (
+    expand_kv_heads,
+    float64_reference,
     scaled_scores,
     sdpa_reference,
     to64,
-    twice_sdpa_error_failures,
-    visibility,
 )
+from attention_testing.results import (
+    RESULT_NAMES,
+    SINK_RESULT_NAMES,
+    assert_bitwise_equal,
+    assert_matches_float64_reference,
+    forward_and_grads,
+)
+from attention_testing.tolerances import (
+    UNIT_ROUNDOFF,
+    abs_magnitudes,
+    assert_close_to_reference,
+    logit_l1,
+    max_abs_diff,
+    roundoff_tolerance,
+    twice_sdpa_error_failures,
+)
+from causal_attention._masks import visible_keys
 
 # Many small calls: on one thread, as test_fuzz.py does.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -81,7 +84,7 @@ def test_reference_with_default_options_is_sdpa(case):
     key_mask = make_key_mask(case.key_mask_shape, "holes")
     for mask in (None, key_mask):
         ref = float64_reference(q, k, v, 0.4, grad_out, key_mask=mask)
-        visible = None if mask is None else visibility(case.lq, case.lk, mask)
+        visible = None if mask is None else visible_keys(case.lq, case.lk, key_mask=mask)
         out, grads = sdpa_reference(q, k, v, grad_out, scale=0.4, visible=visible)
         for name, a, b in zip(RESULT_NAMES, (ref.out,) + ref.grads, (out,) + grads):
             assert max_abs_diff(a, b) < 1e-13, name
@@ -97,6 +100,25 @@ def test_reference_windows_are_the_definition(case, window):
     assert torch.equal(ref.visible, _explicit_visibility(case.lq, case.lk, window))
     hidden = ~ref.visible.expand(ref.probs.shape)
     assert torch.equal(ref.probs[hidden], torch.zeros_like(ref.probs[hidden]))
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (0, 0), (3, 0), (2, 4), (-1, 2), (5, -1)])
+@pytest.mark.parametrize("lq,lk", [(9, 13), (13, 6), (7, 7), (0, 4), (3, 0)])
+def test_visible_keys_is_the_definition_with_and_without_a_key_mask(lq, lk, window):
+    """causal_attention._masks.visible_keys, the reference's visibility and that of every mask
+    the package, tests and benchmarks spell out: (lq, lk) alone and with a (lk,) key mask, (*batch,
+    1, lq, lk) with a (*batch, lk) one; a key mask of another length is refused."""
+    expected = _explicit_visibility(lq, lk, window)
+    assert torch.equal(visible_keys(lq, lk, window), expected)
+    for shape in ((lk,), (2, lk), (2, 3, lk)):
+        key_mask = torch.rand(shape) >= 0.3
+        want = expected & key_mask[..., None, :]
+        if key_mask.dim() > 1:
+            want = want.unsqueeze(-3)
+        got = visible_keys(lq, lk, window, key_mask=key_mask)
+        assert got.shape == want.shape and torch.equal(got, want), shape
+    with pytest.raises(ValueError, match="key_mask"):
+        visible_keys(lq, lk, window, key_mask=torch.ones(lk + 1, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("case", REFERENCE_CASES)
@@ -307,9 +329,7 @@ def test_full_window_is_non_causal_sdpa(case, dtype):
 def test_sliding_window_is_sdpa_with_a_band_mask(case, width, dtype):
     """window = (W - 1, 0): each row sees its last W keys (bottom-right aligned)."""
     inputs, grad_out, results = _run(case, dtype, {"window": (width - 1, 0)})
-    keys = torch.arange(case.lk)
-    last = torch.arange(case.lq).unsqueeze(-1) + (case.lk - case.lq)
-    _sdpa_rule(inputs, grad_out, results, (keys <= last) & (keys > last - width))
+    _sdpa_rule(inputs, grad_out, results, visible_keys(case.lq, case.lk, (width - 1, 0)))
 
 
 @pytest.mark.parametrize("dtype", dtype_params())
@@ -357,7 +377,7 @@ def test_long_sequences_with_small_windows_are_exact(case, window, dtype):
         case, dtype, inputs, grad_out, results, default_scale(case.d), kwargs
     )
     # Keys that no row's window reaches get exactly zero gradient.
-    unseen = ~visibility(case.lq, case.lk, window=window).any(0)
+    unseen = ~visible_keys(case.lq, case.lk, window).any(0)
     for name, t in zip(("dk", "dv"), results[2:4]):
         assert torch.equal(t[..., unseen, :], torch.zeros_like(t[..., unseen, :])), name
 
@@ -400,7 +420,7 @@ def test_rows_without_keys_are_zeros_and_sink_rows_have_finite_gradients(
         kwargs["key_mask"] = _hiding(case, *hidden)
     inputs, grad_out, results = _run(case, dtype, kwargs)
     out, dq = results[0], results[1]
-    no_key = ~visibility(case.lq, case.lk, kwargs.get("key_mask"), window).any(-1)
+    no_key = ~visible_keys(case.lq, case.lk, window, key_mask=kwargs.get("key_mask")).any(-1)
     assert no_key.any() and not no_key.all()
     rows = no_key.expand(out.shape[:-1])
     for name, t in (("out", out), ("dq", dq)):

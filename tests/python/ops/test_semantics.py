@@ -8,15 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
-from attention_testing import (
-    Case,
-    assert_bitwise_equal,
-    default_scale,
-    dtype_params,
-    empty_rows,
-    forward_and_grads,
-    make_tensor,
-)
+from attention_testing.inputs import Case, default_scale, make_tensor
+from attention_testing.parameters import dtype_params
+from attention_testing.references import empty_rows
+from attention_testing.results import assert_bitwise_equal, forward_and_grads
 
 OPS = torch.ops.causal_attention
 

@@ -15,25 +15,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import causal_attention
-from attention_testing import (
-    REPRODUCIBLE_EXAMPLES,
-    DTYPES,
-    RESULT_NAMES,
-    Packed,
-    ScoreOptions,
+from attention_testing.inputs import ScoreOptions, default_scale, make_tensor
+from attention_testing.packed import Packed
+from attention_testing.parameters import REPRODUCIBLE_EXAMPLES, DTYPES, dtype_params
+from attention_testing.references import empty_rows, float64_reference, sdpa_reference, to64
+from attention_testing.results import RESULT_NAMES
+from attention_testing.tolerances import (
     abs_magnitudes,
     assert_close_to_reference,
-    default_scale,
     dsinks_tolerance,
-    dtype_params,
-    float64_reference,
     logit_l1,
-    make_tensor,
     roundoff_tolerance,
-    sdpa_reference,
-    to64,
     twice_sdpa_error_failures,
-    visibility,
 )
 
 # Many small calls: on one thread, as test_fuzz.py does.
@@ -211,9 +204,7 @@ EMPTY_ROW_CONFIGS = [
 def test_rows_without_keys_are_exact_zeros(packed, dtype):
     inputs, grad_out = _fresh(packed, dtype)
     out, (dq, dk, dv), lse = _run(packed, inputs, grad_out)
-    rows = torch.cat(
-        [torch.arange(lq) + (lk - lq) < 0 for lq, lk in zip(packed.lengths_q, packed.lengths_k)]
-    )
+    rows = torch.cat([empty_rows(lq, lk) for lq, lk in zip(packed.lengths_q, packed.lengths_k)])
     assert rows.any()
     for name, t in (("out", out), ("dq", dq)):
         assert torch.equal(t[rows], torch.zeros_like(t[rows])), name
@@ -337,7 +328,7 @@ def test_is_key_mask_attention_on_the_left_padded_batch(dtype):
     ]
     lq, lk = packed.max_seqlen_q, packed.max_seqlen_k
     scale = default_scale(packed.d)
-    ref = float64_reference(*batch, scale, batch_grad, visible=visibility(lq, lk, key_mask))
+    ref = float64_reference(*batch, scale, batch_grad, key_mask=key_mask)
     peaks = abs_magnitudes(*batch, scale, ref.probs, batch_grad)
     sum_length = lq + lk + packed.d + packed.value_dim
     # Both are within the round-off bound of the exact result.
