@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .kv_cache import KVCache
-from .ops import _window
+from .ops import check_window
 
 # The ops themselves rather than the Python wrappers of .ops: TorchScript cannot compile the
 # wrappers' keyword-only arguments, and this module must script.
@@ -368,7 +368,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def _check_window(window: Sequence[int]) -> Tuple[int, int]:
-    left, right = _window("CausalSelfAttention", window)
+    left, right = check_window("CausalSelfAttention", window)
     if left < -1 or right < -1:
         raise ValueError(
             "CausalSelfAttention: window entries must be >= -1 (-1: unbounded), got "

@@ -1,33 +1,61 @@
-"""Typed Python wrappers around the ``torch.ops.causal_attention`` operators."""
+"""Python wrappers around the ``torch.ops.causal_attention`` operators: typed ones for the
+differentiable ops (:func:`attention`, :func:`varlen_attention`, :func:`attention_weights`) and
+thin aliases for the kernel ops, all checking what the schema parser would let through.
 
-from typing import Optional, Sequence, Tuple
+The kernel ops: ``attention_forward(q, k, v, scale, key_mask=None, <score options>,
+dropout_seed=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+-> (out, lse)``, ``lse`` ``(..., Hq, Lq)`` (packed: ``(Hq, total_q)``) the natural-log sum of
+each row's exponentiated scores and its sink (``-inf`` for a row that sees nothing), in the
+accumulation dtype, not differentiable; ``dropout_seed`` the int64 ``(2,)`` ``(seed, offset)``,
+required when ``dropout_p > 0``. ``attention_backward(grad_out, q, k, v, out, lse, scale,
+<the forward's options>) -> (dq, dk, dv, dsinks)``, ``dsinks`` ``(0,)`` without sinks; double
+backward raises. ``varlen_attention_forward`` and ``varlen_attention_backward`` are the packed
+calls under their former names (lengths after ``v`` resp. ``lse``), kept for saved programs.
+"""
+
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-# The score options every op takes (issue 14), applied in FlashAttention's order:
-# ``S = scale * q k^T`` -> softcap -> ALiBi -> visibility (window, key_mask) -> softmax (sinks join
-# the denominator) -> dropout.
-_SCORE_OPTIONS_DOC = """
-        window: ``(left, right)``: query row ``i`` sees key ``j`` iff
-            ``i + off - left <= j <= i + off + right``, ``off = Lk - Lq`` (bottom-right
-            alignment), ``-1`` unbounded on that side. The default ``(-1, 0)`` is causal
-            attention, ``(-1, -1)`` full attention, ``(W - 1, 0)`` a sliding window of ``W`` keys;
-            key blocks outside every row's window are never touched.
-        softcap: ``S -> softcap * tanh(S / softcap)`` (Gemma 2's logit soft-capping), ``> 0``.
-        alibi_slopes: float32 ``(Hq,)`` or ``(*batch, Hq)``: adds ``-slope * |i + off - j|``.
-            Not differentiable.
-        sinks: ``(Hq,)`` logits (q's dtype or float32) that join each row's softmax denominator
-            and nothing else (gpt-oss); differentiable. ``lse`` includes them.
-        dropout_p: drops each probability with probability ``p`` in ``[0, 1)`` and scales the
-            kept ones by ``1 / (1 - p)``, with a counter-based mask regenerated in the backward
-            (nothing of size ``L^2`` is stored; bitwise the same at any thread count).
-        generator: the ``torch.Generator`` dropout's seed is drawn from (the default CPU generator
-            when None), as ``torch.empty(2, dtype=torch.int64).random_(generator=generator)``,
-            only when ``dropout_p > 0``: the same generator state gives the same mask."""
+from ._arguments import refuse_tensor_requiring_grad
 
 
-def _window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
+class ScoreOptions(NamedTuple):
+    """The score options every op takes, under their schema names and with their defaults,
+    applied in FlashAttention's order: ``S = scale * q k^T`` -> softcap -> ALiBi -> visibility
+    (window, key mask) -> softmax (sinks join the denominator) -> dropout.
+
+    window: ``(left, right)``: query row ``i`` sees key ``j`` iff
+        ``i + off - left <= j <= i + off + right``, ``off = Lk - Lq`` (bottom-right alignment),
+        ``-1`` unbounded on that side. The default ``(-1, 0)`` is causal attention, ``(-1, -1)``
+        full attention, ``(W - 1, 0)`` a sliding window of ``W`` keys; key blocks outside every
+        row's window are never touched.
+    softcap: ``S -> softcap * tanh(S / softcap)`` (Gemma 2's logit soft-capping), ``> 0``.
+    alibi_slopes: float32 ``(Hq,)`` or ``(*batch, Hq)``: adds ``-slope * |i + off - j|``. Not
+        differentiable.
+    sinks: ``(Hq,)`` logits (q's dtype or float32) that join each row's softmax denominator and
+        nothing else (gpt-oss); differentiable. ``lse`` includes them.
+    dropout_p: drops each probability with probability ``p`` in ``[0, 1)`` and scales the kept
+        ones by ``1 / (1 - p)``, with a counter-based mask regenerated in the backward (nothing
+        of size ``L^2`` is stored; bitwise the same at any thread count). The differentiable ops
+        draw its ``(seed, offset)`` from ``generator`` (the default CPU generator when None) as
+        ``torch.empty(2, dtype=torch.int64).random_(generator=generator)``, only when
+        ``dropout_p > 0``: the same generator state gives the same mask.
+    """
+
+    window: Tuple[int, int] = (-1, 0)
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
+    dropout_p: float = 0.0
+
+
+# The float arguments that the schema parser would also take as a tensor, dropping its gradient.
+_FLOAT_ARGUMENTS = ("scale", "softcap", "dropout_p")
+
+
+def check_window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
     """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError naming
     ``caller`` (the schema would broadcast a single int to both sides)."""
     if (
@@ -36,29 +64,46 @@ def _window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
         or len(window) != 2
         or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
     ):
-        raise TypeError(
-            f"{caller}: window must be two ints (left, right), got window={window!r}"
-        )
+        raise TypeError(f"{caller}: window must be two ints (left, right), got window={window!r}")
     return (window[0], window[1])
 
 
-def _score_options(
-    op: str,
-    window: Sequence[int],
-    softcap: Optional[float],
-    alibi_slopes: Optional[Tensor],
-    sinks: Optional[Tensor],
-    dropout_p: float,
-) -> dict:
-    """The score options as keyword arguments of ``causal_attention.<op>`` (their names in every
-    schema)."""
-    return dict(
-        window=_window(f"causal_attention.{op}", window),
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        dropout_p=dropout_p,
-    )
+# Each op's argument names, read once from its schema (torch.compile traces the wrappers, and
+# cannot trace into a schema).
+_OPS = ("attention", "attention_weights", "varlen_attention", "attention_forward",
+        "attention_backward", "varlen_attention_forward", "varlen_attention_backward")
+_ARGUMENT_NAMES = {
+    name: tuple(a.name for a in getattr(torch.ops.causal_attention, name).default._schema.arguments)
+    for name in _OPS
+}
+
+
+def _call(name: str, *args: Any, **kwargs: Any) -> Any:
+    """``torch.ops.causal_attention.<name>`` after the checks the schema parser cannot make."""
+    op = getattr(torch.ops.causal_attention, name)
+    bound: Dict[str, Any] = dict(zip(_ARGUMENT_NAMES[name], args))
+    bound.update(kwargs)
+    caller = f"causal_attention.{name}"
+    if "window" in bound:
+        check_window(caller, bound["window"])
+    for argument in _FLOAT_ARGUMENTS:
+        refuse_tensor_requiring_grad(caller, argument, bound.get(argument))
+    return op(*args, **kwargs)
+
+
+def _kernel_alias(name: str):
+    def kernel_op(*args: Any, **kwargs: Any) -> Any:
+        return _call(name, *args, **kwargs)
+
+    kernel_op.__name__ = kernel_op.__qualname__ = name
+    kernel_op.__doc__ = f"``torch.ops.causal_attention.{name}``: see the module's docstring."
+    return kernel_op
+
+
+attention_forward = _kernel_alias("attention_forward")
+attention_backward = _kernel_alias("attention_backward")
+varlen_attention_forward = _kernel_alias("varlen_attention_forward")
+varlen_attention_backward = _kernel_alias("varlen_attention_backward")
 
 
 def attention(
@@ -78,16 +123,17 @@ def attention(
     """Exact causal scaled-dot-product attention, differentiable, without an L x L matrix.
 
     Args:
-        q: queries ``(..., Hq, Lq, D)``, or ``(Lq, D)`` for one head.
-        k: keys ``(..., Hkv, Lk, D)``; ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA: query
-            head ``h`` reads key/value head ``h // (Hq // Hkv)``; K/V are not copied).
-        v: values ``(..., Hkv, Lk, Dv)``; ``Dv`` may differ from ``D``.
+        q, k, v: ``(..., Hq, Lq, D)``, ``(..., Hkv, Lk, D)``, ``(..., Hkv, Lk, Dv)`` (``(L, D)``
+            for one head); query head ``h`` reads K/V head ``h // (Hq // Hkv)`` (GQA/MQA, K/V
+            not copied).
         scale: multiplies ``q @ k^T`` before the softmax; defaults to ``1 / sqrt(D)``.
         key_mask: optional bool ``(..., Lk)`` with ``q``'s leading (batch) dims (``(Lk,)`` for a
             call without them), True where a key may be attended (SDPA's boolean-mask and
             transformers' ``attention_mask`` convention). It is broadcast over heads and query
             rows and combined with the window; key blocks it hides entirely are skipped. A row
-            left with no visible key returns zeros; hidden keys get zero gradient.{options}
+            left with no visible key returns zeros; hidden keys get zero gradient.
+        window, softcap, alibi_slopes, sinks, dropout_p, generator: the score options
+            (:class:`ScoreOptions`).
 
     Returns:
         ``(..., Hq, Lq, Dv)`` in the inputs' dtype (float64, float32, bfloat16 or float16;
@@ -98,90 +144,14 @@ def attention(
     a KV cache (``Lk > Lq``) the new queries see the whole cache. A query row that sees no key
     (possible when ``Lq > Lk``) returns zeros and gets zero gradient, never NaN. Any strides
     are accepted, e.g. ``x.view(B, L, H, D).transpose(1, 2)`` without ``.contiguous()``.
-    Bad shapes or devices raise ``ValueError``, as does a ``scale`` that is not finite in the
-    accumulation dtype (``1e39`` is inf in float32), bad dtypes ``TypeError``, nested or sparse
-    tensors ``NotImplementedError``.
+    Bad shapes or devices raise ``ValueError``, as does a ``scale`` or ``softcap`` that is not
+    finite in the accumulation dtype (``1e39`` is inf in float32), bad dtypes and float
+    arguments given as tensors that require grad ``TypeError``, nested or sparse tensors
+    ``NotImplementedError``.
     """
-    return torch.ops.causal_attention.attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        key_mask=key_mask,
-        **_score_options(
-            "attention", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        generator=generator,
-    )
-
-
-attention.__doc__ = attention.__doc__.replace("{options}", _SCORE_OPTIONS_DOC)
-
-
-def attention_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    key_mask: Optional[Tensor] = None,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
-    """The forward kernel: ``(out, lse)``, where ``lse`` ``(..., Hq, Lq)`` is the natural-log
-    sum of the exponentiated modified scores of each row and its sink (``-inf`` for a row with no
-    visible key and no sink), float32 (float64 for float64 inputs). Differentiable in ``out`` and
-    ``sinks``; ``lse`` is not. The options are :func:`attention`'s; ``dropout_seed`` is the int64
-    ``(2,)`` tensor ``(seed, offset)`` of the dropout mask, required when ``dropout_p > 0``."""
-    return torch.ops.causal_attention.attention_forward(
-        q,
-        k,
-        v,
-        scale,
-        key_mask,
-        **_score_options(
-            "attention_forward", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        dropout_seed=dropout_seed,
-    )
-
-
-def attention_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    key_mask: Optional[Tensor] = None,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernel: ``(dq, dk, dv, dsinks)`` from the forward's ``out`` and ``lse``,
-    called with the forward's options; ``dsinks`` ``(Hq,)`` in the sinks' dtype (empty ``(0,)``
-    without sinks). Not differentiable itself (double backward raises)."""
-    return torch.ops.causal_attention.attention_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        scale,
-        key_mask,
-        **_score_options(
-            "attention_backward", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        dropout_seed=dropout_seed,
-    )
+    return _call("attention", q, k, v, scale=scale, key_mask=key_mask, window=window,
+                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                 generator=generator)
 
 
 def attention_weights(
@@ -211,17 +181,9 @@ def attention_weights(
     This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
     Differentiable in ``q``, ``k`` and ``sinks``.
     """
-    return torch.ops.causal_attention.attention_weights(
-        q,
-        k,
-        v,
-        scale=scale,
-        key_mask=key_mask,
-        **_score_options(
-            "attention_weights", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        generator=generator,
-    )
+    return _call("attention_weights", q, k, v, scale=scale, key_mask=key_mask, window=window,
+                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                 generator=generator)
 
 
 def varlen_attention(
@@ -243,113 +205,20 @@ def varlen_attention(
 ) -> Tensor:
     """Causal attention over packed sequences (FlashAttention's varlen layout), differentiable.
 
-    Args:
-        q: ``(total_q, Hq, D)``: the query rows of every sequence, one after the other.
-        k: ``(total_k, Hkv, D)``; ``Hq`` a multiple of ``Hkv`` (GQA/MQA, as :func:`attention`).
-        v: ``(total_k, Hkv, Dv)``.
-        cu_seqlens_q, cu_seqlens_k: int32 ``(N + 1,)`` cumulative lengths from 0: sequence
-            ``i`` is rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` and
-            ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of ``k`` and ``v``.
-        max_seqlen_q, max_seqlen_k: upper bounds of the sequences' lengths.
-        scale: defaults to ``1 / sqrt(D)``.
-        window, softcap, alibi_slopes, sinks, dropout_p, generator: as :func:`attention`, per
-            sequence (``alibi_slopes`` ``(Hq,)`` or ``(N, Hq)``; dropout's batch index is the
-            sequence's).
+    ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hkv, D)``, ``v`` ``(total_k, Hkv, Dv)``: the
+    rows of every sequence one after the other; sequence ``i`` is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` and ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``
+    of ``k`` and ``v`` (int32 ``(N + 1,)`` from 0), at most ``max_seqlen_q`` / ``max_seqlen_k``
+    long. The options are :func:`attention`'s but the key mask, per sequence (``alibi_slopes``
+    ``(Hq,)`` or ``(N, Hq)``; dropout's batch index is the sequence's).
 
-    Returns:
-        ``(total_q, Hq, Dv)``. Each sequence attends only to itself, windowed and bottom-right
-        aligned as :func:`attention` (so a sequence with fewer queries than keys is a chunk
-        against its own cache, and one with more has rows that see nothing and return zeros).
-        The work is proportional to the sum of the sequences' squared lengths, never to
-        ``N * max_seqlen ** 2``. Bad cumulative lengths raise ``ValueError`` (``TypeError`` if
-        not int32).
+    Returns ``(total_q, Hq, Dv)``. Each sequence attends only to itself, windowed and
+    bottom-right aligned as :func:`attention` (a sequence with fewer queries than keys is a chunk
+    against its own cache). The work is proportional to the sum of the sequences' squared
+    lengths, never to ``N * max_seqlen ** 2``. Bad cumulative lengths raise ``ValueError``
+    (``TypeError`` if not int32).
     """
-    return torch.ops.causal_attention.varlen_attention(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale=scale,
-        **_score_options(
-            "varlen_attention", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        generator=generator,
-    )
-
-
-def varlen_attention_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
-    """The packed forward kernel: ``(out, lse)``, ``lse`` ``(Hq, total_q)`` (FlashAttention's
-    varlen layout) in float32 (float64 for float64 inputs); options as
-    :func:`attention_forward`'s."""
-    return torch.ops.causal_attention.varlen_attention_forward(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        **_score_options(
-            "varlen_attention_forward", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        dropout_seed=dropout_seed,
-    )
-
-
-def varlen_attention_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The packed backward kernel: ``(dq, dk, dv, dsinks)`` from the forward's ``out`` and
-    ``lse``, called with the forward's options."""
-    return torch.ops.causal_attention.varlen_attention_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        **_score_options(
-            "varlen_attention_backward", window, softcap, alibi_slopes, sinks, dropout_p
-        ),
-        dropout_seed=dropout_seed,
-    )
+    return _call("varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, scale=scale, window=window, softcap=softcap,
+                 alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                 generator=generator)

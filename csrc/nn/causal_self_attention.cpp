@@ -44,8 +44,8 @@ CausalSelfAttentionOptions resolve(CausalSelfAttentionOptions options) {
                     ": attn_dropout must be in [0, 1), got attn_dropout=", options.attn_dropout());
   const auto& window = options.window();
   TORCH_CHECK_VALUE(window[0] >= -1 && window[1] >= -1, kModule,
-                    ": window entries must be >= -1 (-1: unbounded), got window=(", window[0],
-                    ", ", window[1], ")");
+                    ": window entries must be >= -1 (-1: unbounded), got window=(", window[0], ", ",
+                    window[1], ")");
   const std::optional<double> softcap = options.softcap();
   TORCH_CHECK_VALUE(!softcap.has_value() || (*softcap > 0.0 && std::isfinite(*softcap)), kModule,
                     ": softcap must be finite and > 0, got softcap=", softcap.value_or(0.0));
@@ -73,8 +73,8 @@ void check_key_mask(const at::Tensor& key_mask, const at::Tensor& x) {
 }  // namespace
 
 at::Tensor alibi_slopes(int64_t num_heads) {
-  TORCH_CHECK_VALUE(num_heads > 0, "alibi_slopes: num_heads must be positive, got num_heads=",
-                    num_heads);
+  TORCH_CHECK_VALUE(num_heads > 0,
+                    "alibi_slopes: num_heads must be positive, got num_heads=", num_heads);
   int64_t closest = 1;
   while (2 * closest <= num_heads) {
     closest *= 2;
@@ -175,14 +175,18 @@ CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(
   return heads;
 }
 
-double CausalSelfAttentionImpl::attention_dropout_p() const {
-  return is_training() ? options.attn_dropout() : 0.0;
+AttentionOptions CausalSelfAttentionImpl::attention_options(const Heads& heads) const {
+  return AttentionOptions()
+      .key_mask(heads.key_mask)
+      .window(options.window())
+      .softcap(options.softcap())
+      .alibi_slopes(if_defined(alibi_slopes))
+      .sinks(if_defined(sinks))
+      .dropout_p(is_training() ? options.attn_dropout() : 0.0);
 }
 
 at::Tensor CausalSelfAttentionImpl::attend(const Heads& heads) {
-  return attention(heads.q, heads.k, heads.v, /*scale=*/std::nullopt, heads.key_mask,
-                   options.window(), options.softcap(), if_defined(alibi_slopes),
-                   if_defined(sinks), attention_dropout_p());
+  return attention(heads.q, heads.k, heads.v, attention_options(heads));
 }
 
 at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
@@ -198,11 +202,9 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache,
 std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights(
     const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask) {
   const Heads heads = project_heads(x, cache, key_mask);
-  const double dropout_p = attention_dropout_p();
-  at::Tensor weights = attention_weights(heads.q, heads.k, heads.v, /*scale=*/std::nullopt,
-                                         heads.key_mask, options.window(), options.softcap(),
-                                         if_defined(alibi_slopes), if_defined(sinks), dropout_p);
-  if (dropout_p == 0.0) {
+  const AttentionOptions attention_options = this->attention_options(heads);
+  at::Tensor weights = attention_weights(heads.q, heads.k, heads.v, attention_options);
+  if (attention_options.dropout_p() == 0.0) {
     return {project_output(attend(heads)), std::move(weights)};
   }
   // Every call draws a new dropout mask: the output is made from these weights, so that it is

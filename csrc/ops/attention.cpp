@@ -1,11 +1,13 @@
-// The op schemas, defined once; the public C++ API; and the one kernel of each op that is another
-// op with its arguments resolved (attention, varlen_attention). The API calls through cached
-// dispatcher handles rather than the kernels, so C++ callers get autograd, autocast, Meta and
-// device dispatch exactly as Python callers do.
+// The op schemas, defined once; the public C++ API; the dispatcher calls of schema_adapters.h;
+// and the one kernel of each op that is another op with its arguments resolved (attention,
+// varlen_attention, and the names packed calls had before attention_forward took them). The API
+// calls through cached dispatcher handles rather than the kernels, so C++ callers get autograd,
+// autocast, Meta and device dispatch exactly as Python callers do.
 #include "causal_attention/ops.h"
 
 #include "checks.h"
 #include "cpu/block_gemm.h"
+#include "schema_adapters.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -13,119 +15,150 @@
 #include <string>
 
 namespace causal_attention {
+namespace detail {
+namespace {
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> operator_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+at::Tensor call_attention(const AttentionCall& c) {
+  const ScoreOptions& o = c.options;
+  if (c.packed.any()) {
+    static auto op =
+        operator_handle<VarlenAttentionSignature>("causal_attention::varlen_attention");
+    const PackedLengths& p = c.packed;
+    return op.call(c.q, c.k, c.v, p.cu_seqlens_q.value_or(at::Tensor()),
+                   p.cu_seqlens_k.value_or(at::Tensor()), p.max_seqlen_q.value_or(0),
+                   p.max_seqlen_k.value_or(0), c.scale, o.window, o.softcap, o.alibi_slopes,
+                   o.sinks, o.dropout_p, c.generator);
+  }
+  static auto op = operator_handle<AttentionSignature>("causal_attention::attention");
+  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
+                 o.dropout_p, c.generator);
+}
+
+at::Tensor call_attention_weights(const AttentionCall& c) {
+  static auto op = operator_handle<AttentionSignature>("causal_attention::attention_weights");
+  const ScoreOptions& o = c.options;
+  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
+                 o.dropout_p, c.generator);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& c) {
+  static auto op = operator_handle<ForwardSignature>("causal_attention::attention_forward");
+  const ScoreOptions& o = c.options;
+  const PackedLengths& p = c.packed;
+  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
+                 o.dropout_p, o.dropout_seed, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q,
+                 p.max_seqlen_k);
+}
+
+Gradients call_attention_backward(const BackwardCall& c) {
+  static auto op = operator_handle<BackwardSignature>("causal_attention::attention_backward");
+  const ScoreOptions& o = c.options;
+  const PackedLengths& p = c.packed;
+  return op.call(c.grad_out, c.q, c.k, c.v, c.out, c.lse, c.scale, c.key_mask, o.window, o.softcap,
+                 o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed, p.cu_seqlens_q,
+                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k);
+}
+
+}  // namespace detail
+
+namespace {
+
+// A C++ API call as the struct the ops take.
+detail::AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const AttentionOptions& options) {
+  detail::AttentionCall call{q, k, v};
+  call.scale = options.scale();
+  call.key_mask = options.key_mask();
+  call.options.window.assign(options.window().begin(), options.window().end());
+  call.options.softcap = options.softcap();
+  call.options.alibi_slopes = options.alibi_slopes();
+  call.options.sinks = options.sinks();
+  call.options.dropout_p = options.dropout_p();
+  call.generator = options.generator();
+  return call;
+}
+
+// The kernel ops take the scale as an argument and the seed given: the options' scale and
+// generator have no place there.
+detail::ForwardCall forward_call(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, double scale, const AttentionOptions& options,
+                                 const std::optional<at::Tensor>& dropout_seed) {
+  TORCH_CHECK_VALUE(!options.scale().has_value() && !options.generator().has_value(), op,
+                    ": the kernel ops take the scale as an argument and dropout_seed for dropout; "
+                    "AttentionOptions::scale and ::generator are for attention, "
+                    "attention_weights and varlen_attention");
+  detail::AttentionCall call = attention_call(q, k, v, options);
+  detail::ForwardCall forward{q, k, v};
+  forward.scale = scale;
+  forward.key_mask = std::move(call.key_mask);
+  forward.options = std::move(call.options);
+  forward.options.dropout_seed = dropout_seed;
+  return forward;
+}
+
+}  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     std::optional<double> scale, const std::optional<at::Tensor>& key_mask,
-                     at::IntArrayRef window, std::optional<double> softcap,
-                     const std::optional<at::Tensor>& alibi_slopes,
-                     const std::optional<at::Tensor>& sinks, double dropout_p,
-                     std::optional<at::Generator> generator) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::attention", "")
-                       .typed<decltype(attention)>();
-  return op.call(q, k, v, scale, key_mask, window, softcap, alibi_slopes, sinks, dropout_p,
-                 std::move(generator));
-}
-
-std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
-    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, double dropout_p,
-    const std::optional<at::Tensor>& dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::attention_forward", "")
-                       .typed<decltype(attention_forward)>();
-  return op.call(q, k, v, scale, key_mask, window, softcap, alibi_slopes, sinks, dropout_p,
-                 dropout_seed);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double scale,
-    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
-    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, double dropout_p,
-    const std::optional<at::Tensor>& dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::attention_backward", "")
-                       .typed<decltype(attention_backward)>();
-  return op.call(grad_out, q, k, v, out, lse, scale, key_mask, window, softcap, alibi_slopes, sinks,
-                 dropout_p, dropout_seed);
+                     const AttentionOptions& options) {
+  return detail::call_attention(attention_call(q, k, v, options));
 }
 
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             std::optional<double> scale, const std::optional<at::Tensor>& key_mask,
-                             at::IntArrayRef window, std::optional<double> softcap,
-                             const std::optional<at::Tensor>& alibi_slopes,
-                             const std::optional<at::Tensor>& sinks, double dropout_p,
-                             std::optional<at::Generator> generator) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::attention_weights", "")
-                       .typed<decltype(attention_weights)>();
-  return op.call(q, k, v, scale, key_mask, window, softcap, alibi_slopes, sinks, dropout_p,
-                 std::move(generator));
+                             const AttentionOptions& options) {
+  return detail::call_attention_weights(attention_call(q, k, v, options));
 }
 
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                             c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                            std::optional<double> scale, at::IntArrayRef window,
-                            std::optional<double> softcap,
-                            const std::optional<at::Tensor>& alibi_slopes,
-                            const std::optional<at::Tensor>& sinks, double dropout_p,
-                            std::optional<at::Generator> generator) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::varlen_attention", "")
-                       .typed<decltype(varlen_attention)>();
-  return op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
-                 std::move(max_seqlen_k), scale, window, softcap, alibi_slopes, sinks, dropout_p,
-                 std::move(generator));
+                            const AttentionOptions& options) {
+  TORCH_CHECK_VALUE(!options.key_mask().has_value(),
+                    "causal_attention.varlen_attention: key_mask is for dense calls; packed "
+                    "sequences (cu_seqlens) hold no padding");
+  detail::AttentionCall call = attention_call(q, k, v, options);
+  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  return detail::call_attention(call);
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale, at::IntArrayRef window, std::optional<double> softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::varlen_attention_forward", "")
-                       .typed<decltype(varlen_attention_forward)>();
-  return op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
-                 std::move(max_seqlen_k), scale, window, softcap, alibi_slopes, sinks, dropout_p,
-                 dropout_seed);
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const AttentionOptions& options, const std::optional<at::Tensor>& dropout_seed) {
+  return detail::call_attention_forward(
+      forward_call("causal_attention.attention_forward", q, k, v, scale, options, dropout_seed));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale, at::IntArrayRef window, std::optional<double> softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::varlen_attention_backward", "")
-                       .typed<decltype(varlen_attention_backward)>();
-  return op.call(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
-                 std::move(max_seqlen_k), scale, window, softcap, alibi_slopes, sinks, dropout_p,
-                 dropout_seed);
+    const at::Tensor& out, const at::Tensor& lse, double scale, const AttentionOptions& options,
+    const std::optional<at::Tensor>& dropout_seed) {
+  detail::BackwardCall call(
+      forward_call("causal_attention.attention_backward", q, k, v, scale, options, dropout_seed));
+  call.grad_out = grad_out;
+  call.out = out;
+  call.lse = lse;
+  return detail::call_attention_backward(call);
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,
                              double dropout_p) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("causal_attention::dropout_keep_mask", "")
-                       .typed<decltype(dropout_keep_mask)>();
+  static auto op =
+      detail::operator_handle<decltype(dropout_keep_mask)>("causal_attention::dropout_keep_mask");
   return op.call(dropout_seed, shape, dropout_p);
 }
 
 namespace {
 
-// `attention` is `attention_forward`'s out at the resolved scale, and `varlen_attention` is
-// `varlen_attention_forward`'s: each has this one kernel for every backend the forward op has a
-// kernel for, checked under its own name and calling the forward op through the dispatcher, so
-// the backend's forward kernel (the CPU kernels, the Meta shapes) does the work. Autograd and
+// `attention` and `varlen_attention` are `attention_forward`'s out at the resolved scale, with
+// the dropout seed drawn: this one kernel for every backend the forward op has a kernel for,
+// checked under the op's own name and calling the forward op through the dispatcher, so the
+// backend's forward kernel (the CPU kernels, the Meta shapes) does the work. Autograd and
 // autocast have their own kernels (autograd/, autocast/); compile and export keep the op whole.
 //
 // Registered per backend, not as CompositeExplicitAutograd: that alias also covers the sparse,
@@ -134,46 +167,57 @@ namespace {
 // backend, as the forward op refuses them. Not CompositeImplicitAutograd either: that covers
 // those backends too and would decompose the op into attention_forward in torch.compile and
 // torch.export graphs.
-at::Tensor attention_from_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  std::optional<double> scale,
-                                  const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
-                                  std::optional<double> softcap,
-                                  const std::optional<at::Tensor>& alibi_slopes,
-                                  const std::optional<at::Tensor>& sinks, double dropout_p,
-                                  std::optional<at::Generator> generator) {
-  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask, window, softcap,
-                                                       alibi_slopes, sinks, dropout_p);
-  return std::get<0>(attention_forward(q, k, v, resolved, key_mask, window, softcap, alibi_slopes,
-                                       sinks, dropout_p,
-                                       detail::draw_dropout_seed(dropout_p, generator)));
+at::Tensor attention_from_forward(const detail::AttentionCall& call) {
+  return std::get<0>(detail::call_attention_forward(detail::resolve_attention_call(call)));
 }
 
-at::Tensor varlen_attention_from_forward(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                         const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
-                                         c10::SymInt max_seqlen_k, std::optional<double> scale,
-                                         at::IntArrayRef window, std::optional<double> softcap,
-                                         const std::optional<at::Tensor>& alibi_slopes,
-                                         const std::optional<at::Tensor>& sinks, double dropout_p,
-                                         std::optional<at::Generator> generator) {
-  const double resolved = detail::check_varlen_attention_call(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window, softcap,
-      alibi_slopes, sinks, dropout_p);
-  return std::get<0>(
-      varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
-                               std::move(max_seqlen_k), resolved, window, softcap, alibi_slopes,
-                               sinks, dropout_p, detail::draw_dropout_seed(dropout_p, generator)));
+// The packed kernel ops' names before attention_forward and attention_backward took packed
+// sequences, kept so that programs saved with them (TorchScript, exported graphs) still load and
+// run. CompositeImplicitAutograd: they are the merged ops, whatever the key.
+std::tuple<at::Tensor, at::Tensor> packed_forward_alias(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+  detail::ForwardCall call{q, k, v};
+  call.scale = scale;
+  call.options =
+      detail::score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
+  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  return detail::call_attention_forward(call);
+}
+
+detail::Gradients packed_backward_alias(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    double scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+  detail::BackwardCall call(detail::ForwardCall{q, k, v});
+  call.scale = scale;
+  call.options =
+      detail::score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
+  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  call.grad_out = grad_out;
+  call.out = out;
+  call.lse = lse;
+  return detail::call_attention_backward(call);
 }
 
 }  // namespace
 
 // The score options of every op, after its other arguments (see ops.h): the differentiable ops
-// draw dropout's seed from a generator, the kernel ops take it.
+// draw dropout's seed from a generator, the kernel ops take it, and take packed sequences last.
 #define CAUSAL_ATTENTION_SCORE_OPTIONS                                                          \
   "int[2] window=[-1, 0], float? softcap=None, Tensor? alibi_slopes=None, Tensor? sinks=None, " \
   "float dropout_p=0.0, "
 #define CAUSAL_ATTENTION_DRAWN_SEED "Generator? generator=None"
 #define CAUSAL_ATTENTION_GIVEN_SEED "Tensor? dropout_seed=None"
+#define CAUSAL_ATTENTION_PACKED_SEQUENCES                                               \
+  ", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, " \
+  "SymInt? max_seqlen_k=None"
 
 TORCH_LIBRARY(causal_attention, m) {
   m.def(
@@ -181,12 +225,14 @@ TORCH_LIBRARY(causal_attention, m) {
       "key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_DRAWN_SEED ") -> Tensor");
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, float scale, Tensor? "
-      "key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_GIVEN_SEED
+      "key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
+          CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
       ") -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float scale, Tensor? key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
-          CAUSAL_ATTENTION_GIVEN_SEED ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+          CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def(
       "attention_weights(Tensor q, Tensor k, Tensor v, *, float? scale=None, "
       "Tensor? key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_DRAWN_SEED
@@ -203,22 +249,31 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def(
       "varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_k, float scale, " CAUSAL_ATTENTION_SCORE_OPTIONS
-          CAUSAL_ATTENTION_GIVEN_SEED ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+      "SymInt max_seqlen_k, float "
+      "scale, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_GIVEN_SEED
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def("dropout_keep_mask(Tensor dropout_seed, SymInt[] shape, float dropout_p) -> Tensor");
   // How a call of this dtype made now multiplies its blocks on the CPU: "native" or "widened"
   // (cpu/block_gemm.h).
   m.def("block_products(ScalarType dtype) -> str",
         [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
 
-  // The backends of attention_forward and varlen_attention_forward (cpu/, meta/).
+  m.impl("varlen_attention_forward", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd,
+                                                     TORCH_FN(packed_forward_alias)));
+  m.impl("varlen_attention_backward", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd,
+                                                      TORCH_FN(packed_backward_alias)));
+
+  // The backends of attention_forward (cpu/, meta/).
   for (const c10::DispatchKey backend : {c10::DispatchKey::CPU, c10::DispatchKey::Meta}) {
-    m.impl("attention", torch::dispatch(backend, TORCH_FN(attention_from_forward)));
-    m.impl("varlen_attention", torch::dispatch(backend, TORCH_FN(varlen_attention_from_forward)));
+    m.impl("attention",
+           torch::dispatch(backend, detail::attention_from_schema<attention_from_forward>));
+    m.impl("varlen_attention",
+           torch::dispatch(backend, detail::varlen_attention_from_schema<attention_from_forward>));
   }
 }
 #undef CAUSAL_ATTENTION_SCORE_OPTIONS
 #undef CAUSAL_ATTENTION_DRAWN_SEED
 #undef CAUSAL_ATTENTION_GIVEN_SEED
+#undef CAUSAL_ATTENTION_PACKED_SEQUENCES
 
 }  // namespace causal_attention

@@ -6,6 +6,7 @@
 // drift from the forward.
 #include "causal_attention/ops.h"
 #include "checks.h"
+#include "schema_adapters.h"
 #include "shapes.h"
 
 #include <ATen/ops/arange.h>
@@ -45,16 +46,12 @@ at::Tensor per_head(const at::Tensor& q, const at::Tensor& t) {
   return q.dim() == 2 ? t.reshape({1, 1}) : t.unsqueeze(-1).unsqueeze(-1);
 }
 
-at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, std::optional<double> scale,
-                                       const std::optional<at::Tensor>& key_mask,
-                                       at::IntArrayRef window, std::optional<double> softcap,
-                                       const std::optional<at::Tensor>& alibi_slopes,
-                                       const std::optional<at::Tensor>& sinks, double dropout_p,
-                                       std::optional<at::Generator> generator) {
-  constexpr const char* op = "causal_attention.attention_weights";
-  const double resolved = detail::check_attention_call(q, k, v, scale, key_mask, window, softcap,
-                                                       alibi_slopes, sinks, dropout_p, op);
+at::Tensor attention_weights_composite(const detail::AttentionCall& call) {
+  const double resolved = detail::check_attention_call("causal_attention.attention_weights", call);
+  const at::Tensor &q = call.q, &k = call.k;
+  const detail::ScoreOptions& options = call.options;
+  const std::vector<int64_t>& window = options.window;
+  const std::optional<double>& softcap = options.softcap;
   at::Tensor scores = grouped_scores(q, k, resolved);
   if (softcap.has_value()) {
     scores = scores.div(*softcap).tanh().mul(*softcap);
@@ -67,8 +64,8 @@ at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
   // (Lq, Lk): i + off - j for query row i and key j, off = Lk - Lq (bottom-right alignment).
   const at::Tensor distance =
       at::arange(len_q, index_options).add(c10::Scalar(len_k - len_q)).unsqueeze(-1).sub(cols);
-  if (alibi_slopes.has_value()) {
-    scores = scores.sub(per_head(q, *alibi_slopes)
+  if (options.alibi_slopes.has_value()) {
+    scores = scores.sub(per_head(q, *options.alibi_slopes)
                             .to(scores.scalar_type())
                             .mul(distance.abs().to(scores.scalar_type())));
   }
@@ -81,19 +78,19 @@ at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
   if (window[1] >= 0) {
     hidden = hidden.logical_or(distance.lt(-window[1]));
   }
-  if (key_mask.has_value()) {
-    hidden = hidden.logical_or(detail::key_mask_over_scores(q, *key_mask).logical_not());
+  if (call.key_mask.has_value()) {
+    hidden = hidden.logical_or(detail::key_mask_over_scores(q, *call.key_mask).logical_not());
   }
 
   at::Tensor probabilities;
-  if (sinks.has_value()) {
+  if (options.sinks.has_value()) {
     // The sink is one more column of the softmax, dropped after it: it only joins the
     // denominator, and keeps a row that sees no key finite (all its weight on the sink).
     const at::Tensor masked = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
     std::vector<c10::SymInt> sink_sizes(masked.sym_sizes().begin(), masked.sym_sizes().end());
     sink_sizes.back() = 1;
     const at::Tensor sink_column =
-        per_head(q, *sinks).to(scores.scalar_type()).expand_symint(sink_sizes);
+        per_head(q, *options.sinks).to(scores.scalar_type()).expand_symint(sink_sizes);
     probabilities = at::softmax(at::cat({masked, sink_column}, -1), -1).narrow_symint(-1, 0, len_k);
   } else {
     // A row with no visible key would be a softmax over nothing but -inf, which is NaN in
@@ -105,8 +102,8 @@ at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
                                 -1);
   }
   probabilities = probabilities.masked_fill(hidden, 0);
-  if (dropout_p > 0) {
-    const at::Tensor keep = dropout_keep_mask(*detail::draw_dropout_seed(dropout_p, generator),
+  if (const double dropout_p = options.dropout_p; dropout_p > 0) {
+    const at::Tensor keep = dropout_keep_mask(*detail::draw_dropout_seed(dropout_p, call.generator),
                                               probabilities.sym_sizes(), dropout_p);
     probabilities = probabilities.mul(keep).div(1 - dropout_p);
   }
@@ -116,7 +113,7 @@ at::Tensor attention_weights_composite(const at::Tensor& q, const at::Tensor& k,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(causal_attention, CompositeImplicitAutograd, m) {
-  m.impl("attention_weights", attention_weights_composite);
+  m.impl("attention_weights", detail::attention_from_schema<attention_weights_composite>);
 }
 
 }  // namespace causal_attention

@@ -103,26 +103,23 @@ void check_attention_tensors(const char* op, const at::Tensor& q, const at::Tens
   }
 }
 
-// Throws c10::ValueError unless `scale` is finite in the accumulation dtype of q's dtype
-// `q_dtype` (float32 for float32, bfloat16 and float16; float64 for float64), the dtype the
-// kernels compute in.
-void check_scale(const char* op, double scale, at::ScalarType q_dtype) {
-  // The kernels convert the scale to the accumulation dtype (static_cast<acc_t>), so that is
-  // where it must be finite: scale=1e39 is a finite double but inf in float32, and every row
-  // would be NaN.
-  const at::ScalarType accumulation = accumulation_dtype(q_dtype);
-  const bool finite =
-      accumulation == at::kDouble ? std::isfinite(scale) : std::isfinite(static_cast<float>(scale));
-  TORCH_CHECK_VALUE(finite, op, ": scale must be finite in ",
-                    accumulation == at::kDouble ? "float64" : "float32",
-                    ", the accumulation dtype of q.dtype=", q_dtype, ", got scale=", scale);
+// Whether `value` stays finite once converted to the accumulation dtype of q's dtype `q_dtype`
+// (float32 for float32, bfloat16 and float16; float64 for float64), the dtype the kernels compute
+// in: they convert scale and softcap with static_cast<acc_t>, so 1e39, a finite double, would be
+// inf in float32 and every row NaN.
+bool finite_in_accumulation(double value, at::ScalarType q_dtype) {
+  return accumulation_dtype(q_dtype) == at::kDouble ? std::isfinite(value)
+                                                    : std::isfinite(static_cast<float>(value));
 }
 
-}  // namespace
+const char* accumulation_name(at::ScalarType q_dtype) {
+  return accumulation_dtype(q_dtype) == at::kDouble ? "float64" : "float32";
+}
 
-void check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v) {
-  check_attention_tensors(op, q, k, v, kDenseLayout);
+void check_scale(const char* op, double scale, at::ScalarType q_dtype) {
+  TORCH_CHECK_VALUE(finite_in_accumulation(scale, q_dtype), op, ": scale must be finite in ",
+                    accumulation_name(q_dtype), ", the accumulation dtype of q.dtype=", q_dtype,
+                    ", got scale=", scale);
 }
 
 double resolve_scale(const char* op, const at::Tensor& q, std::optional<double> scale) {
@@ -158,22 +155,35 @@ void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
                     " for q.shape=", q.sym_sizes(), ", k.shape=", k.sym_sizes());
 }
 
+void check_dropout_p(const char* op, double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p >= 0 && dropout_p < 1, op,
+                    ": dropout_p must be in [0, 1), got dropout_p=", dropout_p);
+}
+
+// The score options (ops.h). `batch` is q's leading dims (the sequence count N for packed calls)
+// and `heads_q` its query heads.
 void check_score_options(const char* op, const at::Tensor& q, c10::SymIntArrayRef batch,
-                         const c10::SymInt& heads_q, at::IntArrayRef window,
-                         std::optional<double> softcap,
-                         const std::optional<at::Tensor>& alibi_slopes,
-                         const std::optional<at::Tensor>& sinks, double dropout_p) {
+                         const c10::SymInt& heads_q, const ScoreOptions& options) {
+  const c10::IntArrayRef window = options.window;
   TORCH_CHECK_VALUE(window.size() == 2, op,
                     ": window must be two ints (left, right), got window=", window);
   TORCH_CHECK_VALUE(
       window[0] >= -1 && window[1] >= -1, op,
       ": window entries must be >= -1 (-1: unbounded on that side), got window=", window);
-  if (softcap.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*softcap) && *softcap > 0, op,
-                      ": softcap must be finite and > 0 (None: off), got softcap=", *softcap);
+  if (options.softcap.has_value()) {
+    // Converted like the scale: 1e39 is inf in float32, and 1e-46 is 0, which would turn the
+    // cap off without a word.
+    const double softcap = *options.softcap;
+    const bool positive = accumulation_dtype(q.scalar_type()) == at::kDouble
+                              ? softcap > 0
+                              : static_cast<float>(softcap) > 0;
+    TORCH_CHECK_VALUE(finite_in_accumulation(softcap, q.scalar_type()) && positive, op,
+                      ": softcap must be finite and > 0 in ", accumulation_name(q.scalar_type()),
+                      ", the accumulation dtype of q.dtype=", q.scalar_type(),
+                      " (None: off), got softcap=", softcap);
   }
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *alibi_slopes;
+  if (options.alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *options.alibi_slopes;
     check_dense_tensor(op, "alibi_slopes", slopes);
     TORCH_CHECK_TYPE(
         slopes.scalar_type() == at::kFloat, op,
@@ -188,54 +198,45 @@ void check_score_options(const char* op, const at::Tensor& q, c10::SymIntArrayRe
                       ",) or (*batch, Hq)=", c10::SymIntArrayRef(batched),
                       ", got alibi_slopes.shape=", slopes.sym_sizes());
   }
-  if (sinks.has_value()) {
-    const at::Tensor& sink_logits = *sinks;
-    check_dense_tensor(op, "sinks", sink_logits);
-    TORCH_CHECK_TYPE(
-        sink_logits.scalar_type() == q.scalar_type() || sink_logits.scalar_type() == at::kFloat, op,
-        ": sinks must have q's dtype ", q.scalar_type(),
-        " or float32, got sinks.dtype=", sink_logits.scalar_type());
-    TORCH_CHECK_VALUE(sink_logits.device() == q.device(), op, ": sinks must be on q's device ",
-                      q.device(), ", got sinks.device=", sink_logits.device());
-    TORCH_CHECK_VALUE(sink_logits.dim() == 1 && sink_logits.sym_size(0) == heads_q, op,
+  if (options.sinks.has_value()) {
+    const at::Tensor& sinks = *options.sinks;
+    check_dense_tensor(op, "sinks", sinks);
+    TORCH_CHECK_TYPE(sinks.scalar_type() == q.scalar_type() || sinks.scalar_type() == at::kFloat,
+                     op, ": sinks must have q's dtype ", q.scalar_type(),
+                     " or float32, got sinks.dtype=", sinks.scalar_type());
+    TORCH_CHECK_VALUE(sinks.device() == q.device(), op, ": sinks must be on q's device ",
+                      q.device(), ", got sinks.device=", sinks.device());
+    TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.sym_size(0) == heads_q, op,
                       ": sinks must have shape (Hq,)=(", heads_q,
-                      ",), one logit per query head, got sinks.shape=", sink_logits.sym_sizes());
+                      ",), one logit per query head, got sinks.shape=", sinks.sym_sizes());
   }
-  TORCH_CHECK_VALUE(dropout_p >= 0 && dropout_p < 1, op,
-                    ": dropout_p must be in [0, 1), got dropout_p=", dropout_p);
+  check_dropout_p(op, options.dropout_p);
 }
 
-void check_dropout_seed(const char* op, double dropout_p,
-                        const std::optional<at::Tensor>& dropout_seed) {
-  if (dropout_p == 0) {
-    return;
-  }
-  TORCH_CHECK_VALUE(dropout_seed.has_value(), op,
-                    ": dropout_p > 0 needs dropout_seed, an int64 (2,) tensor (seed, offset), "
-                    "got dropout_p=",
-                    dropout_p, " and dropout_seed=None");
-  const at::Tensor& seed = *dropout_seed;
+// The kernel ops' (seed, offset), read on the host: a CPU tensor, or a Meta one in a Meta call
+// (tracing, where no kernel reads it). A Meta seed in a CPU call would be read as undefined
+// memory.
+void check_dropout_seed(const char* op, const at::Tensor& seed, bool meta_call) {
   check_dense_tensor(op, "dropout_seed", seed);
   TORCH_CHECK_TYPE(
       seed.scalar_type() == at::kLong, op,
       ": dropout_seed must be int64 (seed, offset), got dropout_seed.dtype=", seed.scalar_type());
-  // The Meta device too: torch.compile and torch.export trace with meta (fake) tensors.
-  TORCH_CHECK_VALUE(seed.dim() == 1 && seed.sym_size(0) == 2 && (seed.is_cpu() || seed.is_meta()),
-                    op,
+  TORCH_CHECK_VALUE(seed.dim() == 1 && seed.sym_size(0) == 2 && (seed.is_cpu() || meta_call), op,
                     ": dropout_seed must be a CPU tensor of shape (2,) (seed, offset), got "
                     "dropout_seed.shape=",
                     seed.sym_sizes(), " on ", seed.device());
 }
 
-std::optional<at::Tensor> draw_dropout_seed(double dropout_p,
-                                            const std::optional<at::Generator>& generator) {
-  if (dropout_p == 0) {
-    return std::nullopt;
+void check_given_dropout_seed(const char* op, const at::Tensor& q, const ScoreOptions& options) {
+  if (options.dropout_p == 0) {
+    return;
   }
-  return at::empty({2}, at::TensorOptions().dtype(at::kLong)).random_(generator);
+  TORCH_CHECK_VALUE(options.dropout_seed.has_value(), op,
+                    ": dropout_p > 0 needs dropout_seed, an int64 (2,) tensor (seed, offset), "
+                    "got dropout_p=",
+                    options.dropout_p, " and dropout_seed=None");
+  check_dropout_seed(op, *options.dropout_seed, q.is_meta());
 }
-
-namespace {
 
 // The leading (batch) dims of a dense q, and its query heads (1 for a 2-D call).
 std::vector<c10::SymInt> dense_batch(const at::Tensor& q) {
@@ -246,37 +247,73 @@ c10::SymInt dense_heads(const at::Tensor& q) {
   return q.dim() >= 3 ? q.sym_size(-3) : c10::SymInt(1);
 }
 
-}  // namespace
-
-void check_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                        const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
-                        std::optional<double> softcap,
-                        const std::optional<at::Tensor>& alibi_slopes,
-                        const std::optional<at::Tensor>& sinks, double dropout_p,
-                        const std::optional<at::Tensor>& dropout_seed) {
-  constexpr const char* op = "causal_attention.attention_forward";
-  check_attention_inputs(op, q, k, v);
-  check_scale(op, scale, q.scalar_type());
-  check_key_mask(op, q, k, key_mask);
-  check_score_options(op, q, dense_batch(q), dense_heads(q), window, softcap, alibi_slopes, sinks,
-                      dropout_p);
-  check_dropout_seed(op, dropout_p, dropout_seed);
+void check_packed_rank(const char* op, const char* name, const at::Tensor& t, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == 3, op, ": ", name, " must have 3 dimensions ", layout, ", got ",
+                    name, ".shape=", t.sym_sizes());
 }
 
-double check_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::optional<double> scale, const std::optional<at::Tensor>& key_mask,
-                            at::IntArrayRef window, std::optional<double> softcap,
-                            const std::optional<at::Tensor>& alibi_slopes,
-                            const std::optional<at::Tensor>& sinks, double dropout_p,
-                            const char* op) {
-  check_attention_inputs(op, q, k, v);
-  check_key_mask(op, q, k, key_mask);
-  check_score_options(op, q, dense_batch(q), dense_heads(q), window, softcap, alibi_slopes, sinks,
-                      dropout_p);
-  return resolve_scale(op, q, scale);
+void check_cumulative_lengths_tensor(const char* op, const char* name, const at::Tensor& cu,
+                                     const at::Tensor& q) {
+  check_dense_tensor(op, name, cu);
+  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, op, ": ", name,
+                   " must be int32 (cumulative sequence lengths), got ", name,
+                   ".dtype=", cu.scalar_type());
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.sym_size(0) >= 1, op, ": ", name,
+                    " must be 1-D with N + 1 >= 1 entries, got ", name, ".shape=", cu.sym_sizes());
+  TORCH_CHECK_VALUE(cu.device() == q.device(), op, ": ", name, " must be on q's device ",
+                    q.device(), ", got ", name, ".device=", cu.device());
 }
 
-namespace {
+// Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), cu_seqlens_q
+// and cu_seqlens_k int32 1-D of one length N + 1 on q's device, max_seqlen_q and max_seqlen_k
+// non-negative, and no key mask. Shapes only, so that the Meta kernels run it; the values of
+// cu_seqlens are check_cumulative_lengths'.
+void check_packed_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const std::optional<at::Tensor>& key_mask,
+                         const PackedLengths& packed) {
+  TORCH_CHECK_VALUE(packed.cu_seqlens_q.has_value() && packed.cu_seqlens_k.has_value() &&
+                        packed.max_seqlen_q.has_value() && packed.max_seqlen_k.has_value(),
+                    op,
+                    ": packed sequences need all of cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
+                    "max_seqlen_k, got only some of them");
+  TORCH_CHECK_VALUE(!key_mask.has_value(), op,
+                    ": key_mask is for dense calls; packed sequences (cu_seqlens) hold no padding");
+  check_dense_tensor(op, "q", q);
+  check_dense_tensor(op, "k", k);
+  check_dense_tensor(op, "v", v);
+  check_packed_rank(op, "q", q, "(total_q, Hq, D)");
+  check_packed_rank(op, "k", k, "(total_k, Hkv, D)");
+  check_packed_rank(op, "v", v, "(total_k, Hkv, Dv)");
+  check_attention_tensors(op, q, k, v, kPackedLayout);
+  const at::Tensor& cu_seqlens_q = *packed.cu_seqlens_q;
+  const at::Tensor& cu_seqlens_k = *packed.cu_seqlens_k;
+  check_cumulative_lengths_tensor(op, "cu_seqlens_q", cu_seqlens_q, q);
+  check_cumulative_lengths_tensor(op, "cu_seqlens_k", cu_seqlens_k, q);
+  TORCH_CHECK_VALUE(cu_seqlens_q.sym_size(0) == cu_seqlens_k.sym_size(0), op,
+                    ": cu_seqlens_q and cu_seqlens_k must have the same length N + 1, got "
+                    "cu_seqlens_q.shape=",
+                    cu_seqlens_q.sym_sizes(), ", cu_seqlens_k.shape=", cu_seqlens_k.sym_sizes());
+  const c10::SymInt& max_seqlen_q = *packed.max_seqlen_q;
+  const c10::SymInt& max_seqlen_k = *packed.max_seqlen_k;
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, op,
+                    ": max_seqlen_q and max_seqlen_k must be non-negative, got max_seqlen_q=",
+                    max_seqlen_q, ", max_seqlen_k=", max_seqlen_k);
+}
+
+// The inputs, the key mask and the score options of a dense or packed call.
+void check_inputs_and_options(const char* op, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const std::optional<at::Tensor>& key_mask,
+                              const ScoreOptions& options, const PackedLengths& packed) {
+  if (packed.any()) {
+    check_packed_inputs(op, q, k, v, key_mask, packed);
+    const std::vector<c10::SymInt> sequences{packed.cu_seqlens_q->sym_size(0) - 1};
+    check_score_options(op, q, sequences, q.sym_size(1), options);
+  } else {
+    check_attention_tensors(op, q, k, v, kDenseLayout);
+    check_key_mask(op, q, k, key_mask);
+    check_score_options(op, q, dense_batch(q), dense_heads(q), options);
+  }
+}
 
 // The dtypes and devices of a backward's grad_out, out (q's dtype) and lse (the accumulation
 // dtype), whatever their layout.
@@ -296,147 +333,71 @@ void check_saved_forward(const char* op, const at::Tensor& q, const at::Tensor& 
 
 }  // namespace
 
-void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                           double scale, const std::optional<at::Tensor>& key_mask,
-                           at::IntArrayRef window, std::optional<double> softcap,
-                           const std::optional<at::Tensor>& alibi_slopes,
-                           const std::optional<at::Tensor>& sinks, double dropout_p,
-                           const std::optional<at::Tensor>& dropout_seed) {
+double check_attention_call(const char* op, const AttentionCall& call) {
+  check_inputs_and_options(op, call.q, call.k, call.v, call.key_mask, call.options, call.packed);
+  return resolve_scale(op, call.q, call.scale);
+}
+
+ForwardCall resolve_attention_call(const AttentionCall& call) {
+  ForwardCall forward{call.q, call.k, call.v};
+  forward.scale = check_attention_call(
+      call.packed.any() ? "causal_attention.varlen_attention" : "causal_attention.attention", call);
+  forward.key_mask = call.key_mask;
+  forward.options = call.options;
+  forward.options.dropout_seed = draw_dropout_seed(call.options.dropout_p, call.generator);
+  forward.packed = call.packed;
+  return forward;
+}
+
+void check_forward_call(const ForwardCall& call) {
+  constexpr const char* op = "causal_attention.attention_forward";
+  check_inputs_and_options(op, call.q, call.k, call.v, call.key_mask, call.options, call.packed);
+  check_scale(op, call.scale, call.q.scalar_type());
+  check_given_dropout_seed(op, call.q, call.options);
+}
+
+void check_backward_call(const BackwardCall& call) {
   constexpr const char* op = "causal_attention.attention_backward";
-  check_dense_tensor(op, "grad_out", grad_out);
-  check_attention_inputs(op, q, k, v);
-  check_key_mask(op, q, k, key_mask);
-  check_score_options(op, q, dense_batch(q), dense_heads(q), window, softcap, alibi_slopes, sinks,
-                      dropout_p);
-  check_dropout_seed(op, dropout_p, dropout_seed);
-  check_dense_tensor(op, "out", out);
-  check_dense_tensor(op, "lse", lse);
-  check_scale(op, scale, q.scalar_type());
-  const std::vector<c10::SymInt> expected_out = output_sym_sizes(q, v);
-  const std::vector<c10::SymInt> expected_lse = lse_sym_sizes(q);
-  TORCH_CHECK_VALUE(
-      grad_out.sym_sizes() == c10::SymIntArrayRef(expected_out), op,
-      ": grad_out must have shape (..., Hq, Lq, Dv)=", c10::SymIntArrayRef(expected_out),
-      ", got grad_out.shape=", grad_out.sym_sizes());
-  TORCH_CHECK_VALUE(out.sym_sizes() == c10::SymIntArrayRef(expected_out), op,
-                    ": out must have shape (..., Hq, Lq, Dv)=", c10::SymIntArrayRef(expected_out),
-                    ", got out.shape=", out.sym_sizes());
-  TORCH_CHECK_VALUE(lse.sym_sizes() == c10::SymIntArrayRef(expected_lse), op,
-                    ": lse must have shape (..., Hq, Lq)=", c10::SymIntArrayRef(expected_lse),
-                    ", got lse.shape=", lse.sym_sizes());
-  check_saved_forward(op, q, grad_out, out, lse);
-}
-
-namespace {
-
-void check_packed_rank(const char* op, const char* name, const at::Tensor& t, const char* layout) {
-  TORCH_CHECK_VALUE(t.dim() == 3, op, ": ", name, " must have 3 dimensions ", layout, ", got ",
-                    name, ".shape=", t.sym_sizes());
-}
-
-void check_cumulative_lengths_tensor(const char* op, const char* name, const at::Tensor& cu,
-                                     const at::Tensor& q) {
-  check_dense_tensor(op, name, cu);
-  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, op, ": ", name,
-                   " must be int32 (cumulative sequence lengths), got ", name,
-                   ".dtype=", cu.scalar_type());
-  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.sym_size(0) >= 1, op, ": ", name,
-                    " must be 1-D with N + 1 >= 1 entries, got ", name, ".shape=", cu.sym_sizes());
-  TORCH_CHECK_VALUE(cu.device() == q.device(), op, ": ", name, " must be on q's device ",
-                    q.device(), ", got ", name, ".device=", cu.device());
-}
-
-// The shape checks of the packed ops (check_varlen_forward_call says which), under `op`.
-void check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                       const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
-                       const c10::SymInt& max_seqlen_k) {
-  check_dense_tensor(op, "q", q);
-  check_dense_tensor(op, "k", k);
-  check_dense_tensor(op, "v", v);
-  check_packed_rank(op, "q", q, "(total_q, Hq, D)");
-  check_packed_rank(op, "k", k, "(total_k, Hkv, D)");
-  check_packed_rank(op, "v", v, "(total_k, Hkv, Dv)");
-  check_attention_tensors(op, q, k, v, kPackedLayout);
-  check_cumulative_lengths_tensor(op, "cu_seqlens_q", cu_seqlens_q, q);
-  check_cumulative_lengths_tensor(op, "cu_seqlens_k", cu_seqlens_k, q);
-  TORCH_CHECK_VALUE(cu_seqlens_q.sym_size(0) == cu_seqlens_k.sym_size(0), op,
-                    ": cu_seqlens_q and cu_seqlens_k must have the same length N + 1, got "
-                    "cu_seqlens_q.shape=",
-                    cu_seqlens_q.sym_sizes(), ", cu_seqlens_k.shape=", cu_seqlens_k.sym_sizes());
-  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, op,
-                    ": max_seqlen_q and max_seqlen_k must be non-negative, got max_seqlen_q=",
-                    max_seqlen_q, ", max_seqlen_k=", max_seqlen_k);
-}
-
-// The score options of a packed call: N sequences, q (total_q, Hq, D).
-void check_varlen_score_options(const char* op, const at::Tensor& q, const at::Tensor& cu_seqlens_q,
-                                at::IntArrayRef window, std::optional<double> softcap,
-                                const std::optional<at::Tensor>& alibi_slopes,
-                                const std::optional<at::Tensor>& sinks, double dropout_p) {
-  const std::vector<c10::SymInt> sequences{cu_seqlens_q.sym_size(0) - 1};
-  check_score_options(op, q, sequences, q.sym_size(1), window, softcap, alibi_slopes, sinks,
-                      dropout_p);
-}
-
-}  // namespace
-
-void check_varlen_forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                               const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
-                               double scale, at::IntArrayRef window, std::optional<double> softcap,
-                               const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks, double dropout_p,
-                               const std::optional<at::Tensor>& dropout_seed) {
-  constexpr const char* op = "causal_attention.varlen_attention_forward";
-  check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_scale(op, scale, q.scalar_type());
-  check_varlen_score_options(op, q, cu_seqlens_q, window, softcap, alibi_slopes, sinks, dropout_p);
-  check_dropout_seed(op, dropout_p, dropout_seed);
-}
-
-double check_varlen_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                   const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_k,
-                                   std::optional<double> scale, at::IntArrayRef window,
-                                   std::optional<double> softcap,
-                                   const std::optional<at::Tensor>& alibi_slopes,
-                                   const std::optional<at::Tensor>& sinks, double dropout_p) {
-  constexpr const char* op = "causal_attention.varlen_attention";
-  check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_varlen_score_options(op, q, cu_seqlens_q, window, softcap, alibi_slopes, sinks, dropout_p);
-  return resolve_scale(op, q, scale);
-}
-
-void check_varlen_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k, const c10::SymInt& max_seqlen_q,
-                                  const c10::SymInt& max_seqlen_k, double scale,
-                                  at::IntArrayRef window, std::optional<double> softcap,
-                                  const std::optional<at::Tensor>& alibi_slopes,
-                                  const std::optional<at::Tensor>& sinks, double dropout_p,
-                                  const std::optional<at::Tensor>& dropout_seed) {
-  constexpr const char* op = "causal_attention.varlen_attention_backward";
-  check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_varlen_score_options(op, q, cu_seqlens_q, window, softcap, alibi_slopes, sinks, dropout_p);
-  check_dropout_seed(op, dropout_p, dropout_seed);
-  check_dense_tensor(op, "grad_out", grad_out);
-  check_dense_tensor(op, "out", out);
-  check_dense_tensor(op, "lse", lse);
-  check_scale(op, scale, q.scalar_type());
-  const std::vector<c10::SymInt> expected_out = varlen_output_sym_sizes(q, v);
-  const std::vector<c10::SymInt> expected_lse = varlen_lse_sym_sizes(q);
-  TORCH_CHECK_VALUE(grad_out.sym_sizes() == c10::SymIntArrayRef(expected_out) &&
-                        out.sym_sizes() == c10::SymIntArrayRef(expected_out),
-                    op, ": grad_out and out must have shape (total_q, Hq, Dv)=",
+  const at::Tensor& q = call.q;
+  check_dense_tensor(op, "grad_out", call.grad_out);
+  check_inputs_and_options(op, q, call.k, call.v, call.key_mask, call.options, call.packed);
+  check_given_dropout_seed(op, q, call.options);
+  check_dense_tensor(op, "out", call.out);
+  check_dense_tensor(op, "lse", call.lse);
+  check_scale(op, call.scale, q.scalar_type());
+  const bool packed = call.packed.any();
+  const std::vector<c10::SymInt> expected_out =
+      packed ? varlen_output_sym_sizes(q, call.v) : output_sym_sizes(q, call.v);
+  const std::vector<c10::SymInt> expected_lse = packed ? varlen_lse_sym_sizes(q) : lse_sym_sizes(q);
+  const char* out_layout = packed ? "(total_q, Hq, Dv)" : "(..., Hq, Lq, Dv)";
+  TORCH_CHECK_VALUE(call.grad_out.sym_sizes() == c10::SymIntArrayRef(expected_out), op,
+                    ": grad_out must have shape ", out_layout, "=",
                     c10::SymIntArrayRef(expected_out),
-                    ", got grad_out.shape=", grad_out.sym_sizes(), ", out.shape=", out.sym_sizes());
-  TORCH_CHECK_VALUE(lse.sym_sizes() == c10::SymIntArrayRef(expected_lse), op,
-                    ": lse must have shape (Hq, total_q)=", c10::SymIntArrayRef(expected_lse),
-                    ", got lse.shape=", lse.sym_sizes());
-  check_saved_forward(op, q, grad_out, out, lse);
+                    ", got grad_out.shape=", call.grad_out.sym_sizes());
+  TORCH_CHECK_VALUE(call.out.sym_sizes() == c10::SymIntArrayRef(expected_out), op,
+                    ": out must have shape ", out_layout, "=", c10::SymIntArrayRef(expected_out),
+                    ", got out.shape=", call.out.sym_sizes());
+  TORCH_CHECK_VALUE(call.lse.sym_sizes() == c10::SymIntArrayRef(expected_lse), op,
+                    ": lse must have shape ", packed ? "(Hq, total_q)" : "(..., Hq, Lq)", "=",
+                    c10::SymIntArrayRef(expected_lse), ", got lse.shape=", call.lse.sym_sizes());
+  check_saved_forward(op, q, call.grad_out, call.out, call.lse);
+}
+
+void check_dropout_keep_mask_call(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,
+                                  double dropout_p) {
+  constexpr const char* op = "causal_attention.dropout_keep_mask";
+  check_dropout_p(op, dropout_p);
+  check_dropout_seed(op, dropout_seed, dropout_seed.is_meta());
+  TORCH_CHECK_VALUE(shape.size() >= 2, op,
+                    ": shape must be (..., Lq, Lk) with at least 2 dims, got shape=", shape);
+}
+
+std::optional<at::Tensor> draw_dropout_seed(double dropout_p,
+                                            const std::optional<at::Generator>& generator) {
+  if (dropout_p == 0) {
+    return std::nullopt;
+  }
+  return at::empty({2}, at::TensorOptions().dtype(at::kLong)).random_(generator);
 }
 
 int64_t check_cumulative_lengths(const char* op, const char* name, const at::Tensor& cu_seqlens,

@@ -79,10 +79,10 @@ ForwardBackward run_with_grad(const at::Tensor& q, const at::Tensor& k, const at
 
 inline ForwardBackward ours(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& grad_out, std::optional<double> scale) {
-  return run_with_grad(q, k, v, grad_out,
-                       [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-                         return causal_attention::attention(a, b, c, scale);
-                       });
+  return run_with_grad(
+      q, k, v, grad_out, [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+        return causal_attention::attention(a, b, c, AttentionOptions().scale(scale));
+      });
 }
 
 // at::scaled_dot_product_attention with bottom-right causal alignment and GQA.

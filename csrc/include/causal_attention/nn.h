@@ -7,6 +7,8 @@
 // or input raise c10::ValueError (shapes, sizes) or c10::TypeError (dtypes), naming the argument.
 #pragma once
 
+#include "causal_attention/options.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -14,7 +16,6 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
-#include <array>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -75,7 +76,7 @@ class KVCache {
 at::Tensor alibi_slopes(int64_t num_heads);
 
 struct CausalSelfAttentionOptions {
-  using Window = std::array<int64_t, 2>;  // (left, right); TORCH_ARG takes no comma in a type
+  using Window = causal_attention::Window;  // (left, right), as the op's (options.h)
 
   CausalSelfAttentionOptions(int64_t embed_dim, int64_t num_heads);
 
@@ -102,7 +103,7 @@ struct CausalSelfAttentionOptions {
   // {-1, -1} bidirectional. With a KV cache, positions count from the first cached one, so
   // windows (and ALiBi) decode as the full sequence attends; a window that looks ahead
   // (right != 0) sees, when decoding, only the positions given so far.
-  TORCH_ARG(Window, window) = {-1, 0};
+  TORCH_ARG(Window, window) = { -1, 0 };
   // Caps the scores as softcap * tanh(S / softcap) (Gemma 2), > 0; nullopt: no cap.
   TORCH_ARG(std::optional<double>, softcap) = std::nullopt;
   // Learned attention sinks (gpt-oss): the parameter `sinks` (num_heads,) of logits, initialized
@@ -173,9 +174,9 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
   };
   Heads project_heads(const at::Tensor& x, KVCache* cache,
                       const std::optional<at::Tensor>& key_mask);
-  // The attention of the heads with every score option; dropout in training only.
+  // The op's options for the heads: every score option, attention dropout in training only.
+  AttentionOptions attention_options(const Heads& heads) const;
   at::Tensor attend(const Heads& heads);
-  double attention_dropout_p() const;
   // Puts back the float32 slopes that a dtype conversion has converted.
   void restore_alibi_slopes(const at::Tensor& slopes);
   at::Tensor project_output(const at::Tensor& attended);

@@ -7,8 +7,8 @@
 // returns zeros, lse = -inf (the sink with sinks) and zero gradient. Accumulation is float32 for
 // half/bfloat16/float32 and float64 for float64.
 //
-// The score options, applied in FlashAttention's order: S = scale q k^T -> softcap ->
-// ALiBi -> visibility -> softmax with sinks -> dropout.
+// The score options, set by name in AttentionOptions (options.h), applied in FlashAttention's
+// order: S = scale q k^T -> softcap -> ALiBi -> visibility -> softmax with sinks -> dropout.
 //   window:       (left, right) as above; (-1, -1) is full attention, (W - 1, 0) a sliding
 //                 window of W keys. Key blocks outside every row's window are never touched.
 //   softcap:      S -> softcap * tanh(S / softcap), softcap > 0 (Gemma 2).
@@ -26,6 +26,8 @@
 // (shapes, devices, scale) or c10::TypeError (dtypes), naming the argument.
 #pragma once
 
+#include "causal_attention/options.h"
+
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
@@ -34,87 +36,47 @@
 
 namespace causal_attention {
 
-// The public, differentiable op: returns out (..., Hq, Lq, Dv). `scale` defaults to 1/sqrt(D).
-// key_mask: bool (*batch, Lk), True where a key may be attended (q's leading dims; (Lk,) for a
-// call without them), broadcast over heads and query rows and combined with the window. A row
-// left with no visible key returns zeros; a hidden key gets zero gradient.
+// The public, differentiable op: returns out (..., Hq, Lq, Dv). options.scale defaults to
+// 1/sqrt(D). options.key_mask: bool (*batch, Lk), True where a key may be attended (q's leading
+// dims; (Lk,) for a call without them), broadcast over heads and query rows and combined with the
+// window. A row left with no visible key returns zeros; a hidden key gets zero gradient.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     std::optional<double> scale = std::nullopt,
-                     const std::optional<at::Tensor>& key_mask = std::nullopt,
-                     at::IntArrayRef window = {-1, 0}, std::optional<double> softcap = std::nullopt,
-                     const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-                     const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
-                     std::optional<at::Generator> generator = std::nullopt);
-
-// Kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64 inputs).
-// dropout_seed: int64 (2,) (seed, offset), required when dropout_p > 0.
-std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& key_mask = std::nullopt, at::IntArrayRef window = {-1, 0},
-    std::optional<double> softcap = std::nullopt,
-    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
-    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
+                     const AttentionOptions& options = {});
 
 // The attention probabilities (..., Hq, Lq, Lk) that `attention` applies to v, materialized for
 // inspection: O(Lq * Lk) memory, unlike `attention`. Zero outside the window, at hidden keys and
 // in rows with no visible key; with dropout, the dropped and rescaled probabilities (the same
 // generator state gives the mask `attention` uses). Differentiable in q, k and sinks.
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             std::optional<double> scale = std::nullopt,
-                             const std::optional<at::Tensor>& key_mask = std::nullopt,
-                             at::IntArrayRef window = {-1, 0},
-                             std::optional<double> softcap = std::nullopt,
-                             const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-                             const std::optional<at::Tensor>& sinks = std::nullopt,
-                             double dropout_p = 0.0,
-                             std::optional<at::Generator> generator = std::nullopt);
+                             const AttentionOptions& options = {});
+
+// Packed sequences (FlashAttention's varlen layout): q (total_q, Hq, D), k (total_k, Hkv, D),
+// v (total_k, Hkv, Dv); sequence i is rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and
+// [cu_seqlens_k[i], cu_seqlens_k[i + 1]) of k and v (int32, (N + 1,), from 0), at most
+// max_seqlen_q / max_seqlen_k long. The window is bottom-right aligned inside each sequence, and
+// the options are those of `attention` but the key mask (alibi_slopes (Hq,) or (N, Hq);
+// dropout's batch index is the sequence's). Returns out (total_q, Hq, Dv); differentiable.
+at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                            c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+                            const AttentionOptions& options = {});
+
+// The kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64
+// inputs). The scale is an argument, not an option; dropout_seed: int64 (2,) (seed, offset),
+// required when options.dropout_p > 0 (options.generator stays unset). The op itself also takes
+// packed sequences (cu_seqlens_q/k, max_seqlen_q/k, as flash-attn's fwd does), through the
+// dispatcher: varlen_attention is its public form.
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const AttentionOptions& options = {},
+    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
 // Gradients of `attention` given the forward's out and lse: returns (dq, dk, dv, dsinks), dsinks
 // (Hq,) in sinks' dtype, empty (0,) without sinks.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale,
-    const std::optional<at::Tensor>& key_mask = std::nullopt, at::IntArrayRef window = {-1, 0},
-    std::optional<double> softcap = std::nullopt,
-    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
-    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
-
-// Packed sequences (FlashAttention's varlen layout): q (total_q, Hq, D), k (total_k, Hkv, D),
-// v (total_k, Hkv, Dv); sequence i is rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and
-// [cu_seqlens_k[i], cu_seqlens_k[i + 1]) of k and v (int32, (N + 1,), from 0), at most
-// max_seqlen_q / max_seqlen_k long. The window is bottom-right aligned inside each sequence, and
-// the score options are those of `attention` (alibi_slopes (Hq,) or (N, Hq); dropout's batch
-// index is the sequence's). Returns out (total_q, Hq, Dv); differentiable.
-at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                            c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                            std::optional<double> scale = std::nullopt,
-                            at::IntArrayRef window = {-1, 0},
-                            std::optional<double> softcap = std::nullopt,
-                            const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-                            const std::optional<at::Tensor>& sinks = std::nullopt,
-                            double dropout_p = 0.0,
-                            std::optional<at::Generator> generator = std::nullopt);
-
-// Its kernel entry: (out, lse), lse (Hq, total_q) in the accumulation dtype.
-std::tuple<at::Tensor, at::Tensor> varlen_attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale, at::IntArrayRef window = {-1, 0}, std::optional<double> softcap = std::nullopt,
-    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
-    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
-
-// Its gradients: (dq, dk, dv, dsinks).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    double scale, at::IntArrayRef window = {-1, 0}, std::optional<double> softcap = std::nullopt,
-    const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-    const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
+    const AttentionOptions& options = {},
     const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
 // The dropout keep mask of `attention` for scores of `shape` (..., Hq, Lq, Lk), as bool: what

@@ -1,4 +1,5 @@
 #include <causal_attention/nn.h>
+#include <causal_attention/ops.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -31,6 +32,13 @@ torch::Tensor decode_step_by_step(Block& block, const torch::Tensor& x) {
     steps.push_back(block(x.narrow(1, t, 1), &cache));
   }
   return torch::cat(steps, 1);
+}
+
+// The op itself, its options set by name: a sliding window of 4096 keys, Gemma 2's softcap.
+torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v) {
+  using causal_attention::AttentionOptions;
+  return causal_attention::attention(q, k, v, AttentionOptions().window({4095, 0}).softcap(50.0));
 }
 
 // A model saved from Python with torch.jit.script runs here, forward and backward.

@@ -59,10 +59,10 @@ at::Tensor nanogpt_reference(CausalSelfAttention& module, const at::Tensor& x,
   if (key_mask.has_value()) {
     visible = bottom_right_mask(len, len).logical_and(key_mask->view({batch, 1, 1, len}));
   }
-  const at::Tensor y = at::scaled_dot_product_attention(
-      heads[0], heads[1], heads[2], visible, /*dropout_p=*/0.0,
-      /*is_causal=*/!visible.has_value(), /*scale=*/std::nullopt,
-      /*enable_gqa=*/heads[0].size(1) != heads[1].size(1));
+  const at::Tensor y =
+      at::scaled_dot_product_attention(heads[0], heads[1], heads[2], visible, /*dropout_p=*/0.0,
+                                       /*is_causal=*/!visible.has_value(), /*scale=*/std::nullopt,
+                                       /*enable_gqa=*/heads[0].size(1) != heads[1].size(1));
   return project_output(module, y);
 }
 
@@ -418,9 +418,7 @@ TEST(CausalSelfAttention, AttentionDropoutTrainsWithTheOpMaskAndEvaluatesExactly
   EXPECT_GT(dropped, 0.2);
   EXPECT_LT(dropped, 0.4);
   const auto exact = output_and_grads(
-      [&](const at::Tensor& t) {
-        return materialized_reference(module, t, std::nullopt, keep, p);
-      },
+      [&](const at::Tensor& t) { return materialized_reference(module, t, std::nullopt, keep, p); },
       x, grad_out, module->parameters());
   // forward_with_weights draws the same mask and makes its output from the dropped weights.
   torch::manual_seed(5);
@@ -508,17 +506,11 @@ TEST(CausalSelfAttentionOptions, SinksAndSlopesAreRegisteredAndDtypeConversionsK
 
 TEST(CausalSelfAttention, BadInputThrowsTypedErrors) {
   CausalSelfAttention module(32, 4);
-  expect_error<c10::ValueError>(
-      [&] {
-        module(torch::randn({2, 5, 16}));
-      },
-      {"x must be (B, L, E) with E=embed_dim=32", "[2, 5, 16]"});
+  expect_error<c10::ValueError>([&] { module(torch::randn({2, 5, 16})); },
+                                {"x must be (B, L, E) with E=embed_dim=32", "[2, 5, 16]"});
   expect_error<c10::ValueError>([&] { module(torch::randn({5, 32})); }, {"x.shape=[5, 32]"});
-  expect_error<c10::TypeError>(
-      [&] {
-        module(torch::randn({2, 5, 32}, at::kDouble));
-      },
-      {"parameters' dtype Float", "x.dtype=Double"});
+  expect_error<c10::TypeError>([&] { module(torch::randn({2, 5, 32}, at::kDouble)); },
+                               {"parameters' dtype Float", "x.dtype=Double"});
   // Before, an undefined x failed in x.dim() with a c10::Error that named no argument.
   expect_error<c10::TypeError>([&] { module(at::Tensor()); },
                                {"x must be a tensor (B, L, E), got an undefined tensor"});
@@ -645,35 +637,25 @@ TEST(KVCache, MisuseThrowsAndLeavesTheCacheUnchanged) {
   module(torch::randn({2, 3, 32}), &cache);
 
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        module(torch::randn({2, 3, 32}), &cache);
-      },
-      cache, {"cannot append 3 positions to a cache holding 3 of max_len=5"});
+      [&] { module(torch::randn({2, 3, 32}), &cache); }, cache,
+      {"cannot append 3 positions to a cache holding 3 of max_len=5"});
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        module(torch::randn({3, 1, 32}), &cache);
-      },
-      cache, {"must match the cache's batch size", "keys.shape=[3, 2, 1, 8]"});
+      [&] { module(torch::randn({3, 1, 32}), &cache); }, cache,
+      {"must match the cache's batch size", "keys.shape=[3, 2, 1, 8]"});
   CausalSelfAttention other_heads(32, 4);
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        other_heads(torch::randn({2, 1, 32}), &cache);
-      },
-      cache, {"keys.shape=[2, 4, 1, 8]", "(B, Hkv, max_len, D)=[2, 2, 5, 8]"});
+      [&] { other_heads(torch::randn({2, 1, 32}), &cache); }, cache,
+      {"keys.shape=[2, 4, 1, 8]", "(B, Hkv, max_len, D)=[2, 2, 5, 8]"});
   CausalSelfAttention other_value_width(
       CausalSelfAttentionOptions(32, 4).num_kv_heads(2).value_head_dim(4));
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        other_value_width(torch::randn({2, 1, 32}), &cache);
-      },
-      cache, {"values.shape=[2, 2, 1, 4]"});
+      [&] { other_value_width(torch::randn({2, 1, 32}), &cache); }, cache,
+      {"values.shape=[2, 2, 1, 4]"});
   CausalSelfAttention float64(CausalSelfAttentionOptions(32, 4).num_kv_heads(2));
   float64->to(at::kDouble);
   expect_cache_unchanged_after_error<c10::TypeError>(
-      [&] {
-        float64(torch::randn({2, 1, 32}, at::kDouble), &cache);
-      },
-      cache, {"cache's dtype Float", "keys.dtype=Double"});
+      [&] { float64(torch::randn({2, 1, 32}, at::kDouble), &cache); }, cache,
+      {"cache's dtype Float", "keys.dtype=Double"});
 
   module(torch::randn({2, 2, 32}), &cache);  // still usable
   EXPECT_EQ(cache.length(), 5);
@@ -751,41 +733,29 @@ TEST(KVCache, BadKeyMaskThrowsAndLeavesTheCacheUnchanged) {
   module(torch::randn({2, 3, 32}), &cache, prefill_mask);
   const at::Tensor step = torch::randn({2, 1, 32});
   expect_cache_unchanged_after_error<c10::TypeError>(
-      [&] {
-        module(step, &cache, torch::ones({2, 1}, torch::kLong));
-      },
-      cache, {"key_mask must be a bool tensor", "key_mask.dtype=Long"});
+      [&] { module(step, &cache, torch::ones({2, 1}, torch::kLong)); }, cache,
+      {"key_mask must be a bool tensor", "key_mask.dtype=Long"});
   expect_cache_unchanged_after_error<c10::TypeError>([&] { module(step, &cache, at::Tensor()); },
                                                      cache,
                                                      {"key_mask must be a defined bool tensor"});
   // The mask of the new positions, not of the whole cache.
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        module(step, &cache, torch::ones({2, 4}, torch::kBool));
-      },
-      cache, {"key_mask must be (B, L)=[2, 1] of x", "key_mask.shape=[2, 4]"});
+      [&] { module(step, &cache, torch::ones({2, 4}, torch::kBool)); }, cache,
+      {"key_mask must be (B, L)=[2, 1] of x", "key_mask.shape=[2, 4]"});
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        module(step, &cache, torch::ones({2, 1}, torch::kBool).to(at::kMeta));
-      },
-      cache, {"key_mask must be on x's device cpu", "key_mask.device=meta"});
+      [&] { module(step, &cache, torch::ones({2, 1}, torch::kBool).to(at::kMeta)); }, cache,
+      {"key_mask must be on x's device cpu", "key_mask.device=meta"});
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        module(torch::randn({2, 4, 32}), &cache, torch::zeros({2, 4}, torch::kBool));
-      },
-      cache, {"cannot append 4 positions"});
+      [&] { module(torch::randn({2, 4, 32}), &cache, torch::zeros({2, 4}, torch::kBool)); }, cache,
+      {"cannot append 4 positions"});
   // KVCache::append checks the mask itself too, for callers other than the module.
   const at::Tensor keys = torch::zeros({2, 2, 1, 8}), values = torch::zeros({2, 2, 1, 8});
   expect_cache_unchanged_after_error<c10::TypeError>(
-      [&] {
-        cache.append(keys, values, torch::ones({2, 1}));
-      },
-      cache, {"KVCache: key_mask must be a bool tensor", "key_mask.dtype=Float"});
+      [&] { cache.append(keys, values, torch::ones({2, 1})); }, cache,
+      {"KVCache: key_mask must be a bool tensor", "key_mask.dtype=Float"});
   expect_cache_unchanged_after_error<c10::ValueError>(
-      [&] {
-        cache.append(keys, values, torch::ones({1, 2}, torch::kBool));
-      },
-      cache, {"KVCache: key_mask must be (B, L)=[2, 1] of the new keys", "key_mask.shape=[1, 2]"});
+      [&] { cache.append(keys, values, torch::ones({1, 2}, torch::kBool)); }, cache,
+      {"KVCache: key_mask must be (B, L)=[2, 1] of the new keys", "key_mask.shape=[1, 2]"});
   module(step, &cache);  // still usable
   EXPECT_EQ(cache.length(), 4);
   ASSERT_TRUE(cache.key_mask().has_value());
@@ -799,9 +769,7 @@ TEST(CausalSelfAttention, BadKeyMaskWithoutACacheThrowsNamingIt) {
   expect_error<c10::ValueError>([&] { module(x, nullptr, torch::ones({5}, torch::kBool)); },
                                 {"key_mask must be (B, L)=[2, 5] of x", "key_mask.shape=[5]"});
   expect_error<c10::TypeError>(
-      [&] {
-        module->forward_with_weights(x, nullptr, torch::ones({2, 5}, torch::kInt));
-      },
+      [&] { module->forward_with_weights(x, nullptr, torch::ones({2, 5}, torch::kInt)); },
       {"key_mask must be a bool tensor", "key_mask.dtype=Int"});
 }
 
@@ -811,19 +779,13 @@ TEST(KVCache, BadSizesAndStorageThrow) {
                                 {"batch_size and max_len must be positive", "batch_size=0"});
   expect_error<c10::ValueError>([&] { module->make_cache(2, 0); }, {"max_len=0"});
   expect_error<c10::ValueError>(
-      [] {
-        KVCache(torch::zeros({2, 5, 8}), torch::zeros({2, 1, 5, 8}));
-      },
+      [] { KVCache(torch::zeros({2, 5, 8}), torch::zeros({2, 1, 5, 8})); },
       {"must be 4-D", "key_storage.shape=[2, 5, 8]"});
   expect_error<c10::ValueError>(
-      [] {
-        KVCache(torch::zeros({2, 1, 5, 8}), torch::zeros({2, 1, 6, 8}));
-      },
+      [] { KVCache(torch::zeros({2, 1, 5, 8}), torch::zeros({2, 1, 6, 8})); },
       {"agree in (B, Hkv, max_len)"});
   expect_error<c10::TypeError>(
-      [] {
-        KVCache(torch::zeros({2, 1, 5, 8}), torch::zeros({2, 1, 5, 8}, at::kDouble));
-      },
+      [] { KVCache(torch::zeros({2, 1, 5, 8}), torch::zeros({2, 1, 5, 8}, at::kDouble)); },
       {"same dtype"});
 }
 
@@ -832,7 +794,8 @@ TEST(AttentionWeights, EqualNaiveSoftmaxWithZerosAboveTheBoundaryAndInEmptyRows)
   const at::Tensor q = torch::randn({2, 4, 6, 8}, at::kDouble);
   const at::Tensor k = torch::randn({2, 2, 4, 8}, at::kDouble);
   const at::Tensor v = torch::randn({2, 2, 4, 3}, at::kDouble);
-  const at::Tensor weights = causal_attention::attention_weights(q, k, v, 0.3);
+  const at::Tensor weights =
+      causal_attention::attention_weights(q, k, v, AttentionOptions().scale(0.3));
   const at::Tensor visible = bottom_right_mask(6, 4);
   const at::Tensor scores =
       at::matmul(q, expand_kv_heads(k, 4).transpose(-2, -1))
@@ -843,7 +806,7 @@ TEST(AttentionWeights, EqualNaiveSoftmaxWithZerosAboveTheBoundaryAndInEmptyRows)
   EXPECT_EQ(weights.narrow(2, 0, 2).count_nonzero().item<int64_t>(), 0);
   EXPECT_EQ(weights.masked_select(visible.logical_not()).count_nonzero().item<int64_t>(), 0);
   EXPECT_LE(max_abs_diff(at::matmul(weights, expand_kv_heads(v, 4)),
-                         causal_attention::attention(q, k, v, 0.3)),
+                         causal_attention::attention(q, k, v, AttentionOptions().scale(0.3))),
             1e-12);
 }
 

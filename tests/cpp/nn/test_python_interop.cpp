@@ -214,6 +214,15 @@ TEST(ReadmeExample, CompilesAndRuns) {
   const at::Tensor full = block(x);
   EXPECT_LE(max_abs_diff(decode_step_by_step(block, x), full), 1e-5);
 
+  // Within the window the softcap alone changes the scores: the same as capping them by hand.
+  const at::Tensor q = torch::randn({2, 4, 9, 8}, at::kDouble);
+  const at::Tensor k = torch::randn({2, 4, 9, 8}, at::kDouble);
+  const at::Tensor v = torch::randn({2, 4, 9, 8}, at::kDouble);
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).div(std::sqrt(8.0));
+  const at::Tensor capped = scores.div(50.0).tanh().mul(50.0).masked_fill(
+      torch::ones({9, 9}, torch::kBool).triu(1), -std::numeric_limits<double>::infinity());
+  EXPECT_LE(max_abs_diff(local_attention(q, k, v), at::matmul(capped.softmax(-1), v)), 1e-12);
+
   std::filesystem::path model_path, expected_path;
   ASSERT_TRUE(interop_file("tiny_gpt.pt", kTorchScriptExporter, &model_path));
   ASSERT_TRUE(interop_file("tiny_gpt_expected.pt", kTorchScriptExporter, &expected_path));

@@ -232,12 +232,17 @@ TEST(ScoreOptions, EveryOptionMatchesTheWeightsThroughCppAutograd) {
     const at::Tensor v = torch::randn({2, 2, 100, 8}, opts).requires_grad_(true);
     const at::Tensor sinks = torch::randn({4}, opts).requires_grad_(true);
     const at::Tensor slopes = torch::rand({2, 4});
-    const std::vector<int64_t> window = {30, 2};
-    const auto generator = [] { return at::make_generator<at::CPUGeneratorImpl>(7); };
-    const at::Tensor out = causal_attention::attention(q, k, v, std::nullopt, std::nullopt, window,
-                                                       4.0, slopes, sinks, 0.25, generator());
-    const at::Tensor weights = causal_attention::attention_weights(
-        q, k, v, std::nullopt, std::nullopt, window, 4.0, slopes, sinks, 0.25, generator());
+    const auto options = [&] {
+      return causal_attention::AttentionOptions()
+          .window({30, 2})
+          .softcap(4.0)
+          .alibi_slopes(slopes)
+          .sinks(sinks)
+          .dropout_p(0.25)
+          .generator(at::make_generator<at::CPUGeneratorImpl>(7));
+    };
+    const at::Tensor out = causal_attention::attention(q, k, v, options());
+    const at::Tensor weights = causal_attention::attention_weights(q, k, v, options());
     const at::Tensor reference = at::matmul(weights, v.repeat_interleave(2, 1));
     const at::Tensor grad_out = torch::randn_like(out);
     const auto ours = torch::autograd::grad({out}, {q, k, v, sinks}, {grad_out});
@@ -262,7 +267,8 @@ TEST(Lse, MatchesNaiveLogsumexp) {
       ASSERT_EQ(lse.scalar_type(), at::kDouble);
       ASSERT_EQ(lse.sizes(), expected.sizes());
       EXPECT_LE(max_abs_diff(lse, expected), 1e-12);
-      EXPECT_TRUE(torch::equal(out, causal_attention::attention(in.q, in.k, in.v, s.scale)));
+      EXPECT_TRUE(torch::equal(
+          out, causal_attention::attention(in.q, in.k, in.v, AttentionOptions().scale(s.scale))));
     }
     {
       const Inputs in32 = cast(in, at::kFloat);

@@ -36,9 +36,9 @@ TEST_P(Meta, AttentionShapeAndDtype) {
     EXPECT_TRUE(out.is_meta());
     EXPECT_EQ(out.sizes(), s.out);
     EXPECT_EQ(out.scalar_type(), dtype);
-    const at::Tensor scaled =
-        causal_attention::attention(torch::empty(s.q, meta(dtype)), torch::empty(s.k, meta(dtype)),
-                                    torch::empty(s.v, meta(dtype)), 0.25);
+    const at::Tensor scaled = causal_attention::attention(
+        torch::empty(s.q, meta(dtype)), torch::empty(s.k, meta(dtype)),
+        torch::empty(s.v, meta(dtype)), causal_attention::AttentionOptions().scale(0.25));
     EXPECT_EQ(scaled.sizes(), s.out);
   }
 }

@@ -76,7 +76,9 @@ std::function<void()> backward_with(const char* argument, at::Tensor replacement
 std::function<void()> attention(at::Tensor q, at::Tensor k, at::Tensor v,
                                 std::optional<double> scale = std::nullopt,
                                 std::optional<at::Tensor> key_mask = std::nullopt) {
-  return [=] { causal_attention::attention(q, k, v, scale, key_mask); };
+  return [=] {
+    causal_attention::attention(q, k, v, AttentionOptions().scale(scale).key_mask(key_mask));
+  };
 }
 
 std::function<void()> forward(at::Tensor q, at::Tensor k, at::Tensor v, double scale = 0.5) {
@@ -91,7 +93,7 @@ std::function<void()> attention_grad(at::Tensor q, at::Tensor k, at::Tensor v,
     const auto leaf = [](const at::Tensor& t) {
       return t.defined() && t.is_floating_point() ? t.detach().requires_grad_(true) : t;
     };
-    causal_attention::attention(leaf(q), leaf(k), v, scale);
+    causal_attention::attention(leaf(q), leaf(k), v, AttentionOptions().scale(scale));
   };
 }
 
@@ -111,12 +113,10 @@ at::Tensor rand(std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat) {
   return torch::randn(shape, torch::kDouble).to(dtype);
 }
 
-// The score options of one call (ops.h), defaults unless a row spoils one.
+// The options of one call (options.h), defaults unless a row spoils one, and the kernel ops'
+// dropout seed.
 struct Options {
-  std::vector<int64_t> window = {-1, 0};
-  std::optional<double> softcap;
-  std::optional<at::Tensor> alibi_slopes, sinks;
-  double dropout_p = 0.0;
+  AttentionOptions options;
   std::optional<at::Tensor> dropout_seed = torch::zeros({2}, torch::kLong);
 };
 
@@ -131,38 +131,22 @@ void add_option_rows(std::vector<BadCall>& rows, const std::string& name, Expect
   const at::Tensor cu_q = torch::tensor({0, 5, 10}, torch::kInt);
   const at::Tensor cu_k = torch::tensor({0, 6, 12}, torch::kInt);
   const std::pair<const char*, std::function<void()>> calls[] = {
-      {"attention",
-       [=] {
-         causal_attention::attention(a.q, a.k, a.v, std::nullopt, std::nullopt, o.window, o.softcap,
-                                     o.alibi_slopes, o.sinks, o.dropout_p);
-       }},
+      {"attention", [=] { causal_attention::attention(a.q, a.k, a.v, o.options); }},
       {"attention (grad)",
-       [=] {
-         causal_attention::attention(leaf(a.q), leaf(a.k), a.v, std::nullopt, std::nullopt,
-                                     o.window, o.softcap, o.alibi_slopes, o.sinks, o.dropout_p);
-       }},
+       [=] { causal_attention::attention(leaf(a.q), leaf(a.k), a.v, o.options); }},
       {"forward",
-       [=] {
-         causal_attention::attention_forward(a.q, a.k, a.v, 0.5, std::nullopt, o.window, o.softcap,
-                                             o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed);
-       }},
+       [=] { causal_attention::attention_forward(a.q, a.k, a.v, 0.5, o.options, o.dropout_seed); }},
       {"backward",
        [=] {
          causal_attention::attention_backward(a.grad_out, a.q, a.k, a.v, a.out, a.lse, 0.5,
-                                              std::nullopt, o.window, o.softcap, o.alibi_slopes,
-                                              o.sinks, o.dropout_p, o.dropout_seed);
+                                              o.options, o.dropout_seed);
        }},
-      {"weights",
-       [=] {
-         causal_attention::attention_weights(a.q, a.k, a.v, std::nullopt, std::nullopt, o.window,
-                                             o.softcap, o.alibi_slopes, o.sinks, o.dropout_p);
-       }},
+      {"weights", [=] { causal_attention::attention_weights(a.q, a.k, a.v, o.options); }},
       {"varlen",
        [=] {
          // Per-sequence slopes are (N, Hq): a (batch, Hq) tensor of the dense call fits.
          causal_attention::varlen_attention(packed(a.q), packed(a.k), packed(a.v), cu_q, cu_k, 5, 6,
-                                            std::nullopt, o.window, o.softcap, o.alibi_slopes,
-                                            o.sinks, o.dropout_p);
+                                            o.options);
        }},
   };
   for (const auto& [entry, call] : calls) {
@@ -177,36 +161,38 @@ void add_score_option_rows(std::vector<BadCall>& rows) {
     change(o);
     return o;
   };
-  add_option_rows(rows, "window three entries", E::kValueError, {"window", "[4, 0, 1]"},
-                  with([](Options& o) {
-                    o.window = {4, 0, 1};
-                  }));
+  // A window of other than two entries cannot be written in C++ (Window is std::array<int64_t,
+  // 2>); the Python tests refuse it.
   add_option_rows(rows, "window below -1", E::kValueError, {"window", ">= -1", "[-2, 0]"},
-                  with([](Options& o) {
-                    o.window = {-2, 0};
-                  }));
+                  with([](Options& o) { o.options.window({-2, 0}); }));
   add_option_rows(rows, "softcap 0", E::kValueError, {"softcap", "> 0", "softcap=0"},
-                  with([](Options& o) { o.softcap = 0.0; }));
-  add_option_rows(rows, "softcap inf", E::kValueError, {"softcap", "finite", "softcap=inf"},
-                  with([](Options& o) { o.softcap = std::numeric_limits<double>::infinity(); }));
-  add_option_rows(rows, "slopes double", E::kTypeError, {"alibi_slopes", "float32", "Double"},
-                  with([](Options& o) { o.alibi_slopes = torch::ones({4}, torch::kDouble); }));
+                  with([](Options& o) { o.options.softcap(0.0); }));
+  add_option_rows(rows, "softcap inf in float32", E::kValueError,
+                  {"softcap must be finite and > 0 in float32", "softcap=1e+39"},
+                  with([](Options& o) { o.options.softcap(1e39); }));
+  add_option_rows(rows, "softcap 0 in float32", E::kValueError,
+                  {"softcap must be finite and > 0 in float32", "softcap=1e-46"},
+                  with([](Options& o) { o.options.softcap(1e-46); }));
+  add_option_rows(
+      rows, "softcap inf", E::kValueError, {"softcap", "finite", "softcap=inf"},
+      with([](Options& o) { o.options.softcap(std::numeric_limits<double>::infinity()); }));
+  add_option_rows(
+      rows, "slopes double", E::kTypeError, {"alibi_slopes", "float32", "Double"},
+      with([](Options& o) { o.options.alibi_slopes(torch::ones({4}, torch::kDouble)); }));
   add_option_rows(rows, "slopes 3 heads", E::kValueError, {"alibi_slopes.shape=[3]", "(Hq,)"},
-                  with([](Options& o) { o.alibi_slopes = torch::ones({3}); }));
+                  with([](Options& o) { o.options.alibi_slopes(torch::ones({3})); }));
   add_option_rows(rows, "slopes meta", E::kValueError, {"alibi_slopes", "device"},
-                  with([](Options& o) { o.alibi_slopes = on_meta(torch::ones({4})); }));
+                  with([](Options& o) { o.options.alibi_slopes(on_meta(torch::ones({4}))); }));
   add_option_rows(rows, "sinks int64", E::kTypeError, {"sinks", "sinks.dtype=Long"},
-                  with([](Options& o) { o.sinks = torch::ones({4}, torch::kLong); }));
+                  with([](Options& o) { o.options.sinks(torch::ones({4}, torch::kLong)); }));
   add_option_rows(rows, "sinks 2-D", E::kValueError, {"sinks.shape=[1, 4]", "(Hq,)"},
-                  with([](Options& o) {
-                    o.sinks = torch::ones({1, 4});
-                  }));
+                  with([](Options& o) { o.options.sinks(torch::ones({1, 4})); }));
   add_option_rows(rows, "sinks meta", E::kValueError, {"sinks", "device"},
-                  with([](Options& o) { o.sinks = on_meta(torch::ones({4})); }));
+                  with([](Options& o) { o.options.sinks(on_meta(torch::ones({4}))); }));
   add_option_rows(rows, "dropout_p 1", E::kValueError, {"dropout_p", "[0, 1)", "dropout_p=1"},
-                  with([](Options& o) { o.dropout_p = 1.0; }));
+                  with([](Options& o) { o.options.dropout_p(1.0); }));
   add_option_rows(rows, "dropout_p negative", E::kValueError, {"dropout_p", "dropout_p=-0.1"},
-                  with([](Options& o) { o.dropout_p = -0.1; }));
+                  with([](Options& o) { o.options.dropout_p(-0.1); }));
 }
 
 std::vector<BadCall> table() {
@@ -338,9 +324,7 @@ std::vector<BadCall> table() {
       {"weights head dims differ",
        E::kValueError,
        {"head dimension D", "k.shape=[2, 2, 6, 9]"},
-       [=] {
-         causal_attention::attention_weights(a.q, torch::randn({2, 2, 6, 9}), a.v);
-       }},
+       [=] { causal_attention::attention_weights(a.q, torch::randn({2, 2, 6, 9}), a.v); }},
       {"backward grad_out Dv",
        E::kValueError,
        {"grad_out.shape=[2, 4, 5, 8]"},
@@ -413,7 +397,7 @@ std::vector<BadCall> table() {
        {"attention_weights: scale must be finite in float32", "q.dtype=Half"},
        [=] {
          causal_attention::attention_weights(a.q.to(at::kHalf), a.k.to(at::kHalf),
-                                             a.v.to(at::kHalf), 1e39);
+                                             a.v.to(at::kHalf), AttentionOptions().scale(1e39));
        }},
       {"forward float64 scale inf",
        E::kValueError,
@@ -532,8 +516,8 @@ std::vector<BadCall> table() {
   // The kernel ops' own dropout seed.
   const auto forward_with_seed = [a](std::optional<at::Tensor> seed) {
     return [a, seed] {
-      causal_attention::attention_forward(a.q, a.k, a.v, 0.5, std::nullopt, {-1, 0}, std::nullopt,
-                                          std::nullopt, std::nullopt, 0.1, seed);
+      causal_attention::attention_forward(a.q, a.k, a.v, 0.5, AttentionOptions().dropout_p(0.1),
+                                          seed);
     };
   };
   rows.push_back({"forward dropout without seed",
@@ -544,6 +528,11 @@ std::vector<BadCall> table() {
                   E::kTypeError,
                   {"dropout_seed.dtype=Int"},
                   forward_with_seed(torch::zeros({2}, torch::kInt))});
+  rows.push_back({"forward dropout seed on meta",
+                  E::kValueError,
+                  {"dropout_seed must be a CPU tensor", "on meta"},
+                  forward_with_seed(
+                      torch::zeros({2}, torch::TensorOptions(torch::kLong).device(torch::kMeta)))});
   rows.push_back({"forward dropout seed 3 entries",
                   E::kValueError,
                   {"dropout_seed.shape=[3]"},
@@ -601,19 +590,26 @@ TEST(BadInputTable, TheValidCallItSpoilsSucceeds) {
   forward(a.q, a.k, a.v)();
   attention(a.q, a.k, a.v, std::nullopt, torch::ones({2, 6}, torch::kBool))();
   // And with every score option at valid values.
-  causal_attention::attention(a.q, a.k, a.v, std::nullopt, std::nullopt, {3, 1}, 5.0,
-                              torch::ones({2, 4}), torch::zeros({4}), 0.2);
+  causal_attention::attention(a.q, a.k, a.v,
+                              AttentionOptions()
+                                  .window({3, 1})
+                                  .softcap(5.0)
+                                  .alibi_slopes(torch::ones({2, 4}))
+                                  .sinks(torch::zeros({4}))
+                                  .dropout_p(0.2));
 }
 
 TEST(BadInputTable, ScalesFiniteInTheAccumulationDtypeAreAccepted) {
   // float64 inputs accumulate in float64, where 1e39 is an ordinary number; float32 takes up
   // to FLT_MAX.
   const at::Tensor zeros = torch::zeros({2, 3, 4}, torch::kDouble);
-  const at::Tensor out = causal_attention::attention(zeros, zeros, zeros, 1e39);
+  const at::Tensor out =
+      causal_attention::attention(zeros, zeros, zeros, AttentionOptions().scale(1e39));
   EXPECT_TRUE(out.isfinite().all().item<bool>());
   const double float32_max = std::numeric_limits<float>::max();
   const at::Tensor zeros32 = zeros.to(at::kFloat);
-  EXPECT_NO_THROW(causal_attention::attention(zeros32, zeros32, zeros32, float32_max));
+  EXPECT_NO_THROW(causal_attention::attention(zeros32, zeros32, zeros32,
+                                              AttentionOptions().scale(float32_max)));
 }
 
 TEST(DoubleBackward, RaisesNamedError) {

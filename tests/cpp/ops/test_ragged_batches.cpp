@@ -35,7 +35,8 @@ TEST(KeyMask, MatchesSdpaWithTheBooleanMaskForwardAndBackward) {
     const at::Tensor grad_out = torch::randn({3, 4, len, 8}, torch::kDouble);
     const at::Tensor key_mask = ragged_key_mask(3, len);
     const auto ours = run_with_grad(q, k, v, grad_out, [&](auto a, auto b, auto c) {
-      return causal_attention::attention(a, b, c, std::nullopt, key_mask);
+      return causal_attention::attention(a, b, c,
+                                         causal_attention::AttentionOptions().key_mask(key_mask));
     });
     // Every row sees its own key or an earlier kept one except where the mask hides all, which
     // does not happen for these masks past row len / 3 of batch 1: compare from there on.
@@ -100,31 +101,16 @@ TEST(VarlenAttention, BadCumulativeLengthsRaiseTypedErrorsNamingThem) {
   const auto call = [&](const at::Tensor& cu, int64_t max_seqlen) {
     return causal_attention::varlen_attention(q, q, q, cu, cu, max_seqlen, max_seqlen);
   };
-  expect_error<c10::TypeError>(
-      [&] {
-        call(torch::tensor({0, 6}, torch::kLong), 6);
-      },
-      {"cu_seqlens_q", "int32"});
-  expect_error<c10::ValueError>(
-      [&] {
-        call(torch::tensor({1, 6}, torch::kInt), 6);
-      },
-      {"cu_seqlens_q", "start at 0"});
-  expect_error<c10::ValueError>(
-      [&] {
-        call(torch::tensor({0, 4, 2, 6}, torch::kInt), 6);
-      },
-      {"non-decreasing"});
-  expect_error<c10::ValueError>(
-      [&] {
-        call(torch::tensor({0, 5}, torch::kInt), 6);
-      },
-      {"last entry", "6"});
-  expect_error<c10::ValueError>(
-      [&] {
-        call(torch::tensor({0, 6}, torch::kInt), 4);
-      },
-      {"max_seqlen_q=4"});
+  expect_error<c10::TypeError>([&] { call(torch::tensor({0, 6}, torch::kLong), 6); },
+                               {"cu_seqlens_q", "int32"});
+  expect_error<c10::ValueError>([&] { call(torch::tensor({1, 6}, torch::kInt), 6); },
+                                {"cu_seqlens_q", "start at 0"});
+  expect_error<c10::ValueError>([&] { call(torch::tensor({0, 4, 2, 6}, torch::kInt), 6); },
+                                {"non-decreasing"});
+  expect_error<c10::ValueError>([&] { call(torch::tensor({0, 5}, torch::kInt), 6); },
+                                {"last entry", "6"});
+  expect_error<c10::ValueError>([&] { call(torch::tensor({0, 6}, torch::kInt), 4); },
+                                {"max_seqlen_q=4"});
   expect_error<c10::ValueError>(
       [&] {
         causal_attention::varlen_attention(q[0], q, q, torch::tensor({0, 6}, torch::kInt),

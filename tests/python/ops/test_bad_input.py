@@ -1,6 +1,6 @@
 """Bad input, from Python: one table of malformed calls of every public function (attention,
 attention_forward, attention_backward, attention_weights, the SDPA drop-in, varlen_attention,
-varlen_attention_forward, varlen_attention_backward), a test per row. A row is a valid call with
+and the kernel ops on packed sequences), a test per row. A row is a valid call with
 some arguments replaced by bad values (``None`` in every position, exotic dtypes, shapes, devices,
 non-finite scales and scales finite only in float64, nested and sparse tensors, bad key masks,
 bad cumulative lengths), optionally with q requiring grad (the Autograd kernel checks first). Each
@@ -14,6 +14,7 @@ as it is part of what a caller sees. scripts/sanitize.sh runs this file under AS
 """
 
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import causal_attention
+from causal_attention.ops import ScoreOptions
 
 OPS = torch.ops.causal_attention
 
@@ -85,18 +87,10 @@ def sparse_csr(t):
 
 # --- the valid calls and how each function is called --------------------------------------------
 
-# The score options' defaults (issue 14): the public ops draw dropout's seed from ``generator``,
+# The score options' defaults: the public ops draw dropout's seed from ``generator``,
 # the kernel ops take it as ``dropout_seed``.
-NO_OPTIONS = {
-    "window": (-1, 0),
-    "softcap": None,
-    "alibi_slopes": None,
-    "sinks": None,
-    "dropout_p": 0.0,
-    "generator": None,
-    "dropout_seed": None,
-}
-OPTION_NAMES = ("window", "softcap", "alibi_slopes", "sinks", "dropout_p")
+NO_OPTIONS = {**ScoreOptions()._asdict(), "generator": None, "dropout_seed": None}
+OPTION_NAMES = ScoreOptions._fields
 
 
 def _public_options(a):
@@ -195,23 +189,34 @@ FUNCTIONS = {
             a["q"], a["k"], a["v"], *_lengths(a), scale=a["scale"], **_public_options(a)
         ),
     ),
-    "varlen_attention_forward": (
+    "packed_attention_forward": (
         valid_packed,
-        lambda a: causal_attention.varlen_attention_forward(
-            a["q"], a["k"], a["v"], *_lengths(a), _kernel_scale(a), **_kernel_options(a)
+        lambda a: causal_attention.attention_forward(
+            a["q"], a["k"], a["v"], _kernel_scale(a), **_packed(a), **_kernel_options(a)
         ),
     ),
-    "varlen_attention_backward": (
+    "packed_attention_backward": (
         valid_packed,
-        lambda a: causal_attention.varlen_attention_backward(
-            a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], *_lengths(a),
-            _kernel_scale(a), **_kernel_options(a),
+        lambda a: causal_attention.attention_backward(
+            a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], _kernel_scale(a),
+            **_packed(a), **_kernel_options(a),
         ),
     ),
 }
+
+
+def _packed(a: Dict[str, Any]) -> Dict[str, Any]:
+    """The kernel ops' packed-sequence arguments of a packed call."""
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return dict(zip(names, _lengths(a)))
+
+
+def op_name(function: str) -> str:
+    """The op a function's errors name: the packed kernel calls are the kernel ops'."""
+    return function.replace("packed_", "")
 DENSE_OPS = ["attention", "attention_forward", "attention_backward"]
 MASK_OPS = DENSE_OPS + ["attention_weights"]
-VARLEN_OPS = ["varlen_attention", "varlen_attention_forward", "varlen_attention_backward"]
+VARLEN_OPS = ["varlen_attention", "packed_attention_forward", "packed_attention_backward"]
 
 
 def call(function: str, bad: Dict[str, Any], requires_grad: bool = False):
@@ -235,7 +240,7 @@ def backward_dummies(q, v):
 
 
 def packed_backward_dummies(q, v):
-    """The same for varlen_attention_backward: out (total_q, Hq, Dv), lse (Hq, total_q)."""
+    """The same for a packed attention_backward: out (total_q, Hq, Dv), lse (Hq, total_q)."""
     rows = q.shape[0] if q.dim() else 0
     heads = q.shape[1] if q.dim() > 1 else 1
     value_dim = v.shape[-1] if v.dim() else 1
@@ -248,7 +253,7 @@ def packed_backward_dummies(q, v):
 def through(function: str, bad: Dict[str, Any]) -> Dict[str, Any]:
     """``bad`` for ``function``: a backward gets grad_out, out and lse that fit the row's q and v
     (from the valid call where the row leaves them), so that only what the row spoils is bad."""
-    if function not in ("attention_backward", "varlen_attention_backward"):
+    if function not in ("attention_backward", "packed_attention_backward"):
         return bad
     if any(name in bad for name in ("grad_out", "out", "lse")):
         return bad
@@ -469,7 +474,7 @@ for case, (scale, finite_in_float32) in SCALES_NEAR_FLOAT32_OVERFLOW.items():
                                                     id=f"{function}-{case}-{dtype}"))
                 continue
             message = (
-                f"causal_attention.{function}: scale must be finite in float32, the accumulation "
+                f"causal_attention.{op_name(function)}: scale must be finite in float32, the accumulation "
                 f"dtype of q.dtype={shown}, got scale={scale:g}"
             )
             rows_for([function], f"scale-{case}-{shown}", V, [message], scale=scale, **qkv)
@@ -550,7 +555,7 @@ KEY_MASKS = {
 for case, (key_mask, error, needles) in KEY_MASKS.items():
     for requires_grad in (False, True):
         for function in MASK_OPS:
-            row(case, function, error, [f"causal_attention.{function}: ", *needles],
+            row(case, function, error, [f"causal_attention.{op_name(function)}: ", *needles],
                 requires_grad, **through(function, {"key_mask": key_mask}))
 row("key_mask-int64", "attention", T, ["key_mask.dtype=Long"],
     key_mask=mask(2, 6, dtype=torch.int64))
@@ -573,7 +578,7 @@ for case, q_shape, mask_shape, expected in [
         [f"key_mask must have shape (*batch, Lk)={expected}", f"key_mask.shape={list(mask_shape)}"],
         q=z(*q_shape), k=k, v=k, key_mask=z(*mask_shape, dtype=torch.bool))
 
-# The score options (issue 14), through every function that takes them (attention_weights and
+# The score options, through every function that takes them (attention_weights and
 # the packed ones included), with and without grad: q (2, 4, 5, 8) has Hq = 4 and batch (2,);
 # the packed q (6, 4, 8) Hq = 4 and no batch dims.
 OPTION_OPS = MASK_OPS + VARLEN_OPS
@@ -590,6 +595,18 @@ SCORE_OPTIONS = {
     "softcap--1.5": ({"softcap": -1.5}, V, ["softcap", "-1.5"]),
     "softcap-nan": ({"softcap": math.nan}, V, ["softcap", "nan"]),
     "softcap-inf": ({"softcap": math.inf}, V, ["softcap", "inf"]),
+    # ... in the accumulation dtype, where the kernels compute: 1e39 is inf in float32 (every
+    # output NaN), 1e-46 is 0 (the cap silently off).
+    "softcap-inf-in-float32": ({"softcap": 1e39}, V, ["softcap must be finite and > 0 in float32",
+                                                      "softcap=1e+39"]),
+    "softcap-0-in-float32": ({"softcap": 1e-46}, V, ["softcap must be finite and > 0 in float32",
+                                                     "softcap=1e-46"]),
+    # Float options given as tensors that require grad: the schema would take their value and
+    # drop their gradient.
+    "softcap-tensor-grad": ({"softcap": torch.tensor(2.0, requires_grad=True)}, T,
+                            ["softcap must be a float, got a tensor that requires grad"]),
+    "dropout-tensor-grad": ({"dropout_p": torch.tensor(0.1, requires_grad=True)}, T,
+                            ["dropout_p must be a float, got a tensor that requires grad"]),
     # sinks: (Hq,) in q's dtype or float32, on q's device.
     "sinks-short": ({"sinks": z(3)}, V, ["sinks", "sinks.shape=[3]"]),
     "sinks-per-batch": ({"sinks": z(2, 4)}, V, ["sinks", "sinks.shape=[2, 4]"]),
@@ -616,7 +633,7 @@ SCORE_OPTIONS = {
 for case, (bad, error, needles) in SCORE_OPTIONS.items():
     for requires_grad in (False, True):
         for function in OPTION_OPS:
-            row(case, function, error, [f"causal_attention.{function}: ", *needles],
+            row(case, function, error, [f"causal_attention.{op_name(function)}: ", *needles],
                 requires_grad, **through(function, bad))
 # ALiBi's (*batch, Hq) slopes follow the dense q's leading dims.
 for case, slopes, shown in [
@@ -631,10 +648,20 @@ rows_for(VARLEN_OPS, "alibi-sequences-3", V, ["alibi_slopes", "alibi_slopes.shap
 # The sinks' dtype is q's or float32: bfloat16 sinks with float32 q are neither.
 rows_for(OPTION_OPS, "sinks-bfloat16-for-float32", T, ["sinks.dtype=BFloat16"],
          sinks=z(4, dtype=torch.bfloat16))
-# The kernel ops take dropout's seed as a tensor, required with dropout.
+# The scale likewise.
+rows_for(OPTION_OPS, "scale-tensor-grad", T,
+         ["scale must be a float, got a tensor that requires grad"],
+         scale=torch.tensor(0.5, requires_grad=True))
+# The kernel ops take dropout's seed as a CPU tensor, required with dropout: a Meta seed in a
+# CPU call would be read as undefined memory.
 for function in KERNEL_OPS:
-    row("dropout-without-seed", function, V, [f"causal_attention.{function}: ", "dropout_seed"],
+    named = f"causal_attention.{op_name(function)}: "
+    row("dropout-without-seed", function, V, [named, "dropout_seed"],
         **through(function, {"dropout_p": 0.5}))
+    row("dropout-meta-seed", function, V,
+        [named, "dropout_seed must be a CPU tensor", "on meta"],
+        **through(function, {"dropout_p": 0.5,
+                             "dropout_seed": torch.empty(2, dtype=torch.int64, device="meta")}))
 
 # Tensors that are not dense: NotImplementedError naming the argument, as torch's dispatcher
 # raises for a layout without a kernel. (Before, a nested tensor failed with "NestedTensorImpl
@@ -678,24 +705,26 @@ row("k-None", "varlen_attention", T, ["k must be a tensor"], k=None)
 row("v-None", "varlen_attention", T, ["v must be a tensor"], True, v=None)
 row("cu_seqlens_q-None", "varlen_attention", T, ["cu_seqlens_q must be"], cu_seqlens_q=None)
 row("cu_seqlens_k-None", "varlen_attention", T, ["cu_seqlens_k must be"], cu_seqlens_k=None)
-row("cu_seqlens_k-None", "varlen_attention_forward", T,
-    ["varlen_attention_forward: cu_seqlens_k must be"], cu_seqlens_k=None)
-row("grad_out-None", "varlen_attention_backward", T, ["grad_out must be"], grad_out=None)
-row("out-None", "varlen_attention_backward", T, ["out must be a tensor"], out=None)
-row("lse-None", "varlen_attention_backward", T, ["lse must be a tensor"], lse=None)
-row("cu_seqlens_q-None", "varlen_attention_backward", T, ["cu_seqlens_q must be a tensor"],
+# The kernel ops take packed sequences as optional arguments: all four or none.
+PARTLY_PACKED = "packed sequences need all of cu_seqlens_q, cu_seqlens_k, max_seqlen_q and"
+row("cu_seqlens_k-None", "packed_attention_forward", V,
+    [f"attention_forward: {PARTLY_PACKED}"], cu_seqlens_k=None)
+row("grad_out-None", "packed_attention_backward", T, ["grad_out must be"], grad_out=None)
+row("out-None", "packed_attention_backward", T, ["out must be a tensor"], out=None)
+row("lse-None", "packed_attention_backward", T, ["lse must be a tensor"], lse=None)
+row("cu_seqlens_q-None", "packed_attention_backward", V, [f"attention_backward: {PARTLY_PACKED}"],
     cu_seqlens_q=None)
 row("cu-int64", "varlen_attention", T, ["cu_seqlens_q.dtype=Long"],
     cu_seqlens_q=cu(0, 2, 6, dtype=torch.int64))
 row("cu-uint8", "varlen_attention", T, ["cu_seqlens_k must be int32", "cu_seqlens_k.dtype=Byte"],
     True, cu_seqlens_k=cu(0, 3, 7, dtype=torch.uint8))
-row("cu-int16", "varlen_attention_backward", T, ["cu_seqlens_k.dtype=Short"],
+row("cu-int16", "packed_attention_backward", T, ["cu_seqlens_k.dtype=Short"],
     cu_seqlens_k=cu(0, 3, 7, dtype=torch.int16))
 row("q-int8", "varlen_attention", T, ["q.dtype=Char"], q=randn(6, 4, 8, dtype=torch.int8))
 row("q-float64", "varlen_attention", T, ["same dtype"], True, q=randn(6, 4, 8, dtype=torch.float64))
 row("q-rank2", "varlen_attention", V, ["q must have 3 dim", "q.shape=[6, 8]"], q=randn(6, 8))
-row("k-rank0", "varlen_attention_forward", V, ["k must have 3 dim", "k.shape=[]"], k=randn())
-row("v-rank5", "varlen_attention_backward", V, ["v must have 3", "v.shape=[1, 1, 7, 2, 3]"],
+row("k-rank0", "packed_attention_forward", V, ["k must have 3 dim", "k.shape=[]"], k=randn())
+row("v-rank5", "packed_attention_backward", V, ["v must have 3", "v.shape=[1, 1, 7, 2, 3]"],
     v=randn(1, 1, 7, 2, 3))
 row("cu-rank2", "varlen_attention", V, ["cu_seqlens_k.shape=[1, 3]"], cu_seqlens_k=cu([0, 3, 7]))
 row("cu-lengths-differ", "varlen_attention", V, ["same length N + 1"], cu_seqlens_k=cu(0, 7))
@@ -703,41 +732,39 @@ row("cu-start", "varlen_attention", V, ["cu_seqlens_q[0]=2"], cu_seqlens_q=cu(2,
 row("cu-decreasing", "varlen_attention", V,
     ["cu_seqlens_k must be non-decreasing", "cu_seqlens_k[1]=5 > cu_seqlens_k[2]=3"], True,
     cu_seqlens_k=cu(0, 5, 3), max_seqlen_k=7)
-row("cu-last", "varlen_attention_forward", V, ["last entry of cu_seqlens_q", "rows 6"],
+row("cu-last", "packed_attention_forward", V, ["last entry of cu_seqlens_q", "rows 6"],
     cu_seqlens_q=cu(0, 3, 7))
-row("max-too-small", "varlen_attention_backward", V, ["more than max_seqlen_k=1"], max_seqlen_k=1)
+row("max-too-small", "packed_attention_backward", V, ["more than max_seqlen_k=1"], max_seqlen_k=1)
 row("max-negative", "varlen_attention", V, ["max_seqlen_q=-4"], max_seqlen_q=-4)
 row("scale-nan", "varlen_attention", V, ["scale must be finite"], scale=math.nan)
 row("scale-1e39", "varlen_attention", V, ["finite in float32", "q.dtype=Float"], True, scale=1e39)
-row("scale--1e39", "varlen_attention_forward", V, ["finite in float32"], scale=-1e39)
-row("scale-1e39", "varlen_attention_backward", V, ["finite in float32"], scale=1e39)
+row("scale--1e39", "packed_attention_forward", V, ["finite in float32"], scale=-1e39)
+row("scale-1e39", "packed_attention_backward", V, ["finite in float32"], scale=1e39)
 row("q-nested", "varlen_attention", N, ["varlen_attention: q " + NESTED], q=nested(randn(6, 4, 8)))
 row("k-jagged", "varlen_attention", N, ["k " + NESTED], True, k=jagged(randn(7, 2, 8)))
 row("cu_seqlens_q-sparse", "varlen_attention", N, ["cu_seqlens_q.layout=Sparse"],
     cu_seqlens_q=cu(0, 2, 6).to_sparse())
-row("lse-nested", "varlen_attention_backward", N, ["lse " + NESTED], lse=nested(randn(4, 6)))
-row("scale-inf", "varlen_attention_forward", V, ["scale must be finite"], scale=math.inf)
-row("scale--inf", "varlen_attention_backward", V, ["scale must be"], scale=-math.inf)
+row("lse-nested", "packed_attention_backward", N, ["lse " + NESTED], lse=nested(randn(4, 6)))
+row("scale-inf", "packed_attention_forward", V, ["scale must be finite"], scale=math.inf)
+row("scale--inf", "packed_attention_backward", V, ["scale must be"], scale=-math.inf)
 row("k-meta", "varlen_attention", V, ["k.device=meta"], k=randn(7, 2, 8, device="meta"))
 row("cu-meta", "varlen_attention", V, ["cu_seqlens_k.device=meta"],
     cu_seqlens_k=cu(0, 3, 7).to("meta"))
-row("lse-dense", "varlen_attention_backward", V, ["lse.shape=[6, 4]"], lse=randn(6, 4))
-row("lse-float16", "varlen_attention_backward", T, ["lse.dtype=Half"],
+row("lse-dense", "packed_attention_backward", V, ["lse.shape=[6, 4]"], lse=randn(6, 4))
+row("lse-float16", "packed_attention_backward", T, ["lse.dtype=Half"],
     lse=randn(4, 6, dtype=torch.float16))
-row("grad_out-Dv", "varlen_attention_backward", V, ["grad_out.shape=[6, 4, 8]"],
+row("grad_out-Dv", "packed_attention_backward", V, ["grad_out.shape=[6, 4, 8]"],
     grad_out=randn(6, 4, 8))
-row("out-meta", "varlen_attention_backward", V, ["must be on q's device cpu"],
+row("out-meta", "packed_attention_backward", V, ["must be on q's device cpu"],
     out=randn(6, 4, 3, device="meta"))
 
 # The packed checks through every varlen function, with and without grad; each message names
-# the op ("causal_attention.varlen_attention" begins all three names; the rows below the table
-# check the full ones).
+# the op (varlen_attention, or the kernel op a packed kernel call is).
 VARLEN = {
     "cu_q-int64": ({"cu_seqlens_q": cu(0, 2, 6).long()}, T,
                    ["cu_seqlens_q must be int32", "cu_seqlens_q.dtype=Long"]),
     "cu_k-float32": ({"cu_seqlens_k": cu(0, 3, 7).float()}, T,
                      ["cu_seqlens_k must be int32", "cu_seqlens_k.dtype=Float"]),
-    "cu_q-None-all": ({"cu_seqlens_q": None}, T, ["cu_seqlens_q must be a tensor"]),
     "cu_q-2d": ({"cu_seqlens_q": cu(0, 2, 6)[None]}, V,
                 ["cu_seqlens_q must be 1-D", "cu_seqlens_q.shape=[1, 3]"]),
     "cu_k-0d": ({"cu_seqlens_k": cu(7)[0]}, V,
@@ -791,16 +818,25 @@ VARLEN = {
     "kv-heads-differ": ({"v": z(7, 1, 3)}, V, ["same number of heads"]),
     "Hq-not-multiple": ({"q": z(6, 3, 8)}, V, ["must be a multiple of the key/value"]),
 }
+VALUE_CASES = {"cu_q-decreasing", "cu_k-decreasing", "cu_q-not-from-0", "cu_k-not-from-0",
+               "cu_q-last-short", "cu_k-last-short", "max_q-too-small", "max_k-too-small"}
 for case, (bad, error, needles) in VARLEN.items():
     for requires_grad in (False, True):
         for function in VARLEN_OPS:
-            row(case, function, error, ["causal_attention.varlen_attention", *needles],
+            # The values of cu_seqlens are data, read by the CPU kernels of the kernel ops
+            # (varlen_attention's by attention_forward's).
+            values = case in VALUE_CASES and function == "varlen_attention"
+            named = "attention_forward" if values else op_name(function)
+            row(case, function, error, [f"causal_attention.{named}: ", *needles],
                 requires_grad, **through(function, bad))
+for requires_grad in (False, True):
+    row("cu_q-None", "varlen_attention", T, ["cu_seqlens_q must be a tensor"], requires_grad,
+        cu_seqlens_q=None)
 # The values of cu_seqlens are checked by the CPU kernels, under the name of the kernel op called
-# (varlen_attention reaches them through varlen_attention_forward under autograd).
+# (varlen_attention reaches them through attention_forward under autograd).
 for function in VARLEN_OPS[1:]:
     row("cu_q-not-from-0-op-named", function, V,
-        [f"causal_attention.{function}: cu_seqlens_q must start at 0"],
+        [f"causal_attention.{op_name(function)}: cu_seqlens_q must start at 0"],
         **through(function, {"cu_seqlens_q": cu(1, 2, 6)}))
 # The checks between packed q, k and v show the shapes passed, not a dense view of them.
 for case, bad, needles in [
@@ -811,11 +847,12 @@ for case, bad, needles in [
     ("D-zero-shapes", {"q": z(6, 4, 0), "k": z(7, 2, 0)}, ["q.shape=[6, 4, 0]"]),
 ]:
     row(case, "varlen_attention", V, needles, **bad)
-# varlen_attention_backward's own arguments: out (6, 4, 3) in q's dtype, lse (4, 6) float32.
-OUT_SHAPE = "grad_out and out must have shape (total_q, Hq, Dv)=[6, 4, 3]"
+# A packed backward's own arguments: out (6, 4, 3) in q's dtype, lse (4, 6) float32.
+OUT_SHAPE = "must have shape (total_q, Hq, Dv)=[6, 4, 3]"
 for case, bad, error, needles in [
-    ("grad_out-shape", {"grad_out": z(6, 4, 8)}, V, [OUT_SHAPE, "grad_out.shape=[6, 4, 8]"]),
-    ("out-dense-layout", {"out": z(4, 6, 3)}, V, [OUT_SHAPE, "out.shape=[4, 6, 3]"]),
+    ("grad_out-shape", {"grad_out": z(6, 4, 8)}, V,
+     ["grad_out " + OUT_SHAPE, "grad_out.shape=[6, 4, 8]"]),
+    ("out-dense-layout", {"out": z(4, 6, 3)}, V, ["out " + OUT_SHAPE, "out.shape=[4, 6, 3]"]),
     ("lse-dense-layout", {"lse": z(6, 4)}, V,
      ["lse must have shape (Hq, total_q)=[4, 6]", "lse.shape=[6, 4]"]),
     ("lse-float64", {"lse": z(4, 6, dtype=torch.float64)}, T,
@@ -826,8 +863,8 @@ for case, bad, error, needles in [
      ["grad_out, out and lse must be on q's device cpu"]),
     ("grad_out-None-named", {"grad_out": None}, T, ["grad_out must be a tensor"]),
 ]:
-    row(case, "varlen_attention_backward", error,
-        ["causal_attention.varlen_attention_backward: ", *needles], **bad)
+    row(case, "packed_attention_backward", error,
+        ["causal_attention.attention_backward: ", *needles], **bad)
 
 
 def test_the_table_is_large():
@@ -908,6 +945,33 @@ def test_scales_finite_in_the_accumulation_dtype_are_accepted(function, dtype, s
     result = call(function, through(function, {"scale": scale, **qkv}))
     first = result[0] if isinstance(result, (tuple, list)) else result
     assert first.isfinite().all()  # zero inputs: every score is 0 * scale
+
+
+def test_a_softcap_finite_in_float64_is_accepted_for_float64_inputs():
+    q = z(1, 2, 3, 4, dtype=torch.float64)
+    out = causal_attention.attention(q, q, q, softcap=1e39)
+    assert out.isfinite().all()
+
+
+# dropout_keep_mask reads the seed whatever dropout_p is, so it checks it always, and refuses a
+# probability outside [0, 1) (p = -0.5 would keep about half through a float-to-uint32 cast).
+KEEP_MASK_SEED = torch.tensor([1, 2], dtype=torch.int64)
+BAD_KEEP_MASKS = {
+    "seed-empty-p-0": (torch.empty(0, dtype=torch.int64), 0.0, V,
+                       "dropout_seed must be a CPU tensor of shape (2,)"),
+    "seed-int32": (KEEP_MASK_SEED.int(), 0.5, T, "dropout_seed must be int64"),
+    "p-negative": (KEEP_MASK_SEED, -0.5, V, "dropout_p must be in [0, 1), got dropout_p=-0.5"),
+    "p-nan": (KEEP_MASK_SEED, math.nan, V, "dropout_p must be in [0, 1), got dropout_p=nan"),
+    "p-1": (KEEP_MASK_SEED, 1.0, V, "dropout_p must be in [0, 1), got dropout_p=1"),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", BAD_KEEP_MASKS.values(), ids=BAD_KEEP_MASKS.keys())
+def test_dropout_keep_mask_refuses_a_bad_seed_or_probability(case, device):
+    seed, p, error, needle = case
+    with pytest.raises(error, match=re.escape("causal_attention.dropout_keep_mask: " + needle)):
+        OPS.dropout_keep_mask(seed.to(device), [1, 1, 4, 8], p)
 
 
 # --- refused by torch before the op's checks -----------------------------------------------

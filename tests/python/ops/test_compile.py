@@ -16,16 +16,13 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.export import Dim
 
 import causal_attention
-from attention_testing import (
+from attention_testing.inputs import Case, ScoreOptions, make_key_mask, make_tensor
+from attention_testing.packed import Packed
+from attention_testing.results import (
     RESULT_NAMES,
     SINK_RESULT_NAMES,
-    Case,
-    Packed,
-    ScoreOptions,
     assert_bitwise_equal,
     forward_and_grads,
-    make_key_mask,
-    make_tensor,
 )
 from fixtures.tiny_gpt import TinyGPT
 from nn_testing import IGNORE_TORCHSCRIPT_DEPRECATION
@@ -195,9 +192,7 @@ def test_compiled_op_forward_and_backward_match_eager(make_call):
     "make_call,forward,backward",
     [
         pytest.param(masked_call, "attention_forward", "attention_backward", id="key_mask"),
-        pytest.param(
-            packed_call, "varlen_attention_forward", "varlen_attention_backward", id="varlen"
-        ),
+        pytest.param(packed_call, "attention_forward", "attention_backward", id="varlen"),
         pytest.param(
             options_call, "attention_forward", "attention_backward", id="score-options"
         ),

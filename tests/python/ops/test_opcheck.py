@@ -1,14 +1,15 @@
 """torch.library.opcheck (schema, autograd registration, FakeTensor/Meta, AOT dispatch with
 dynamic shapes) of the operators: attention, attention_forward and attention_backward, without
-and with a key mask, and varlen_attention, varlen_attention_forward and
-varlen_attention_backward; then with the score options (window, softcap, ALiBi, sinks, and
+and with a key mask, and varlen_attention and the kernel ops on packed sequences (their
+cu_seqlens and max_seqlen arguments); then with the score options (window, softcap, ALiBi, sinks, and
 dropout through the kernel ops' dropout_seed)."""
 
 import pytest
 import torch
 
 import causal_attention  # noqa: F401  (loads the ops)
-from attention_testing import Case, Packed, ScoreOptions, make_key_mask
+from attention_testing.inputs import Case, ScoreOptions, make_key_mask
+from attention_testing.packed import Packed
 
 OPS = torch.ops.causal_attention
 
@@ -146,23 +147,30 @@ def test_opcheck_varlen_attention(packed, dtype, scale, requires_grad):
 
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("packed,dtype,scale", VARLEN_FEW)
-def test_opcheck_varlen_attention_forward(packed, dtype, scale, requires_grad):
+def test_opcheck_packed_attention_forward(packed, dtype, scale, requires_grad):
     scale = 0.5 if scale is None else scale
-    args = packed.inputs(dtype, requires_grad=requires_grad) + packed.lengths_args() + (scale,)
-    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_forward.default, args))
+    args = packed.inputs(dtype, requires_grad=requires_grad) + (scale,)
+    kwargs = _packed_kwargs(packed)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_forward.default, args, kwargs))
 
 
 @pytest.mark.parametrize("packed,dtype,scale", VARLEN_FEW)
-def test_opcheck_varlen_attention_backward(packed, dtype, scale):
+def test_opcheck_packed_attention_backward(packed, dtype, scale):
     scale = 0.5 if scale is None else scale
     q, k, v = packed.inputs(dtype)
-    lengths = packed.lengths_args()
-    out, lse = OPS.varlen_attention_forward(q, k, v, *lengths, scale)
-    args = (torch.randn_like(out), q, k, v, out, lse) + lengths + (scale,)
-    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_backward.default, args))
+    kwargs = _packed_kwargs(packed)
+    out, lse = OPS.attention_forward(q, k, v, scale, **kwargs)
+    args = (torch.randn_like(out), q, k, v, out, lse, scale)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_backward.default, args, kwargs))
 
 
-# --- score options (issue 14) ------------------------------------------------------------------
+def _packed_kwargs(packed: Packed) -> dict:
+    """The kernel ops' packed-sequence arguments for ``packed``."""
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return dict(zip(names, packed.lengths_args()))
+
+
+# --- score options (window, softcap, ALiBi, sinks, dropout) ------------------------------------
 
 # (case, dtype, options): every option, alone and together, sinks in q's dtype and in float32
 # (with bfloat16 q), slopes (Hq,) and (*batch, Hq), rows without keys (Lq > Lk). Each sample
@@ -258,13 +266,11 @@ def test_opcheck_varlen_attention_with_score_options():
 def test_opcheck_varlen_kernels_with_score_options_and_dropout():
     packed = VARLEN_OPTION_PACKED
     q, k, v = packed.inputs(torch.float32)
-    lengths = packed.lengths_args()
     kwargs = VARLEN_OPTIONS.kwargs(torch.float32, packed.hq)
     kwargs.update(sinks=kwargs["sinks"].detach(), dropout_p=0.3, dropout_seed=DROPOUT_SEED)
-    forward_args = (q, k, v) + lengths + (0.5,)
-    _assert_all_pass(
-        torch.library.opcheck(OPS.varlen_attention_forward.default, forward_args, kwargs)
-    )
-    out, lse = OPS.varlen_attention_forward(*forward_args, **kwargs)
-    args = (torch.randn_like(out), q, k, v, out, lse) + lengths + (0.5,)
-    _assert_all_pass(torch.library.opcheck(OPS.varlen_attention_backward.default, args, kwargs))
+    kwargs.update(_packed_kwargs(packed))
+    forward_args = (q, k, v, 0.5)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_forward.default, forward_args, kwargs))
+    out, lse = OPS.attention_forward(*forward_args, **kwargs)
+    args = (torch.randn_like(out), q, k, v, out, lse, 0.5)
+    _assert_all_pass(torch.library.opcheck(OPS.attention_backward.default, args, kwargs))

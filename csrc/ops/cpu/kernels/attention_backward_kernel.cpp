@@ -31,7 +31,7 @@
 //   tasks own a (batch, query head, query block) and sum dQ_i. Pass 2 recomputes S and dP once
 //   more: 7 block products, for parallelism over blocks.
 #include "backward_block_pair.h"
-#include "dispatch.h"
+#include "dtype_dispatch.h"
 #include "kernel_api.h"
 #include "row_ops.h"
 #include "schedule.h"
@@ -328,10 +328,12 @@ class BackwardKernel {
   const BlockSizes& blocks_;
 };
 
-}  // namespace
-
-void backward_kernel(const BackwardTensors& tensors) {
+void backward_kernel_impl(const BackwardTensors& tensors) {
   run_for_dtype<BackwardKernel>(tensors);
 }
+
+}  // namespace
+
+CAUSAL_ATTENTION_REGISTER_KERNEL(backward_kernel, backward_kernel_impl);
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

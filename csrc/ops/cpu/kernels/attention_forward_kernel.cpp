@@ -4,7 +4,7 @@
 // other while it is in cache, with an online softmax per row (online_softmax.h). Nothing of size
 // Lq x Lk is ever allocated. Few query rows against a long cache take the decode path (decode.h).
 #include "decode.h"
-#include "dispatch.h"
+#include "dtype_dispatch.h"
 #include "geometry.h"
 #include "kernel_api.h"
 #include "non_finite_guard.h"
@@ -177,10 +177,12 @@ class ForwardKernel {
   const OutputRows<scalar_t, acc_t> output_;
 };
 
-}  // namespace
-
-void forward_kernel(const ForwardTensors& tensors) {
+void forward_kernel_impl(const ForwardTensors& tensors) {
   run_for_dtype<ForwardKernel>(tensors);
 }
+
+}  // namespace
+
+CAUSAL_ATTENTION_REGISTER_KERNEL(forward_kernel, forward_kernel_impl);
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -1,22 +1,15 @@
 // The dropout mask as a pure function of (seed, offset, batch, head, row, key): a counter-based
 // generator, so that the backward regenerates the forward's mask block by block, nothing of size
 // Lq x Lk is stored, and the mask does not depend on how the work is split between threads.
-// attention_weights builds the same mask from the same function (dropout_keep_mask).
-//
-// Included both by the per-instruction-set kernels and by code built for the baseline: inside a
-// kernel source the functions live in its CPU_CAPABILITY namespace, so the linker never merges an
-// AVX-512 build of them into baseline code (the results are integers, identical in every build).
+// attention_weights builds the same mask from the same function (dropout_keep_mask_kernel.cpp).
+// The results are integers, identical in every instruction set's build.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#if defined(CPU_CAPABILITY)
 namespace causal_attention::cpu::CPU_CAPABILITY {
-#else
-namespace causal_attention::detail {
-#endif
 
 class DropoutHash {
  public:

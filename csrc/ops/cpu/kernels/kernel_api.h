@@ -1,10 +1,14 @@
-// The entry points of the CPU kernels, compiled once per instruction set (DEFAULT, AVX2, AVX512:
-// see CMakeLists.txt) into namespaces of those names, as ATen does with CPU_CAPABILITY.
-// attention_cpu.cpp picks one at run time, so the library runs on any x86-64 CPU and uses
-// AVX-512 where there is one.
+// The entry points of the CPU kernels. The kernel sources are compiled once per instruction set
+// (DEFAULT, AVX2, AVX512: see CMakeLists.txt) into namespaces of those names, as ATen does with
+// CPU_CAPABILITY, and each build registers itself in its kernel's stub (ATen's DispatchStub):
+// declared here once, it calls the build for this CPU's instruction set (kernel_stubs.cpp), so
+// the library runs on any x86-64 CPU and uses AVX-512 where there is one.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
 
 namespace causal_attention::cpu {
 
@@ -16,14 +20,15 @@ struct PackedSequences {
   bool packed() const { return cu_q.defined(); }
 };
 
-// What the kernels do to the scores besides causal visibility (issue 14's options, applied in
-// FlashAttention's order: scale -> softcap -> ALiBi -> visibility -> softmax with sinks ->
-// dropout). Query row i sees key j iff i + off - window_left <= j <= i + off + window_right
-// (off = len_k - len_q of its sequence), -1 meaning unbounded on that side. softcap 0 is off.
-// alibi_slopes: contiguous float32 (batch, heads_q), sinks: contiguous (heads_q,) in the
-// accumulation dtype, each undefined when not used. dropout_p 0 is off; else the counter-based
-// mask of dropout_hash.h keyed by (dropout_seed, dropout_offset, batch, head, row, key).
-struct ScoreOptions {
+// The score options as the kernels read them, resolved from the op's (op_arguments.h) by
+// attention_cpu.cpp, applied in FlashAttention's order: scale -> softcap -> ALiBi -> visibility
+// -> softmax with sinks -> dropout. Query row i sees key j iff
+// i + off - window_left <= j <= i + off + window_right (off = len_k - len_q of its sequence), -1
+// meaning unbounded on that side. softcap 0 is off. alibi_slopes: contiguous float32
+// (batch, heads_q), sinks: contiguous (heads_q,) in the accumulation dtype, each undefined when
+// not used. dropout_p 0 is off; else the counter-based mask of dropout_hash.h keyed by
+// (dropout_seed, dropout_offset, batch, head, row, key).
+struct KernelScoreOptions {
   int64_t window_left = -1, window_right = 0;
   double softcap = 0;
   at::Tensor alibi_slopes, sinks;
@@ -38,42 +43,69 @@ struct ScoreOptions {
 // both undefined without a mask.
 struct ForwardTensors {
   at::Tensor q, k, v, out, lse;
-  double scale;
+  double scale = 0;
   at::Tensor key_mask, kept_keys_before;
   PackedSequences sequences;
-  ScoreOptions options;
+  KernelScoreOptions options;
   // bfloat16/float16: whether the block products are native (block_gemm.h), decided once per
   // call at the op boundary so that every product of the call agrees.
   bool native_products = false;
+
+  // The inputs of a call in the kernels' layout; the outputs, the key mask and the options are
+  // set after.
+  static ForwardTensors of(at::Tensor q, at::Tensor k, at::Tensor v) {
+    ForwardTensors t;
+    t.q = std::move(q);
+    t.k = std::move(k);
+    t.v = std::move(v);
+    return t;
+  }
 };
 
 // As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v, and with
 // sinks dsinks (heads_q,) in the accumulation dtype.
-struct BackwardTensors {
-  at::Tensor grad_out, q, k, v, out, lse, dq, dk, dv;
-  double scale;
-  at::Tensor key_mask, kept_keys_before;
-  PackedSequences sequences;
-  ScoreOptions options;
-  at::Tensor dsinks;
-  bool native_products = false;  // as ForwardTensors
+struct BackwardTensors : ForwardTensors {
+  at::Tensor grad_out, dq, dk, dv, dsinks;
+
+  explicit BackwardTensors(ForwardTensors forward) : ForwardTensors(std::move(forward)) {}
 };
 
-#define CAUSAL_ATTENTION_DECLARE_KERNELS(capability)    \
-  namespace capability {                                \
-  void forward_kernel(const ForwardTensors& tensors);   \
-  void backward_kernel(const BackwardTensors& tensors); \
-  }
-CAUSAL_ATTENTION_DECLARE_KERNELS(DEFAULT)
-#if defined(CAUSAL_ATTENTION_BASELINE_KERNELS_ONLY)
-// Not x86-64: CMakeLists.txt builds the baseline only, and at::get_cpu_capability() never selects
-// the others, whose names it takes.
-namespace AVX2 = DEFAULT;
-namespace AVX512 = DEFAULT;
+// The dropout keep mask of scores (..., heads, len_q, len_k) as bool, contiguous: row r of the
+// flat (rows, len_k) view is query row r % len_q of head (r / len_q) % heads of batch
+// r / (len_q * heads), as the attention kernels index the mask.
+struct KeepMaskTensors {
+  at::Tensor mask;
+  int64_t heads = 1, len_q = 1;
+  double dropout_p = 0;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+};
+
+// One kernel's builds, one per instruction set, and the call of the build for this CPU: the one
+// at::get_cpu_capability() names (which ATEN_CPU_CAPABILITY can lower), or the next one below it
+// that was built.
+template <typename Tensors>
+struct KernelStub {
+  using Build = void (*)(const Tensors&);
+  Build avx512 = nullptr, avx2 = nullptr, baseline = nullptr;
+
+  void operator()(const Tensors& tensors) const;
+};
+
+extern KernelStub<ForwardTensors> forward_kernel;
+extern KernelStub<BackwardTensors> backward_kernel;
+extern KernelStub<KeepMaskTensors> dropout_keep_mask_kernel;
+
+// In a kernel source (compiled with CPU_CAPABILITY), registers `build` as its instruction set's
+// build of `stub`, when the library loads.
+#if defined(CPU_CAPABILITY_AVX512)
+#define CAUSAL_ATTENTION_KERNEL_BUILD avx512
+#elif defined(CPU_CAPABILITY_AVX2)
+#define CAUSAL_ATTENTION_KERNEL_BUILD avx2
 #else
-CAUSAL_ATTENTION_DECLARE_KERNELS(AVX2)
-CAUSAL_ATTENTION_DECLARE_KERNELS(AVX512)
+#define CAUSAL_ATTENTION_KERNEL_BUILD baseline
 #endif
-#undef CAUSAL_ATTENTION_DECLARE_KERNELS
+#define CAUSAL_ATTENTION_REGISTER_KERNEL(stub, build)    \
+  [[maybe_unused]] static const bool stub##_registered = \
+      (::causal_attention::cpu::stub.CAUSAL_ATTENTION_KERNEL_BUILD = &build, true)
 
 }  // namespace causal_attention::cpu

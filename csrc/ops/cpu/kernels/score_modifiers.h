@@ -7,7 +7,7 @@
 //   P = exp(x - lse), lse including exp(sink);  P *= keep / (1 - p).
 #pragma once
 
-#include "../../dropout_hash.h"
+#include "dropout_hash.h"
 #include "geometry.h"
 #include "kernel_api.h"
 #include "row_ops.h"
@@ -167,7 +167,7 @@ struct RowScoring {
   }
 };
 
-// The modifiers of a call, from its ScoreOptions.
+// The modifiers of a call, from its KernelScoreOptions.
 template <typename acc_t>
 class ScoreModifiers {
  public:

@@ -1,0 +1,75 @@
+// The ops' arguments as one value each, the way every layer below the schema takes them
+// (flash-attn's Flash_fwd_params, ATen's sdp_params): the schemas stay flat, because the
+// dispatcher needs that, and schema_adapters.h turns the flat arguments into these structs on
+// the first line of every kernel. The checks (checks.h), autograd's save and load, autocast and
+// the kernel setup then take the struct, so a new option changes the schema, ScoreOptions, the
+// kernels and one line in each of those.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace causal_attention::detail {
+
+// What the scores go through besides the scale (ops.h): window -> softcap -> ALiBi ->
+// visibility -> softmax with sinks -> dropout. dropout_seed is the kernel ops' (seed, offset);
+// the differentiable ops draw it from their generator (draw_dropout_seed).
+struct ScoreOptions {
+  std::vector<int64_t> window{-1, 0};
+  std::optional<double> softcap;
+  std::optional<at::Tensor> alibi_slopes, sinks;
+  double dropout_p = 0.0;
+  std::optional<at::Tensor> dropout_seed;
+};
+
+// Packed sequences (varlen): all four given, or none for a dense call.
+struct PackedLengths {
+  std::optional<at::Tensor> cu_seqlens_q, cu_seqlens_k;
+  std::optional<c10::SymInt> max_seqlen_q, max_seqlen_k;
+
+  bool any() const {
+    return cu_seqlens_q.has_value() || cu_seqlens_k.has_value() || max_seqlen_q.has_value() ||
+           max_seqlen_k.has_value();
+  }
+};
+
+// A call of a differentiable op: attention, attention_weights (dense) or varlen_attention
+// (packed, no key mask). scale is resolved by the checks (check_attention_call).
+struct AttentionCall {
+  AttentionCall(at::Tensor q_, at::Tensor k_, at::Tensor v_)
+      : q(std::move(q_)), k(std::move(k_)), v(std::move(v_)) {}
+
+  at::Tensor q, k, v;
+  std::optional<double> scale;
+  std::optional<at::Tensor> key_mask;
+  ScoreOptions options;
+  PackedLengths packed;
+  std::optional<at::Generator> generator;
+};
+
+// A call of attention_forward: dense, or packed where `packed` is given.
+struct ForwardCall {
+  ForwardCall() = default;
+  ForwardCall(at::Tensor q_, at::Tensor k_, at::Tensor v_)
+      : q(std::move(q_)), k(std::move(k_)), v(std::move(v_)) {}
+
+  at::Tensor q, k, v;
+  double scale = 0.0;
+  std::optional<at::Tensor> key_mask;
+  ScoreOptions options;
+  PackedLengths packed;
+};
+
+// A call of attention_backward: the forward's call, its out and lse, and out's gradient.
+struct BackwardCall : ForwardCall {
+  BackwardCall() = default;
+  explicit BackwardCall(ForwardCall forward) : ForwardCall(std::move(forward)) {}
+
+  at::Tensor grad_out, out, lse;
+};
+
+}  // namespace causal_attention::detail

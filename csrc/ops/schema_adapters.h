@@ -1,0 +1,143 @@
+// Between the flat schemas (attention.cpp) and the structs of op_arguments.h, in both directions:
+// - `*_from_schema<kernel>` has an op's flat signature, as the dispatcher calls a kernel, and calls
+//   `kernel` with the call's struct: every kernel of every dispatch key (CPU, Meta, Autograd,
+//   Autocast, the composites) is written against the struct and registered through these;
+// - `call_*` calls an op through the dispatcher with a struct's arguments (cached handles), for
+//   the public C++ API (ops.h) and the kernels that redispatch.
+#pragma once
+
+#include "op_arguments.h"
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+
+namespace causal_attention::detail {
+
+using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // dq dk dv dsinks
+
+// The C++ signatures of the schemas, argument for argument.
+using AttentionSignature = at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      std::optional<double> scale,
+                                      const std::optional<at::Tensor>& key_mask,
+                                      at::IntArrayRef window, std::optional<double> softcap,
+                                      const std::optional<at::Tensor>& alibi_slopes,
+                                      const std::optional<at::Tensor>& sinks, double dropout_p,
+                                      std::optional<at::Generator> generator);
+using VarlenAttentionSignature = at::Tensor(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+    std::optional<double> scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double dropout_p, std::optional<at::Generator> generator);
+using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_k);
+using BackwardSignature = Gradients(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_k);
+
+// The score options from their flat arguments, in schema order.
+inline ScoreOptions score_options(at::IntArrayRef window, std::optional<double> softcap,
+                                  const std::optional<at::Tensor>& alibi_slopes,
+                                  const std::optional<at::Tensor>& sinks, double dropout_p,
+                                  const std::optional<at::Tensor>& dropout_seed) {
+  return {window.vec(), softcap, alibi_slopes, sinks, dropout_p, dropout_seed};
+}
+
+template <at::Tensor (*kernel)(const AttentionCall&)>
+at::Tensor attention_from_schema(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 std::optional<double> scale,
+                                 const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+                                 std::optional<double> softcap,
+                                 const std::optional<at::Tensor>& alibi_slopes,
+                                 const std::optional<at::Tensor>& sinks, double dropout_p,
+                                 std::optional<at::Generator> generator) {
+  AttentionCall call{q, k, v};
+  call.scale = scale;
+  call.key_mask = key_mask;
+  call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, std::nullopt);
+  call.generator = std::move(generator);
+  return kernel(call);
+}
+
+template <at::Tensor (*kernel)(const AttentionCall&)>
+at::Tensor varlen_attention_from_schema(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                        const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
+                                        c10::SymInt max_seqlen_k, std::optional<double> scale,
+                                        at::IntArrayRef window, std::optional<double> softcap,
+                                        const std::optional<at::Tensor>& alibi_slopes,
+                                        const std::optional<at::Tensor>& sinks, double dropout_p,
+                                        std::optional<at::Generator> generator) {
+  AttentionCall call{q, k, v};
+  call.scale = scale;
+  call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, std::nullopt);
+  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  call.generator = std::move(generator);
+  return kernel(call);
+}
+
+template <std::tuple<at::Tensor, at::Tensor> (*kernel)(const ForwardCall&)>
+std::tuple<at::Tensor, at::Tensor> forward_from_schema(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_k) {
+  ForwardCall call{q, k, v};
+  call.scale = scale;
+  call.key_mask = key_mask;
+  call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
+  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  return kernel(call);
+}
+
+template <Gradients (*kernel)(const BackwardCall&)>
+Gradients backward_from_schema(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                               double scale, const std::optional<at::Tensor>& key_mask,
+                               at::IntArrayRef window, std::optional<double> softcap,
+                               const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks, double dropout_p,
+                               const std::optional<at::Tensor>& dropout_seed,
+                               const std::optional<at::Tensor>& cu_seqlens_q,
+                               const std::optional<at::Tensor>& cu_seqlens_k,
+                               std::optional<c10::SymInt> max_seqlen_q,
+                               std::optional<c10::SymInt> max_seqlen_k) {
+  BackwardCall call(ForwardCall{q, k, v});
+  call.scale = scale;
+  call.key_mask = key_mask;
+  call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
+  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  call.grad_out = grad_out;
+  call.out = out;
+  call.lse = lse;
+  return kernel(call);
+}
+
+// Through the dispatcher (attention.cpp). call_attention serves attention and varlen_attention
+// (packed where call.packed is given), call_attention_weights attention_weights.
+at::Tensor call_attention(const AttentionCall& call);
+at::Tensor call_attention_weights(const AttentionCall& call);
+std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& call);
+Gradients call_attention_backward(const BackwardCall& call);
+
+}  // namespace causal_attention::detail
