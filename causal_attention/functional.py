@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._arguments import refuse_tensor_requiring_grad
 from .ops import attention
 
 _OP = "causal_attention.scaled_dot_product_attention"
@@ -55,14 +56,11 @@ def _check_argument_types(
     for name, number in (("dropout_p", dropout_p), ("scale", scale)):
         if name == "scale" and number is None:
             continue
+        refuse_tensor_requiring_grad(_OP, name, number)
         if not _parses_as_float(number):
             seen = type(number).__name__
             if isinstance(number, Tensor):
-                seen = (
-                    f"a Tensor of shape {tuple(number.shape)} with requires_grad="
-                    f"{number.requires_grad} (SDPA takes only a 0-d tensor that does not "
-                    f"require grad: {name} gets no gradient)"
-                )
+                seen = f"a Tensor of shape {tuple(number.shape)} (SDPA takes only a 0-d one)"
             raise TypeError(f"{_OP}: {name} must be a float, got {seen}")
         if isinstance(number, int):
             float(number)  # OverflowError for an int beyond float's range, as SDPA raises

@@ -57,10 +57,14 @@ testing-only S_dmask encoding of the dropout pattern), ``block_table`` in
 (flash-attn refuses those pairs too). flash-attn's CUDA-only limits (fp16/bf16, head
 dimension at most 256, a multiple of 8, page sizes a multiple of 256) do not apply: float32 and
 float64 work, and ``v`` may have a head dimension of its own. Bad types raise ``TypeError``,
-bad shapes and values ``ValueError``, each naming the argument.
+bad shapes and values ``ValueError``, each naming the argument. ``softmax_scale``, ``softcap``
+and ``dropout_p`` are real numbers (int, float, numpy; not bool) or tensors holding one; a
+tensor that requires grad is refused (``TypeError``), as the number it holds would get no
+gradient.
 """
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -69,6 +73,7 @@ import torch
 from torch import Tensor
 
 from ..ops import attention, attention_forward, varlen_attention, varlen_attention_forward
+from .._arguments import refuse_tensor_requiring_grad
 
 _PREFIX = "causal_attention.integrations.flash_attn"
 
@@ -97,6 +102,7 @@ def flash_attn_func(
     lk = k.size(1)
     scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, lq, lk, batch, heads)
     dropout_p = _check_dropout(fn, dropout_p, return_attn_probs)
+    softmax_scale = _check_scale(fn, softmax_scale)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if return_attn_probs:
         out, lse = attention_forward(qh, kh, vh, _resolve_scale(softmax_scale, q),
@@ -150,6 +156,7 @@ def flash_attn_varlen_func(
     scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, max_q, max_k, batch,
                         q.size(1))
     dropout_p = _check_dropout(fn, dropout_p, return_attn_probs)
+    softmax_scale = _check_scale(fn, softmax_scale)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     if return_attn_probs:
         out, lse = varlen_attention_forward(*args, _resolve_scale(softmax_scale, q),
@@ -207,6 +214,7 @@ def flash_attn_with_kvcache(
         scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, q.size(1),
                             cache.capacity, q.size(0), q.size(2))
         _as_int(fn, "num_splits", num_splits)
+        softmax_scale = _check_scale(fn, softmax_scale)
         rotary = _Rotary.of(fn, rotary_cos, rotary_sin, rotary_interleaved, q, cache)
         if rotary is not None:
             q, k = rotary.apply(q, cache.seqlens), rotary.apply(k, cache.seqlens)
@@ -659,12 +667,26 @@ def _as_int(fn: str, name: str, value) -> int:
 
 
 def _as_float(fn: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{fn}: {name} must be a float, got {_describe(value)}")
-    return float(value)
+    """A float argument as flash-attn's op takes it: a real number (an int, a float, a numpy or
+    symbolic number; not a bool), or a tensor holding one real number that does not require
+    grad. One that requires grad is refused: the op would take the number it holds, and its
+    gradient would be dropped."""
+    refuse_tensor_requiring_grad(fn, name, value)
+    if isinstance(value, Tensor):
+        if value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+            return float(value)
+    elif not isinstance(value, bool) and \
+            isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        return float(value)
+    raise TypeError(f"{fn}: {name} must be a float, got {_describe(value)}")
 
 
-def _resolve_scale(softmax_scale, q: Tensor) -> float:
+def _check_scale(fn: str, softmax_scale) -> Optional[float]:
+    """``softmax_scale`` as a float, or ``None`` for flash-attn's default ``1 / sqrt(headdim)``."""
+    return None if softmax_scale is None else _as_float(fn, "softmax_scale", softmax_scale)
+
+
+def _resolve_scale(softmax_scale: Optional[float], q: Tensor) -> float:
     return 1.0 / math.sqrt(q.size(-1)) if softmax_scale is None else softmax_scale
 
 

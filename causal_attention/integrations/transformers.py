@@ -18,9 +18,12 @@ included), and
   ``sliding_window`` kwarg says it;
 - packed sequences (padding-free training, ``DataCollatorWithFlattening``): from the
   ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs, from the block-diagonal mask transformers builds
-  out of restarting ``position_ids``, or, when it builds no mask (it does not while a cache is in
-  use), from the restarting ``position_ids`` themselves, as ``flash_attention_2`` does; these go
-  to :func:`causal_attention.varlen_attention`, a sliding window applying within each sequence;
+  out of restarting ``position_ids``, or, when it builds no mask or one that shows no packing
+  (it does not see the packing while a cache is in use, and gpt-oss never gives its masks the
+  ``position_ids``), from the restarting ``position_ids`` themselves, as ``flash_attention_2``
+  does; so every layer of a forward runs packed alike, the full layers that get no mask and the
+  sliding ones that get a band over the whole row. These go to
+  :func:`causal_attention.varlen_attention`, a sliding window applying within each sequence;
 - the scores' options the models pass as kwargs: ``softcap`` (Gemma 2's
   ``attn_logit_softcapping``), ``s_aux`` (gpt-oss's learned attention sinks, which get their
   gradient), and ``dropout`` (``attn_pdrop``, ``attention_dropout``: models pass it in training
@@ -30,7 +33,7 @@ included), and
 Every mask is verified to be exactly one of these before it is used. Anything else — a
 bidirectional, chunked or custom mask, a bias in a float mask, non-causal or cross-attention,
 position biases — raises an error naming it, so a model is never silently computed otherwise
-than with ``"sdpa"`` or ``"eager"`` (or, for packed sequences without a mask,
+than with ``"sdpa"`` or ``"eager"`` (or, for packed sequences that transformers does not mask,
 ``"flash_attention_2"``).
 """
 
@@ -40,6 +43,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._masks import visible_keys
 from ..ops import attention, varlen_attention
 
 NAME = "causal_attention"
@@ -102,8 +106,19 @@ def attention_forward(
     explicit = sequences_from_kwargs(kwargs, batch, lq, lk, query.device)
     if attention_mask is not None:
         layout = read_mask(as_boolean_mask(attention_mask, batch, lq, lk), lq, lk)
-        if explicit is not None:
-            check_same_sequences(layout, explicit, batch, lq, lk)
+        if is_whole_rows(layout, lq, lk):
+            # Causality (or a sliding window) over whole rows, nothing hidden: what transformers
+            # builds when it does not see the packing (while a cache is in use; gpt-oss always,
+            # giving its masks no position_ids). Packing is the same for every layer of a
+            # forward: the layers given no mask run packed, so this one does too, its window
+            # applying within each sequence.
+            sequences = explicit or sequences_from_position_ids(
+                kwargs.get("position_ids"), batch, lq, lk
+            )
+            if sequences is not None:
+                layout = MaskLayout(lk, sequences=sequences, window=layout.window)
+        elif explicit is not None:
+            check_same_sequences(layout, explicit)
     else:
         # A mask would show a sliding window; without one only the kwarg says it.
         window = window_of(kwargs.get("sliding_window"))
@@ -210,15 +225,6 @@ def as_boolean_mask(mask: Tensor, batch: int, lq: int, lk: int) -> Tensor:
     return mask.expand(batch, -1, -1, -1)
 
 
-def causal(lq: int, lk: int, device: torch.device, left: int = -1) -> Tensor:
-    """``(Lq, Lk)``: True where bottom-right causality lets query ``i`` see key ``j``, within a
-    sliding window where ``left >= 0`` (``j >= i + Lk - Lq - left``): the op's ``window=(left,
-    0)``."""
-    ones = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    seen = ones.tril(lk - lq)
-    return seen if left < 0 else seen & ~ones.tril(lk - lq - left - 1)
-
-
 def look_back(mask: Tensor, lk: int) -> int:
     """The window's ``left`` that ``mask (..., Lq, Lk)`` shows: the farthest any query sees
     back from its diagonal ``i + Lk - Lq``; -1 (causal) when that is the whole length or no query
@@ -247,7 +253,7 @@ def read_mask(mask: Tensor, lq: int, lk: int) -> MaskLayout:
         layout = read_packed_sequences(mask, lq, lk)
     if layout is not None:
         return layout
-    if bool((mask & ~causal(lq, lk, mask.device)).any()):
+    if bool((mask & ~visible_keys(lq, lk, device=mask.device)).any()):
         how = "lets a query see keys after it (a bidirectional, prefix or custom mask)"
     else:
         how = (
@@ -262,11 +268,12 @@ def read_mask(mask: Tensor, lq: int, lk: int) -> MaskLayout:
 
 
 def read_key_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
-    """``mask[b, :, i, j] == causal(i, j, left) & key_ok[b, j]`` over the first ``key_length``
-    keys and False after them, or ``None``. Two key lengths are tried: the keys up to the last
-    one any query sees (a static cache's unused slots sit past it; cut off, they cost nothing,
-    and causality aligns bottom-right on the keys that are left), then all the keys; and two
-    windows for each: causal, then the one the mask shows (``look_back``)."""
+    """``mask`` is the op's visibility (``visible_keys``) with ``window=(left, 0)`` and a key
+    mask ``key_ok (B, key_length)`` over the first ``key_length`` keys, False after them; or
+    ``None``. Two key lengths are tried: the keys up to the last one any query sees (a static
+    cache's unused slots sit past it; cut off, they cost nothing, and causality aligns
+    bottom-right on the keys that are left), then all the keys; and two windows for each:
+    causal, then the one the mask shows (``look_back``)."""
     visible = mask.any(dim=(0, 1, 2)).nonzero()
     last_seen = int(visible[-1]) + 1 if visible.numel() else 0
     for key_length in dict.fromkeys((last_seen, lk)):
@@ -276,19 +283,20 @@ def read_key_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
         # before it), so that query's row is the key mask; keys no query sees are kept.
         diagonal_row = (keys - (key_length - lq)).clamp(0, lq - 1)
         for left in dict.fromkeys((-1, look_back(used, key_length))):
-            seen = causal(lq, key_length, mask.device, left)
+            window = (left, 0)
+            seen = visible_keys(lq, key_length, window, device=mask.device)
             key_ok = used[:, 0, diagonal_row, keys] | ~seen.any(dim=0)
-            expected = seen & key_ok[:, None, None, :]
+            expected = visible_keys(lq, key_length, window, key_mask=key_ok)
             if torch.equal(used, expected.expand_as(used)):
                 key_mask = None if bool(key_ok.all()) else key_ok
-                return MaskLayout(key_length, key_mask, window=(left, 0))
+                return MaskLayout(key_length, key_mask, window=window)
     return None
 
 
 def read_packed_sequences(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
-    """``mask[b, :, i, j] == causal(i, j, left) & (i and j are in the same sequence of row b)``,
-    or ``None``: what transformers builds from ``position_ids`` that restart, with a sliding
-    window or without."""
+    """``mask[b, :, i, j] == visible_keys(L, L, (left, 0))[i, j] & (i and j are in the same
+    sequence of row b)``, or ``None``: what transformers builds from ``position_ids`` that
+    restart, with a sliding window or without."""
     if lq != lk:
         return None
     # In such a mask a query sees the key before it unless it is its sequence's first token.
@@ -307,7 +315,7 @@ def block_causal(starts: Tensor, left: int = -1) -> Tensor:
     sequence = starts.cumsum(dim=-1)
     same = sequence[:, :, None] == sequence[:, None, :]
     length = starts.size(-1)
-    return (same & causal(length, length, starts.device, left)).unsqueeze(1)
+    return (same & visible_keys(length, length, (left, 0), device=starts.device)).unsqueeze(1)
 
 
 def sequences_from_starts(starts: Tensor) -> Sequences:
@@ -375,15 +383,17 @@ def sequences_from_kwargs(
     return Sequences(*cumulative, *longest)
 
 
-def check_same_sequences(
-    layout: MaskLayout, given: Sequences, batch: int, lq: int, lk: int
-) -> None:
-    """Raises ``ValueError`` unless the mask's layout is the packed sequences of the kwargs (a
-    causal mask is one sequence per batch row)."""
+def is_whole_rows(layout: MaskLayout, lq: int, lk: int) -> bool:
+    """Whether ``layout`` is causality or a sliding window over every key of whole batch rows,
+    nothing hidden, queries and keys alike: a mask that shows no packing (one sequence per row),
+    without contradicting any."""
+    return layout.sequences is None and layout.key_mask is None and layout.key_length == lk == lq
+
+
+def check_same_sequences(layout: MaskLayout, given: Sequences) -> None:
+    """Raises ``ValueError`` unless the mask's layout (packed, or with hidden keys) is the packed
+    sequences of the kwargs."""
     found = layout.sequences
-    if found is None and layout.key_mask is None and layout.key_length == lk == lq:
-        rows = torch.arange(batch + 1, dtype=torch.int32, device=given.cu_seqlens_q.device) * lq
-        found = Sequences(rows, rows, lq, lq)
     same = found is not None and all(
         torch.equal(a.to(b.device), b)
         for a, b in (

@@ -10,12 +10,14 @@ does not serve is refused by name, and bad input gets a typed error naming it.""
 import inspect
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import causal_attention
-from attention_testing import dtype_params, visible_keys
+from attention_testing.parameters import dtype_params
+from causal_attention._masks import visible_keys
 from nn_testing import ROOT
 from causal_attention.integrations.flash_attn import (
     flash_attn_func,
@@ -808,6 +810,57 @@ def test_unserved_arguments_are_refused_by_name(call, named):
         call()
 
 
+# The flash-attn functions and the scalar options each takes.
+SCALAR_OPTIONS = [
+    pytest.param(function, name, id=f"{function}-{name}")
+    for function, names in (
+        ("flash_attn_func", ("softmax_scale", "softcap", "dropout_p")),
+        ("flash_attn_varlen_func", ("softmax_scale", "softcap", "dropout_p")),
+        ("flash_attn_with_kvcache", ("softmax_scale", "softcap")),
+    )
+    for name in names
+]
+
+
+def served_call(function, **kwargs):
+    """A served causal call of the flash-attn function named ``function``, on fresh inputs."""
+    calls = {"flash_attn_func": func_call, "flash_attn_varlen_func": varlen_call,
+             "flash_attn_with_kvcache": kv_call}
+    return calls[function](causal=True, **kwargs)
+
+
+@pytest.mark.parametrize("function,name", SCALAR_OPTIONS)
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0d", "1-element"])
+def test_scalar_options_given_as_tensors_requiring_grad_are_refused(function, name, shape):
+    # The float such a tensor would become gets no gradient: refused, never silently dropped.
+    value = torch.full(shape, 0.25, requires_grad=True)
+    with pytest.raises(TypeError,
+                       match=f"{function}: {name} must be a float, got a tensor that requires "
+                             "grad"):
+        served_call(function, **{name: value})()
+
+
+# (value, the float it stands for): ints and one-number tensors without grad, which flash-attn
+# takes as floats too.
+AS_FLOATS = [
+    pytest.param(0, 0.0, id="int"),
+    pytest.param(torch.tensor(0.25), 0.25, id="0d-tensor"),
+    pytest.param(torch.tensor([0.25], dtype=torch.float64), 0.25, id="1-element-float64-tensor"),
+    pytest.param(np.float32(0.25), 0.25, id="numpy-float32"),
+]
+
+
+@pytest.mark.parametrize("function,name", SCALAR_OPTIONS)
+@pytest.mark.parametrize("value,number", AS_FLOATS)
+def test_scalar_options_given_as_ints_or_tensors_without_grad_are_their_float(function, name,
+                                                                              value, number):
+    results = []
+    for given in (value, number):
+        torch.manual_seed(7)  # the same inputs and, for dropout, the same dropout seed
+        results.append(served_call(function, **{name: given})())
+    assert torch.equal(results[0], results[1])
+
+
 def test_refused_and_failed_calls_leave_the_cache_untouched():
     q, k_cache, v_cache, k, v = kv_arguments()
     saved = k_cache.clone(), v_cache.clone()
@@ -824,6 +877,12 @@ def test_refused_and_failed_calls_leave_the_cache_untouched():
     with pytest.raises(ValueError):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, torch.ones(3, 2), torch.ones(3, 2),
                                 cache_seqlens=lengths, causal=True)  # too few rotary positions
+    with pytest.raises(TypeError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                softmax_scale=torch.tensor(0.5, requires_grad=True))
+    with pytest.raises(TypeError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                softmax_scale="0.5")
     assert torch.equal(k_cache, saved[0]) and torch.equal(v_cache, saved[1])
 
 
@@ -866,6 +925,16 @@ BAD = [
                  id="func-softcap-str"),
     pytest.param(func_call(causal=True, dropout_p=None), TypeError, "dropout_p must be a float",
                  id="func-dropout-none"),
+    pytest.param(func_call(causal=True, softmax_scale="x"), TypeError,
+                 "flash_attn_func: softmax_scale must be a float", id="func-scale-str"),
+    pytest.param(func_call(causal=True, softmax_scale=True), TypeError,
+                 "flash_attn_func: softmax_scale must be a float", id="func-scale-bool"),
+    pytest.param(func_call(causal=True, softmax_scale=torch.ones(2)), TypeError,
+                 "flash_attn_func: softmax_scale must be a float", id="func-scale-2-elements"),
+    pytest.param(varlen_call(causal=True, softmax_scale="x"), TypeError,
+                 "flash_attn_varlen_func: softmax_scale must be a float", id="varlen-scale-str"),
+    pytest.param(bad_kv(softmax_scale="x"), TypeError,
+                 "flash_attn_with_kvcache: softmax_scale must be a float", id="kv-scale-str"),
     pytest.param(func_call(causal=True, dropout_p=1.0), ValueError, "dropout_p",
                  id="func-dropout-1"),
     pytest.param(varlen_call(causal=True, alibi_slopes=torch.ones(3, 2)), ValueError,

@@ -13,15 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
-from attention_testing import (
-    RESULT_NAMES,
-    Case,
-    dtype_params,
-    forward_and_grads,
-    make_tensor,
-    to64,
-    twice_sdpa_error_failures,
-)
+from attention_testing.inputs import Case, make_tensor
+from attention_testing.parameters import dtype_params
+from attention_testing.references import to64
+from attention_testing.results import RESULT_NAMES, forward_and_grads
+from attention_testing.tolerances import twice_sdpa_error_failures
 
 SERVED = [
     pytest.param(Case(17, 17, 8, hq=2, hkv=2), {}, id="4d"),
@@ -236,6 +232,16 @@ def test_arguments_of_a_type_sdpa_refuses_raise_its_exception_type(case):
     if named is not None:
         message = str(ours.value)
         assert message.startswith(f"causal_attention.scaled_dot_product_attention: {named} must")
+
+
+@pytest.mark.parametrize("name", ["dropout_p", "scale"])
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0d", "1-element"])
+def test_float_arguments_given_as_tensors_requiring_grad_say_so(name, shape):
+    # The flash-attn functions refuse these with the same words (one check serves both).
+    args = {**_served_arguments(), name: torch.zeros(shape, requires_grad=True)}
+    with pytest.raises(TypeError, match=f"^causal_attention.scaled_dot_product_attention: {name} "
+                                        "must be a float, got a tensor that requires grad"):
+        causal_attention.scaled_dot_product_attention(**args)
 
 
 # What SDPA's parser converts to a float (a 0-d tensor that does not require grad, a bool, an

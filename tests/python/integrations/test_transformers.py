@@ -35,7 +35,7 @@ from transformers.masking_utils import (
 
 import causal_attention
 import causal_attention.integrations.transformers as backend
-from attention_testing import visible_keys
+from causal_attention._masks import visible_keys
 
 VOCAB = 128
 SHARED = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
@@ -390,26 +390,52 @@ def test_sliding_window_generation_on_a_left_padded_batch_matches_reference(name
         torch.testing.assert_close(step_logits, ref_logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["flash-kwargs", "mask"])
+@pytest.mark.parametrize("mode", ["flash-kwargs", "position-ids", "mask"])
 def test_packed_sequences_with_a_sliding_window_match_each_sequence_alone(mode, varlen_calls):
     ours, ref = model_pair("mistral", SLIDING["mistral"])
     lengths = (7, 3, 9, 1)  # two longer than the window
     sequences, batch = packed_batch(mode, lengths)
     with torch.no_grad():
-        if mode == "flash-kwargs":
-            # With a cache transformers builds the sliding mask of the whole row, one sequence
-            # (what SDPA computes); it contradicts the kwargs' sequences (what flash-attn
-            # computes), so neither is guessed.
-            with pytest.raises(ValueError, match="describe different sequences"):
-                ours(**batch)
-        # Without a cache it builds the packed sequences' mask.
-        batch["use_cache"] = False
+        # With a cache ("flash-kwargs", "position-ids") transformers builds the sliding mask of
+        # the whole row, blind to the packing, which the kwargs or position_ids then give; without
+        # one ("mask") it builds the packed sequences' mask.
         out = ours(**batch).logits[0]
         alone = torch.cat([ref(s[None]).logits[0] for s in sequences])
     torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
     cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
     expected = dict(kv_heads=2, cu_q=cu, cu_k=cu, window=(WINDOW - 1, 0))
     assert varlen_calls == [expected] * SLIDING["mistral"].num_hidden_layers
+
+
+@pytest.mark.parametrize("use_cache", [None, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gpt-oss"])
+def test_packed_position_ids_in_models_mixing_sliding_and_full_layers_match_each_sequence_alone(
+    name, use_cache, varlen_calls
+):
+    # position_ids restart, no mask. transformers builds its masks without the packing while a
+    # cache is in use (gpt-oss: always), the full layers' none and the sliding layers' a band
+    # over the whole row; every layer must run packed all the same, the sliding ones with their
+    # window inside each sequence.
+    config = SLIDING.get(name) or EAGER_ONLY[name]
+    ours, ref = model_pair(name, config, "sdpa" if name in SLIDING else "eager")
+    lengths = (7, 3, 9)  # two longer than the window
+    sequences, batch = packed_batch("position-ids", lengths)
+    batch["use_cache"] = use_cache
+    out = ours(**batch)
+    alone = [ref(s[None], labels=s[None]) for s in sequences]
+    torch.testing.assert_close(
+        out.logits[0], torch.cat([a.logits[0] for a in alone]), atol=1e-5, rtol=1e-5
+    )
+    targets = [len(s) - 1 for s in sequences]
+    ref_loss = sum(a.loss * n for a, n in zip(alone, targets)) / sum(targets)
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-5)
+    out.loss.backward()
+    ref_loss.backward()
+    assert_same_gradients(ours, ref)
+    cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    assert [(c["cu_q"], c["cu_k"], c["window"]) for c in varlen_calls] == [
+        (cu, cu, window) for window in layer_windows(config)
+    ]
 
 
 def register_weights_reference():
@@ -600,6 +626,31 @@ def test_attention_function_on_flash_kwargs_matches_each_sequence_alone(sliding_
                                      pads=[0], window=sliding_window)
         expected, _ = sdpa_attention_forward(Attention(), *piece, mask, scaling=None)
         torch.testing.assert_close(out[:, start:end], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_function_packs_a_whole_row_mask_by_restarting_position_ids():
+    # A sliding layer while a cache is in use: transformers, blind to the packing, passes the
+    # band of the whole row, and the position_ids restart where each sequence starts.
+    q = torch.randn(1, 4, 9, 8)
+    k, v = torch.randn(2, 1, 2, 9, 8).unbind(0)
+    band = transformers_mask(9, 9, cached=0, filled=9, pads=[0], window=3)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    out, _ = backend.attention_forward(Attention(), q, k, v, band, sliding_window=3,
+                                       position_ids=position_ids)
+    for start, end in ((0, 4), (4, 9)):
+        piece = [t[:, :, start:end] for t in (q, k, v)]
+        mask = transformers_mask(end - start, end - start, cached=0, filled=end - start,
+                                 pads=[0], window=3)
+        expected, _ = sdpa_attention_forward(Attention(), *piece, mask, scaling=None)
+        torch.testing.assert_close(out[:, start:end], expected, atol=1e-6, rtol=1e-5)
+    # Padding is no packing: a left-padded row's position_ids restart after its pads (generate
+    # builds them so), and its mask is read as padding, the row one sequence.
+    padded = transformers_mask(9, 9, cached=0, filled=9, pads=[2], window=3)
+    position_ids = torch.tensor([[1, 1, 0, 1, 2, 3, 4, 5, 6]])
+    out, _ = backend.attention_forward(Attention(), q, k, v, padded, sliding_window=3,
+                                       position_ids=position_ids)
+    expected, _ = sdpa_attention_forward(Attention(), q, k, v, padded, scaling=None)
+    torch.testing.assert_close(out[:, 2:], expected[:, 2:], atol=1e-6, rtol=1e-5)
 
 
 def test_inconsistent_or_bad_packing_kwargs_are_refused():
