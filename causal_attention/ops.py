@@ -13,6 +13,7 @@ backward raises. ``varlen_attention_forward`` and ``varlen_attention_backward`` 
 calls under their former names (lengths after ``v`` resp. ``lse``), kept for saved programs.
 """
 
+import inspect
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -106,20 +107,34 @@ varlen_attention_forward = _kernel_alias("varlen_attention_forward")
 varlen_attention_backward = _kernel_alias("varlen_attention_backward")
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: Optional[float] = None,
-    key_mask: Optional[Tensor] = None,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    generator: Optional[torch.Generator] = None,
-) -> Tensor:
+def _dense_op(name: str, doc: str):
+    """The typed wrapper of a dense differentiable op (attention, attention_weights)."""
+
+    def dense_op(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: Optional[float] = None,
+        key_mask: Optional[Tensor] = None,
+        window: Sequence[int] = (-1, 0),
+        softcap: Optional[float] = None,
+        alibi_slopes: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+        dropout_p: float = 0.0,
+        generator: Optional[torch.Generator] = None,
+    ) -> Tensor:
+        return _call(name, q, k, v, scale=scale, key_mask=key_mask, window=window,
+                     softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                     dropout_p=dropout_p, generator=generator)
+
+    dense_op.__name__ = dense_op.__qualname__ = name
+    dense_op.__doc__ = doc
+    return dense_op
+
+
+attention = _dense_op(
+    "attention",
     """Exact causal scaled-dot-product attention, differentiable, without an L x L matrix.
 
     Args:
@@ -148,26 +163,11 @@ def attention(
     finite in the accumulation dtype (``1e39`` is inf in float32), bad dtypes and float
     arguments given as tensors that require grad ``TypeError``, nested or sparse tensors
     ``NotImplementedError``.
-    """
-    return _call("attention", q, k, v, scale=scale, key_mask=key_mask, window=window,
-                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                 generator=generator)
+    """,
+)
 
-
-def attention_weights(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: Optional[float] = None,
-    key_mask: Optional[Tensor] = None,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    generator: Optional[torch.Generator] = None,
-) -> Tensor:
+attention_weights = _dense_op(
+    "attention_weights",
     """The attention probabilities that :func:`attention` applies to ``v``, materialized.
 
     Returns ``(..., Hq, Lq, Lk)`` in the inputs' dtype: row ``i`` is the softmax (with the sink
@@ -180,10 +180,8 @@ def attention_weights(
 
     This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
     Differentiable in ``q``, ``k`` and ``sinks``.
-    """
-    return _call("attention_weights", q, k, v, scale=scale, key_mask=key_mask, window=window,
-                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                 generator=generator)
+    """,
+)
 
 
 def varlen_attention(
@@ -194,14 +192,7 @@ def varlen_attention(
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    *,
-    scale: Optional[float] = None,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    generator: Optional[torch.Generator] = None,
+    **options: Any,
 ) -> Tensor:
     """Causal attention over packed sequences (FlashAttention's varlen layout), differentiable.
 
@@ -219,6 +210,14 @@ def varlen_attention(
     (``TypeError`` if not int32).
     """
     return _call("varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, scale=scale, window=window, softcap=softcap,
-                 alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                 generator=generator)
+                 max_seqlen_k, **options)
+
+
+# Its options are the dense ops' but the key mask, keyword-only: its signature says so (help,
+# IDEs), from theirs rather than written out again.
+_PACKED_OPTIONS = [p for p in inspect.signature(attention).parameters.values()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "key_mask"]
+_PACKED_POSITIONAL = list(inspect.signature(varlen_attention).parameters.values())[:-1]
+varlen_attention.__signature__ = inspect.signature(varlen_attention).replace(
+    parameters=_PACKED_POSITIONAL + _PACKED_OPTIONS
+)

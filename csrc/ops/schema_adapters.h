@@ -20,38 +20,6 @@ namespace causal_attention::detail {
 
 using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // dq dk dv dsinks
 
-// The C++ signatures of the schemas, argument for argument.
-using AttentionSignature = at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      std::optional<double> scale,
-                                      const std::optional<at::Tensor>& key_mask,
-                                      at::IntArrayRef window, std::optional<double> softcap,
-                                      const std::optional<at::Tensor>& alibi_slopes,
-                                      const std::optional<at::Tensor>& sinks, double dropout_p,
-                                      std::optional<at::Generator> generator);
-using VarlenAttentionSignature = at::Tensor(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-    std::optional<double> scale, at::IntArrayRef window, std::optional<double> softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    double dropout_p, std::optional<at::Generator> generator);
-using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
-    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, double dropout_p,
-    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_k);
-using BackwardSignature = Gradients(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double scale,
-    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
-    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, double dropout_p,
-    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_k);
-
 // The score options from their flat arguments, in schema order.
 inline ScoreOptions score_options(at::IntArrayRef window, std::optional<double> softcap,
                                   const std::optional<at::Tensor>& alibi_slopes,
@@ -132,6 +100,13 @@ Gradients backward_from_schema(const at::Tensor& grad_out, const at::Tensor& q, 
   call.lse = lse;
   return kernel(call);
 }
+
+// The C++ signatures of the schemas, argument for argument: the adapters' (which no kernel
+// instantiates here).
+using AttentionSignature = decltype(attention_from_schema<nullptr>);
+using VarlenAttentionSignature = decltype(varlen_attention_from_schema<nullptr>);
+using ForwardSignature = decltype(forward_from_schema<nullptr>);
+using BackwardSignature = decltype(backward_from_schema<nullptr>);
 
 // Through the dispatcher (attention.cpp). call_attention serves attention and varlen_attention
 // (packed where call.packed is given), call_attention_weights attention_weights.
