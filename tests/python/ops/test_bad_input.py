@@ -474,8 +474,8 @@ for case, (scale, finite_in_float32) in SCALES_NEAR_FLOAT32_OVERFLOW.items():
                                                     id=f"{function}-{case}-{dtype}"))
                 continue
             message = (
-                f"causal_attention.{op_name(function)}: scale must be finite in float32, the accumulation "
-                f"dtype of q.dtype={shown}, got scale={scale:g}"
+                f"causal_attention.{op_name(function)}: scale must be finite in float32, the "
+                f"accumulation dtype of q.dtype={shown}, got scale={scale:g}"
             )
             rows_for([function], f"scale-{case}-{shown}", V, [message], scale=scale, **qkv)
 row("scale-1e39", "attention", V,

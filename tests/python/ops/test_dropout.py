@@ -1,10 +1,11 @@
-"""Dropout on the attention probabilities (the score option dropout_p): the keep rate is 1 - p within 4 sigma over
-many p, and the masks of other heads, batch elements, rows and keys are independent; kept
-probabilities are rescaled by 1 / (1 - p); the same seed gives the same bits and another seed
-(or offset) other bits; the public ops draw the seed from the generator exactly as documented;
-attention is attention_weights' dropped probabilities times v; the backward drops what the
-forward dropped (gradients against the float64 reference rebuilt from attention_weights' keep
-mask, in every dtype, with the other options); packed sequences drop as the padded batch does."""
+"""Dropout on the attention probabilities (the score option dropout_p): the keep rate is 1 - p
+within 4 sigma over many p, and the masks of other heads, batch elements, rows and keys are
+independent; kept probabilities are rescaled by 1 / (1 - p); the same seed gives the same bits
+and another seed (or offset) other bits; the public ops draw the seed from the generator exactly
+as documented; attention is attention_weights' dropped probabilities times v; the backward drops
+what the forward dropped (gradients against the float64 reference rebuilt from
+attention_weights' keep mask, in every dtype, with the other options); packed sequences drop as
+the padded batch does."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """torch.library.opcheck (schema, autograd registration, FakeTensor/Meta, AOT dispatch with
 dynamic shapes) of the operators: attention, attention_forward and attention_backward, without
 and with a key mask, and varlen_attention and the kernel ops on packed sequences (their
-cu_seqlens and max_seqlen arguments); then with the score options (window, softcap, ALiBi, sinks, and
-dropout through the kernel ops' dropout_seed)."""
+cu_seqlens and max_seqlen arguments); then with the score options (window, softcap, ALiBi,
+sinks, and dropout through the kernel ops' dropout_seed)."""
 
 import pytest
 import torch

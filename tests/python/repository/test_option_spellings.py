@@ -2,7 +2,8 @@
 causal_attention.ops.ScoreOptions in Python): every other layer takes the struct, so the places
 that spell the options out one by one stay few. A place is a parenthesized parameter list or
 call naming window, softcap, ALiBi, sinks and dropout together (innermost such group, comments
-and docstrings left out); before the options type there were 130 in the product code."""
+and docstrings left out); before the options type there were 130 in the product code, after
+it 24."""
 
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ ROOT = Path(__file__).parents[3]
 PRODUCT = ("csrc", "causal_attention", "training", "benchmarks")
 WORDS = ("window", "softcap", "alibi", "sinks", "dropout")
 # Above this a new option would again change every layer.
-MOST_SPELLINGS = 40
+MOST_SPELLINGS = 30
 
 
 def code(text: str, suffix: str) -> str:
