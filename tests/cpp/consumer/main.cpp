@@ -46,6 +46,14 @@ int main() {
               << expected << "\n";
     return 1;
   }
+  // The installed options header: the same call with its scale set by name.
+  const at::Tensor named =
+      causal_attention::attention(q, k, v, causal_attention::AttentionOptions().scale(scale));
+  if (!named.equal(out)) {
+    std::cerr << "causal_attention::attention with AttentionOptions().scale(1/sqrt(D)) differs "
+                 "from the default scale\n";
+    return 1;
+  }
   std::cout << "causal_attention::attention from the installed package matches the naive "
                "computation\n";
   return 0;
