@@ -6,21 +6,29 @@ Code written for flash-attn runs on the CPU by changing one import::
         flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
     )
 
-The three functions keep flash-attn 2's signatures (names, order, defaults) and layouts:
-``q (batch, seqlen, nheads, headdim)``, packed ``(total, nheads, headdim)`` for varlen, K/V with
-fewer heads for GQA/MQA. They compute what flash-attn computes, and raise
-``NotImplementedError`` naming the argument for the little they do not serve, so a program is
-never silently computed differently than with flash-attn. Served, with flash-attn's semantics:
+and likewise for the packed forms ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``,
+``flash_attn_varlen_qkvpacked_func`` and ``flash_attn_varlen_kvpacked_func``. The functions keep
+flash-attn 2's signatures (names, order, defaults) and layouts: ``q (batch, seqlen, nheads,
+headdim)``, packed ``(total, nheads, headdim)`` for varlen, K/V with fewer heads for GQA/MQA;
+``qkv (batch, seqlen, 3, nheads, headdim)`` and ``kv (batch, seqlen_k, 2, nheads_k, headdim)``
+(varlen: ``(total, 3, nheads, headdim)`` and ``(total_k, 2, nheads_k, headdim)``) for the packed
+forms, which are ``flash_attn_func`` / ``flash_attn_varlen_func`` on views of the packed tensor
+(nothing copied; the qkv-packed varlen call uses ``cu_seqlens`` and ``max_seqlen`` for queries
+and keys alike): the same options and results, gradients into the packed tensor, and errors
+naming the packed function and its own arguments. They compute what flash-attn computes, and
+raise ``NotImplementedError`` naming the argument for the little they do not serve, so a program
+is never silently computed differently than with flash-attn. Served, with flash-attn's semantics:
 
 - the mask: row i of a sequence with ``seqlen_q`` queries and ``seqlen_k`` keys sees keys
   ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` for
-  ``window_size=(left, right)``, a negative bound unbounded; ``causal=True`` sets ``right = 0``
-  (bottom-right causal), and ``causal=False`` with ``(-1, -1)`` is full attention. flash-attn's
-  rewriting of the window is reproduced exactly (flash_api.cpp): a bound at least ``seqlen_k``
-  (``max_seqlen_k`` for varlen, the cache's capacity for the KV cache) is unbounded, causal is
-  dropped for one query row without ALiBi, and then a window with one negative bound gets
-  ``seqlen_k`` for it, which only differs from unbounded for rows more than ``seqlen_k`` keys
-  before the last one. Rows that see no key return zeros.
+  ``window_size=(left, right)`` (a tuple or list of two ints, or a CPU int tensor of shape
+  ``(2,)`` as flash-attn's tests pass it), a negative bound unbounded; ``causal=True`` sets
+  ``right = 0`` (bottom-right causal), and ``causal=False`` with ``(-1, -1)`` is full attention.
+  flash-attn's rewriting of the window is reproduced exactly (flash_api.cpp): a bound at least
+  ``seqlen_k`` (``max_seqlen_k`` for varlen, the cache's capacity for the KV cache) is
+  unbounded, causal is dropped for one query row without ALiBi, and then a window with one
+  negative bound gets ``seqlen_k`` for it, which only differs from unbounded for rows more than
+  ``seqlen_k`` keys before the last one. Rows that see no key return zeros.
 - ``softcap > 0``: scores ``softcap * tanh(scores / softcap)`` (``<= 0``: off);
   ``alibi_slopes``, float32 ``(nheads,)`` or ``(batch, nheads)``: a bias of
   ``-slope * |i + seqlen_k - seqlen_q - j|`` after softcapping; ``dropout_p`` in ``[0, 1)``:
@@ -37,8 +45,8 @@ never silently computed differently than with flash-attn. Served, with flash-att
   the same probabilities, but a log-sum-exp larger by ``slope * (i + seqlen_k - seqlen_q)``.
   The one difference: a row that sees no key has ``lse = -inf`` (the log of an empty sum),
   where flash-attn's unsplit kernel writes ``+inf``.
-- gradients through ``flash_attn_func`` and ``flash_attn_varlen_func`` (none for the slopes,
-  as in flash-attn).
+- gradients through ``flash_attn_func``, ``flash_attn_varlen_func`` and their packed forms
+  (none for the slopes, as in flash-attn).
 - ``flash_attn_with_kvcache``: ``k``/``v`` written into ``k_cache``/``v_cache`` in place at
   ``cache_seqlens`` (an int or an int32 ``(batch,)`` tensor), then every batch row attends to its
   own keys ``cache_leftpad[b] <= j < cache_seqlens[b] + seqlen_new``, the mask and ALiBi aligned
@@ -72,7 +80,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..ops import attention, attention_forward, varlen_attention, varlen_attention_forward
+from ..ops import attention, attention_forward, varlen_attention
 from .._arguments import refuse_tensor_requiring_grad
 
 _PREFIX = "causal_attention.integrations.flash_attn"
@@ -96,7 +104,60 @@ def flash_attn_func(
     ``out (batch, seqlen_q, nheads, headdim_v)``, contiguous, differentiable; with
     ``return_attn_probs=True``, ``(out, softmax_lse (batch, nheads, seqlen_q), S_dmask)``.
     The mask, softcap, ALiBi and dropout are flash-attn's; see the module docstring."""
-    fn = f"{_PREFIX}.flash_attn_func"
+    return _dense_call(f"{_PREFIX}.flash_attn_func", q, k, v, dropout_p, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv (batch, seqlen, 3, nheads, headdim)``
+    -> ``out (batch, seqlen, nheads, headdim)``, ``flash_attn_func`` on the views
+    ``qkv[:, :, 0]``, ``qkv[:, :, 1]``, ``qkv[:, :, 2]`` (nothing copied; the gradient goes to
+    ``qkv``); with ``return_attn_probs=True``, ``(out, softmax_lse (batch, nheads, seqlen),
+    S_dmask)``."""
+    fn = f"{_PREFIX}.flash_attn_qkvpacked_func"
+    q, k, v = _unpack(fn, "qkv", qkv, 5, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return _dense_call(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's ``flash_attn_kvpacked_func``: ``q (batch, seqlen_q, nheads, headdim)``,
+    ``kv (batch, seqlen_k, 2, nheads_k, headdim)`` -> ``out (batch, seqlen_q, nheads,
+    headdim)``, ``flash_attn_func`` on ``q`` and the views ``kv[:, :, 0]``, ``kv[:, :, 1]``
+    (GQA/MQA with ``nheads_k`` dividing ``nheads``; the gradient goes to ``kv``); with
+    ``return_attn_probs=True``, ``(out, softmax_lse (batch, nheads, seqlen_q), S_dmask)``."""
+    fn = f"{_PREFIX}.flash_attn_kvpacked_func"
+    _check_rank(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    k, v = _unpack(fn, "kv", kv, 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    _check_packed_kv(fn, q, kv, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return _dense_call(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs)
+
+
+def _dense_call(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, return_attn_probs):
+    """``flash_attn_func`` and its packed forms, errors naming ``fn``."""
     _check_batched(fn, q, k, v)
     batch, lq, heads, _ = q.shape
     lk = k.size(1)
@@ -138,7 +199,74 @@ def flash_attn_varlen_func(
     differentiable; with ``return_attn_probs=True``, ``(out, softmax_lse (nheads, total_q),
     S_dmask)``. Each sequence attends only to itself, with flash-attn's mask aligned to its own
     lengths (the window rewritten by ``max_seqlen_q``/``max_seqlen_k``, as flash-attn does)."""
-    fn = f"{_PREFIX}.flash_attn_varlen_func"
+    return _varlen_call(f"{_PREFIX}.flash_attn_varlen_func", q, k, v, cu_seqlens_q,
+                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                        block_table)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: packed ``qkv (total, 3, nheads,
+    headdim)`` and int32 ``cu_seqlens (batch + 1,)`` -> ``out (total, nheads, headdim)``,
+    ``flash_attn_varlen_func`` on the views ``qkv[:, 0]``, ``qkv[:, 1]``, ``qkv[:, 2]`` with
+    ``cu_seqlens``/``max_seqlen`` for queries and keys alike (the gradient goes to ``qkv``);
+    with ``return_attn_probs=True``, ``(out, softmax_lse (nheads, total), S_dmask)``."""
+    fn = f"{_PREFIX}.flash_attn_varlen_qkvpacked_func"
+    q, k, v = _unpack(fn, "qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
+    max_seqlen = _as_int(fn, "max_seqlen", max_seqlen)
+    _check_cumulative_lengths(fn, "cu_seqlens", cu_seqlens, qkv.size(0), "max_seqlen",
+                              max_seqlen)
+    return _varlen_call(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                        softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: packed ``q (total_q, nheads, headdim)``,
+    ``kv (total_k, 2, nheads_k, headdim)`` -> ``out (total_q, nheads, headdim)``,
+    ``flash_attn_varlen_func`` on ``q`` and the views ``kv[:, 0]``, ``kv[:, 1]`` (GQA/MQA; the
+    gradient goes to ``kv``); with ``return_attn_probs=True``, ``(out, softmax_lse (nheads,
+    total_q), S_dmask)``."""
+    fn = f"{_PREFIX}.flash_attn_varlen_kvpacked_func"
+    _check_rank(fn, "q", q, 3, "(total_q, nheads, headdim)")
+    k, v = _unpack(fn, "kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
+    _check_packed_kv(fn, q, kv, "(total_k, 2, nheads_k, headdim)")
+    return _varlen_call(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        return_attn_probs)
+
+
+def _varlen_call(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                 softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                 block_table=None):
+    """``flash_attn_varlen_func`` and its packed forms, errors naming ``fn``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(fn, name, t, 3, "(total, nheads, headdim)")
     _check_head_dim(fn, q)
@@ -159,8 +287,9 @@ def flash_attn_varlen_func(
     softmax_scale = _check_scale(fn, softmax_scale)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     if return_attn_probs:
-        out, lse = varlen_attention_forward(*args, _resolve_scale(softmax_scale, q),
-                                            **scores.kwargs())
+        out, lse = attention_forward(q, k, v, _resolve_scale(softmax_scale, q),
+                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                     max_seqlen_q=max_q, max_seqlen_k=max_k, **scores.kwargs())
         if scores.alibi_lse_shift:
             lengths_q, lengths_k = (cu.cpu().long().diff() for cu in (cu_seqlens_q, cu_seqlens_k))
             sequence = torch.repeat_interleave(torch.arange(lengths_q.numel()), lengths_q)
@@ -567,12 +696,7 @@ def _window(fn: str, causal, window_size, seqlen_q: int, seqlen_k: int,
     sequence), as the op's window does. The last rule is not the same as an unbounded side
     where a row sits more than ``seqlen_k`` before the last key (seqlen_q > seqlen_k + 1), so
     it is kept."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(
-            f"{fn}: window_size must be a pair (left, right), got {_describe(window_size)}"
-        )
-    left = _as_int(fn, "window_size[0]", window_size[0])
-    right = _as_int(fn, "window_size[1]", window_size[1])
+    left, right = _window_bounds(fn, window_size)
     left = -1 if left < 0 or left >= seqlen_k else left
     right = -1 if right < 0 or right >= seqlen_k else right
     if causal and (seqlen_q != 1 or alibi):
@@ -582,6 +706,29 @@ def _window(fn: str, causal, window_size, seqlen_q: int, seqlen_k: int,
     if left < 0 and right < 0:
         return (-1, -1), False
     return (seqlen_k if left < 0 else left, seqlen_k if right < 0 else right), False
+
+
+def _window_bounds(fn: str, window_size) -> Tuple[int, int]:
+    """``window_size`` as two ints: a tuple or list of two ints (Python or numpy ints, not
+    bools), or a CPU int tensor of shape ``(2,)`` of any integer dtype, as flash-attn's own tests
+    pass it; anything else is a TypeError naming it."""
+    expected = f"{fn}: window_size must be a pair (left, right): a tuple or list of two ints " \
+        "or a CPU int tensor of shape (2,), got"
+    if isinstance(window_size, Tensor):
+        dtype = window_size.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or \
+                window_size.shape != (2,) or window_size.device.type != "cpu":
+            raise TypeError(f"{expected} a {_describe(window_size)} on {window_size.device}")
+        left, right = window_size.tolist()
+        return left, right
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"{expected} {_describe(window_size)}")
+    bounds = []
+    for i, bound in enumerate(window_size):
+        if isinstance(bound, bool):
+            raise TypeError(f"{fn}: window_size[{i}] must be an int, got {bound!r}")
+        bounds.append(_as_int(fn, f"window_size[{i}]", bound))
+    return bounds[0], bounds[1]
 
 
 def _check_alibi(fn: str, alibi_slopes, batch: int, heads: int) -> Optional[Tensor]:
@@ -629,6 +776,81 @@ def _check_batched(fn: str, q, k, v) -> None:
         raise ValueError(
             f"{fn}: q's nheads must be a multiple of k's nheads_k, got q.shape={tuple(q.shape)}, "
             f"k.shape={tuple(k.shape)}"
+        )
+
+
+def _unpack(fn: str, name: str, packed, dims: int, count: int,
+            layout: str) -> Tuple[Tensor, ...]:
+    """The ``count`` tensors stacked along dim -3 of ``packed`` (``layout``, of ``dims`` dims) as
+    views of it: what the packed functions hand to the unpacked ones, so that autograd sends
+    their gradients back into ``packed``."""
+    _check_rank(fn, name, packed, dims, layout)
+    if packed.size(-3) != count:
+        raise ValueError(
+            f"{fn}: {name} must be {layout}, its dim {dims - 3} of size {count}, got "
+            f"{name}.shape={tuple(packed.shape)}"
+        )
+    if packed.size(-1) <= 0:
+        raise ValueError(f"{fn}: headdim must be positive, got {name}.shape={tuple(packed.shape)}")
+    return packed.unbind(-3)
+
+
+def _check_packed_kv(fn: str, q: Tensor, kv: Tensor, layout: str) -> None:
+    """``kv`` (``layout``, its batch if any, nheads_k and headdim last) against ``q``: the
+    checks the unpacked function would make of k and v, in kv's terms."""
+    batched = q.dim() == 4
+    if (batched and kv.size(0) != q.size(0)) or kv.size(-1) != q.size(-1):
+        what = "q's batch and headdim" if batched else "q's headdim"
+        raise ValueError(
+            f"{fn}: kv must be {layout} with {what}, got q.shape={tuple(q.shape)}, "
+            f"kv.shape={tuple(kv.shape)}"
+        )
+    if kv.size(-2) == 0 or q.size(-2) % kv.size(-2) != 0:
+        raise ValueError(
+            f"{fn}: q's nheads must be a multiple of kv's nheads_k, got q.shape={tuple(q.shape)}, "
+            f"kv.shape={tuple(kv.shape)}"
+        )
+    if kv.dtype != q.dtype:
+        raise TypeError(f"{fn}: kv must have q's dtype {q.dtype}, got {kv.dtype}")
+
+
+def _check_cumulative_lengths(fn: str, name: str, cu, total: int, max_name: str,
+                              max_seqlen: int) -> None:
+    """``cu`` as the op checks cumulative lengths, for a function whose argument is not the op's
+    ``cu_seqlens_q``/``cu_seqlens_k`` (the qkv-packed varlen call passes one for both): int32
+    ``(batch + 1,)`` from 0, non-decreasing, ending at ``total``, no length above
+    ``max_seqlen``. The values are read only from a CPU tensor outside of tracing."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{fn}: {name} must be an int32 tensor (batch + 1,), got {_describe(cu)}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{fn}: {name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{fn}: {name} must be (batch + 1,), got {name}.shape={tuple(cu.shape)}")
+    if max_seqlen < 0:
+        raise ValueError(f"{fn}: {max_name} must be non-negative, got {max_seqlen}")
+    if cu.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    if int(cu[0]) != 0:
+        raise ValueError(f"{fn}: {name} must start at 0, got {name}[0]={int(cu[0])}")
+    lengths = cu.diff()
+    decreasing = (lengths < 0).nonzero()
+    if decreasing.numel():
+        i = int(decreasing[0])
+        raise ValueError(
+            f"{fn}: {name} must be non-decreasing, got {name}[{i}]={int(cu[i])} > "
+            f"{name}[{i + 1}]={int(cu[i + 1])}"
+        )
+    too_long = (lengths > max_seqlen).nonzero()
+    if too_long.numel():
+        i = int(too_long[0])
+        raise ValueError(
+            f"{fn}: sequence {i} has length {int(lengths[i])} ({name}[{i + 1}] - {name}[{i}]), "
+            f"more than {max_name}={max_seqlen}"
+        )
+    if int(cu[-1]) != total:
+        raise ValueError(
+            f"{fn}: the last entry of {name} must be the number of packed rows {total}, got "
+            f"{name}[{cu.numel() - 1}]={int(cu[-1])}"
         )
 
 

@@ -1,11 +1,13 @@
-"""causal_attention.integrations.flash_attn: flash-attn 2's three functions in its (batch, seqlen,
+"""causal_attention.integrations.flash_attn: flash-attn 2's functions in its (batch, seqlen,
 heads, headdim) and packed layouts give what SDPA gives with flash-attn's mask (causal, sliding
 and local windows, rewritten as flash-attn rewrites them) written out as a boolean mask and its
 ALiBi bias as a float one, what a float64 reference gives with softcapping, and what our op's
 attention_weights give with dropout under the same generator state, forward and backward;
 flash_attn_with_kvcache writes the new keys into the cache in place and honours per-row lengths,
-cache rows, left padding, pages, rotary embeddings, windows, ALiBi and softcapping; the little it
-does not serve is refused by name, and bad input gets a typed error naming it."""
+cache rows, left padding, pages, rotary embeddings, windows, ALiBi and softcapping; the qkv- and
+kv-packed functions are the unpacked ones on views of the packed tensor, forward, lse, dropout
+and gradients; window_size may be a tuple, a list or an int tensor; the little it does not serve
+is refused by name, and bad input gets a typed error naming it."""
 
 import inspect
 import math
@@ -19,9 +21,14 @@ import causal_attention
 from attention_testing.parameters import dtype_params
 from causal_attention._masks import visible_keys
 from nn_testing import ROOT
+from causal_attention.integrations import flash_attn as flash_attn_module
 from causal_attention.integrations.flash_attn import (
     flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
 
@@ -729,6 +736,266 @@ def test_kvcache_positional_arguments_follow_flash_attn_signature():
 
 
 # ---------------------------------------------------------------------------------------------
+# The qkv- and kv-packed functions
+
+
+class PackedCase:
+    """One packed function's call on fresh data and the unpacked function's call on copies of
+    the same q, k, v: ``packed(**kwargs)`` and ``unpacked(**kwargs)`` run them, ``packed_grad()``
+    and ``unpacked_grad()`` give the gradient in the packed tensor's layout (the unpacked
+    gradients stacked as the packed tensor stacks its parts)."""
+
+    def __init__(self, function, dtype):
+        self.function = function
+        self.batch, self.heads = 3, 4
+        if function == "flash_attn_qkvpacked_func":
+            self.leaf = torch.randn(3, 13, 3, 4, 16, dtype=dtype, requires_grad=True)
+            self.axis, self.split = 2, 0
+            self._packed = lambda **kw: flash_attn_qkvpacked_func(self.leaf, **kw)
+            self._unpacked = lambda q, k, v, **kw: flash_attn_func(q, k, v, **kw)
+        elif function == "flash_attn_kvpacked_func":  # GQA, Lq < Lk
+            self.q = torch.randn(3, 9, 4, 16, dtype=dtype, requires_grad=True)
+            self.leaf = torch.randn(3, 14, 2, 2, 16, dtype=dtype, requires_grad=True)
+            self.axis, self.split = 2, 1
+            self._packed = lambda **kw: flash_attn_kvpacked_func(self.q, self.leaf, **kw)
+            self._unpacked = lambda q, k, v, **kw: flash_attn_func(q, k, v, **kw)
+        elif function == "flash_attn_varlen_qkvpacked_func":  # uneven lengths, an empty one
+            lengths = [5, 0, 11]
+            cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            self.leaf = torch.randn(sum(lengths), 3, 4, 16, dtype=dtype, requires_grad=True)
+            self.axis, self.split = 1, 0
+            self._packed = lambda **kw: flash_attn_varlen_qkvpacked_func(self.leaf, cu, 11, **kw)
+            self._unpacked = lambda q, k, v, **kw: flash_attn_varlen_func(q, k, v, cu, cu, 11,
+                                                                          11, **kw)
+        else:  # flash_attn_varlen_kvpacked_func: GQA, chunks on caches and Lq > Lk
+            lengths_q, lengths_k = [2, 6, 4], [7, 3, 12]
+            cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            self.q = torch.randn(sum(lengths_q), 4, 16, dtype=dtype, requires_grad=True)
+            self.leaf = torch.randn(sum(lengths_k), 2, 2, 16, dtype=dtype, requires_grad=True)
+            self.axis, self.split = 1, 1
+            self._packed = lambda **kw: flash_attn_varlen_kvpacked_func(
+                self.q, self.leaf, cu_q, cu_k, 6, 12, **kw)
+            self._unpacked = lambda q, k, v, **kw: flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, 6, 12, **kw)
+        parts = [t.detach().clone().requires_grad_(True) for t in self.leaf.unbind(self.axis)]
+        own_q = [self.q.detach().clone().requires_grad_(True)] if self.split else []
+        self.unpacked_leaves = own_q + parts  # q, k, v
+
+    def packed(self, **kwargs):
+        return self._packed(**kwargs)
+
+    def unpacked(self, **kwargs):
+        return self._unpacked(*self.unpacked_leaves, **kwargs)
+
+    def packed_leaves(self):
+        return ([self.q] if self.split else []) + [self.leaf]
+
+    def grads(self, packed_out, unpacked_out, grad_out):
+        """(gradients of the packed call's leaves, the unpacked call's in the same layout)."""
+        ours = grads(packed_out, self.packed_leaves(), grad_out)
+        theirs = grads(unpacked_out, self.unpacked_leaves, grad_out)
+        stacked = torch.stack(theirs[self.split :], dim=self.axis)
+        return ours, list(theirs[: self.split]) + [stacked]
+
+
+PACKED_FUNCTIONS = ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
+
+# Options every packed call takes, ALiBi slopes added by the test ("shared": (nheads,),
+# "per-batch": (batch, nheads)).
+PACKED_OPTIONS = [
+    pytest.param(dict(causal=True), id="causal"),
+    pytest.param(dict(causal=False), id="full"),
+    pytest.param(dict(causal=True, window_size=(3, 0)), id="sliding"),
+    pytest.param(dict(causal=False, window_size=(2, 1)), id="local"),
+    pytest.param(dict(causal=True, softcap=0.6, softmax_scale=0.3), id="softcap-scale"),
+    pytest.param(dict(causal=True, alibi="shared"), id="alibi-causal-kernel"),
+    pytest.param(dict(causal=False, window_size=(4, 2), softcap=1.5, alibi="per-batch"),
+                 id="alibi-local-softcap"),
+]
+
+
+def with_alibi(kwargs, case):
+    kwargs = dict(kwargs)
+    alibi = kwargs.pop("alibi", None)
+    if alibi == "shared":
+        kwargs["alibi_slopes"] = torch.rand(case.heads)
+    elif alibi == "per-batch":
+        kwargs["alibi_slopes"] = torch.rand(case.batch, case.heads)
+    return kwargs
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("kwargs", PACKED_OPTIONS)
+@pytest.mark.parametrize("function", PACKED_FUNCTIONS)
+def test_packed_functions_are_the_unpacked_ones_on_the_same_data(function, kwargs, dtype):
+    case = PackedCase(function, dtype)
+    kwargs = with_alibi(kwargs, case)
+    out, lse, s_dmask = case.packed(return_attn_probs=True, **kwargs)
+    ref_out, ref_lse, ref_s_dmask = case.unpacked(return_attn_probs=True, **kwargs)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert s_dmask.shape == ref_s_dmask.shape == (0,) and s_dmask.dtype == dtype
+    out, ref_out = case.packed(**kwargs), case.unpacked(**kwargs)
+    assert torch.equal(out, ref_out)
+    ours, theirs = case.grads(out, ref_out, torch.randn_like(out))
+    for mine, reference in zip(ours, theirs):
+        assert mine.shape == reference.shape
+        assert torch.equal(mine, reference)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("function", PACKED_FUNCTIONS)
+def test_packed_functions_dropout_is_the_unpacked_ones_for_the_same_seed(function, dtype):
+    case = PackedCase(function, dtype)
+    kwargs = dict(dropout_p=0.3, causal=True, window_size=(5, 0), softcap=2.0,
+                  alibi_slopes=torch.rand(case.heads), deterministic=True)
+    torch.manual_seed(11)
+    out = case.packed(**kwargs)
+    torch.manual_seed(11)
+    ref = case.unpacked(**kwargs)
+    assert torch.equal(out, ref)
+    ours, theirs = case.grads(out, ref, torch.randn_like(out))
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)
+    # The dropout bites: another seed drops other probabilities.
+    torch.manual_seed(12)
+    assert not torch.equal(case.packed(**kwargs), out)
+
+
+@pytest.mark.parametrize("function", PACKED_FUNCTIONS)
+def test_packed_functions_hand_views_of_the_packed_tensor_to_the_unpacked_code(function,
+                                                                             monkeypatch):
+    """No copy of the packed tensor: its parts reach the shared code as views of its storage."""
+    case = PackedCase(function, torch.float32)
+    shared = "_varlen_call" if "varlen" in function else "_dense_call"
+    seen = []
+    original = getattr(flash_attn_module, shared)
+
+    def spy(fn, q, k, v, *args, **kwargs):
+        seen.append((fn, q, k, v))
+        return original(fn, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(flash_attn_module, shared, spy)
+    case.packed(causal=True)
+    (fn, q, k, v), = seen
+    assert fn.endswith(f".{function}")
+    parts = (q, k, v)[case.split :]
+    storage = case.leaf.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in parts)
+    for index, part in enumerate(parts):
+        assert torch.equal(part, case.leaf.select(case.axis, index))
+
+
+def test_packed_signatures_are_flash_attn_2s():
+    """Names, order and defaults of flash-attn 2's packed functions."""
+    options = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+               ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+               ("deterministic", False), ("return_attn_probs", False)]
+    assert parameters(flash_attn_qkvpacked_func) == [("qkv", REQUIRED)] + options
+    assert parameters(flash_attn_kvpacked_func) == [("q", REQUIRED), ("kv", REQUIRED)] + options
+    assert parameters(flash_attn_varlen_qkvpacked_func) == [
+        (name, REQUIRED) for name in ("qkv", "cu_seqlens", "max_seqlen")
+    ] + options
+    assert parameters(flash_attn_varlen_kvpacked_func) == [
+        (name, REQUIRED) for name in ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                      "max_seqlen_k")
+    ] + options
+
+
+def test_packed_functions_take_their_options_by_position():
+    qkv = torch.randn(2, 7, 3, 2, 8, dtype=torch.float64)
+    by_keyword = flash_attn_qkvpacked_func(qkv, softmax_scale=0.4, causal=True,
+                                           window_size=(2, 0), softcap=1.0)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, 0.0, 0.4, True, (2, 0), 1.0), by_keyword)
+    q, kv = qkv[:, :, 0], qkv[:, :, 1:]
+    assert torch.equal(flash_attn_kvpacked_func(q, kv, 0.0, 0.4, True, (2, 0), 1.0), by_keyword)
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    varlen = flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1), cu, 7, 0.0, 0.4, True, (2, 0),
+                                              1.0)
+    assert torch.equal(varlen.unflatten(0, (2, 7)), by_keyword)
+    varlen = flash_attn_varlen_kvpacked_func(q.flatten(0, 1), kv.flatten(0, 1), cu, cu, 7, 7,
+                                             0.0, 0.4, True, (2, 0), 1.0)
+    assert torch.equal(varlen.unflatten(0, (2, 7)), by_keyword)
+
+
+# ---------------------------------------------------------------------------------------------
+# window_size as a tuple, a list or a tensor
+
+
+def window_call(function):
+    """A call of the flash-attn function named ``function`` on fresh data with the
+    ``window_size`` it is given (a causal sliding window of 3 keys, or what stands for one)."""
+    if function in PACKED_FUNCTIONS:
+        case = PackedCase(function, torch.float64)
+        return lambda window_size: case.packed(causal=True, window_size=window_size)
+    if function == "flash_attn_with_kvcache":
+        q, k_cache, v_cache, _, _ = kv_arguments()
+        lengths = torch.tensor([4, 9], dtype=torch.int32)
+        return lambda window_size: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, causal=True, window_size=window_size)
+    if function == "flash_attn_func":
+        q, k, v = bshd(2, 9, 4, 8, torch.float64), bshd(2, 9, 2, 8, torch.float64), \
+            bshd(2, 9, 2, 8, torch.float64)
+        return lambda window_size: flash_attn_func(q, k, v, causal=True, window_size=window_size)
+    q, k, v, cu_q, cu_k = packed([3, 5], [3, 5], 2, 2, 8, 8, torch.float64)
+    return lambda window_size: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True,
+                                                      window_size=window_size)
+
+
+ALL_FUNCTIONS = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"] + \
+    PACKED_FUNCTIONS
+
+WINDOW_FORMS = [
+    pytest.param([2, 0], id="list"),
+    pytest.param(torch.tensor([2, 0]), id="int64-tensor"),
+    pytest.param(torch.tensor([2, 0], dtype=torch.int32), id="int32-tensor"),
+    pytest.param(torch.tensor([2, 0], dtype=torch.uint8), id="uint8-tensor"),
+    pytest.param((np.int64(2), np.int32(0)), id="numpy-ints"),
+    pytest.param((torch.tensor(2), torch.tensor(0)), id="0d-int-tensors"),
+]
+
+
+@pytest.mark.parametrize("window_size", WINDOW_FORMS)
+@pytest.mark.parametrize("function", ALL_FUNCTIONS)
+def test_window_size_as_a_list_or_tensor_is_the_tuple(function, window_size):
+    call = window_call(function)
+    by_tuple = call((2, 0))
+    assert torch.equal(call(window_size), by_tuple)
+    assert not torch.equal(call((-1, -1)), by_tuple)  # the window bites
+
+
+BAD_WINDOWS = [
+    pytest.param(torch.tensor([2.0, 0.0]), r"tensor of shape \(2,\) and dtype torch.float32",
+                 id="float-tensor"),
+    pytest.param(torch.tensor([2, 0, 1]), r"tensor of shape \(3,\) and dtype torch.int64",
+                 id="3-element-tensor"),
+    pytest.param(torch.tensor([[2, 0]]), r"tensor of shape \(1, 2\)", id="2d-tensor"),
+    pytest.param(torch.tensor([True, False]), "dtype torch.bool", id="bool-tensor"),
+    pytest.param((2, 0, 1), r"tuple \(2, 0, 1\)", id="3-tuple"),
+    pytest.param([2], r"list \[2\]", id="1-list"),
+    pytest.param(2, "got 2", id="int"),
+    pytest.param("20", "got '20'", id="str"),
+]
+
+
+@pytest.mark.parametrize("window_size,given", BAD_WINDOWS)
+@pytest.mark.parametrize("function", ALL_FUNCTIONS)
+def test_bad_window_size_is_a_type_error_naming_it_and_what_was_given(function, window_size,
+                                                                      given):
+    with pytest.raises(TypeError, match=rf"{function}: window_size must be a pair .*{given}"):
+        window_call(function)(window_size)
+
+
+@pytest.mark.parametrize("element", [1.0, True, None, torch.tensor(1.0)],
+                         ids=["float", "bool", "None", "0d-float-tensor"])
+def test_bad_window_size_element_is_a_type_error_naming_it(element):
+    with pytest.raises(TypeError, match=r"flash_attn_kvpacked_func: window_size\[1\] must be "
+                                        "an int"):
+        window_call("flash_attn_kvpacked_func")((2, element))
+
+
+# ---------------------------------------------------------------------------------------------
 # Signatures, refusals and bad input
 
 
@@ -784,6 +1051,34 @@ def kv_call(**kwargs):
     return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, **{**defaults, **kwargs})
 
 
+def qkvpacked_call(**kwargs):
+    qkv = torch.randn(2, 8, 3, 2, 8)
+    return lambda: flash_attn_qkvpacked_func(qkv, **kwargs)
+
+
+def kvpacked_call(**kwargs):
+    q, kv = bshd(2, 6, 4, 8, torch.float32), torch.randn(2, 8, 2, 2, 8)
+    return lambda: flash_attn_kvpacked_func(q, kv, **kwargs)
+
+
+def varlen_qkvpacked_call(**kwargs):
+    qkv, cu = torch.randn(8, 3, 2, 8), torch.tensor([0, 3, 8], dtype=torch.int32)
+    return lambda: flash_attn_varlen_qkvpacked_func(qkv, cu, 5, **kwargs)
+
+
+def varlen_kvpacked_call(**kwargs):
+    q, kv = torch.randn(6, 4, 8), torch.randn(8, 2, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 3, 8],
+                                                                         dtype=torch.int32)
+    return lambda: flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 4, 5, **kwargs)
+
+
+PACKED_CALLS = {"flash_attn_qkvpacked_func": qkvpacked_call,
+                "flash_attn_kvpacked_func": kvpacked_call,
+                "flash_attn_varlen_qkvpacked_func": varlen_qkvpacked_call,
+                "flash_attn_varlen_kvpacked_func": varlen_kvpacked_call}
+
+
 REFUSED = [
     pytest.param(func_call(causal=True, dropout_p=0.1, return_attn_probs=True),
                  "return_attn_probs=True with dropout_p=0.1", id="func-probs-with-dropout"),
@@ -801,6 +1096,11 @@ REFUSED = [
                 cache_leftpad=torch.tensor([0, 1], dtype=torch.int32)),
         "cache_leftpad", id="kv-paged-leftpad",
     ),
+] + [
+    pytest.param(call(causal=True, dropout_p=0.2, return_attn_probs=True),
+                 f"{function}: return_attn_probs=True with dropout_p=0.2",
+                 id=f"{function}-probs-with-dropout")
+    for function, call in PACKED_CALLS.items()
 ]
 
 
@@ -817,7 +1117,7 @@ SCALAR_OPTIONS = [
         ("flash_attn_func", ("softmax_scale", "softcap", "dropout_p")),
         ("flash_attn_varlen_func", ("softmax_scale", "softcap", "dropout_p")),
         ("flash_attn_with_kvcache", ("softmax_scale", "softcap")),
-    )
+    ) + tuple((function, ("softmax_scale", "softcap", "dropout_p")) for function in PACKED_CALLS)
     for name in names
 ]
 
@@ -825,7 +1125,7 @@ SCALAR_OPTIONS = [
 def served_call(function, **kwargs):
     """A served causal call of the flash-attn function named ``function``, on fresh inputs."""
     calls = {"flash_attn_func": func_call, "flash_attn_varlen_func": varlen_call,
-             "flash_attn_with_kvcache": kv_call}
+             "flash_attn_with_kvcache": kv_call, **PACKED_CALLS}
     return calls[function](causal=True, **kwargs)
 
 
@@ -992,7 +1292,123 @@ BAD = [
     pytest.param(bad_kv(block_table=torch.tensor([[9, 0], [1, 0]], dtype=torch.int32)),
                  ValueError, r"block_table row 0 names pages \[9\]", id="kv-page-range"),
     pytest.param(bad_kv(num_splits=1.5), TypeError, "num_splits", id="kv-num_splits"),
+    # The packed functions: their own arguments named, with the packed function.
+    pytest.param(lambda: flash_attn_qkvpacked_func(torch.ones(2, 5, 2, 4, 8)), ValueError,
+                 r"flash_attn_qkvpacked_func: qkv must be \(batch, seqlen, 3, nheads, headdim\), "
+                 r"its dim 2 of size 3, got qkv.shape=\(2, 5, 2, 4, 8\)", id="qkv-dim2-is-2"),
+    pytest.param(lambda: flash_attn_qkvpacked_func(torch.ones(5, 3, 4, 8)), ValueError,
+                 r"flash_attn_qkvpacked_func: qkv must be \(batch, seqlen, 3, nheads, headdim\), "
+                 r"got qkv.shape=\(5, 3, 4, 8\)", id="qkv-rank-4"),
+    pytest.param(lambda: flash_attn_qkvpacked_func([1.0]), TypeError,
+                 "flash_attn_qkvpacked_func: qkv must be a tensor", id="qkv-not-tensor"),
+    pytest.param(lambda: flash_attn_qkvpacked_func(torch.ones(2, 5, 3, 4, 0)), ValueError,
+                 r"flash_attn_qkvpacked_func: headdim must be positive, got qkv.shape",
+                 id="qkv-headdim-0"),
+    pytest.param(qkvpacked_call(alibi_slopes=torch.ones(3)), ValueError,
+                 r"flash_attn_qkvpacked_func: alibi_slopes must be \(nheads,\) = \(2,\)",
+                 id="qkv-alibi-shape"),
+    pytest.param(qkvpacked_call(softcap="1"), TypeError,
+                 "flash_attn_qkvpacked_func: softcap must be a float", id="qkv-softcap-str"),
+    pytest.param(lambda: flash_attn_kvpacked_func(bshd(2, 4, 4, 8, F32),
+                                                  torch.ones(2, 6, 3, 2, 8)), ValueError,
+                 r"flash_attn_kvpacked_func: kv must be \(batch, seqlen_k, 2, nheads_k, "
+                 r"headdim\), its dim 2 of size 2, got kv.shape=\(2, 6, 3, 2, 8\)",
+                 id="kv-dim2-is-3"),
+    pytest.param(lambda: flash_attn_kvpacked_func(bshd(2, 4, 4, 8, F32), torch.ones(2, 6, 2, 8)),
+                 ValueError, r"flash_attn_kvpacked_func: kv must be .*got kv.shape=\(2, 6, 2, 8\)",
+                 id="kv-rank-4"),
+    pytest.param(lambda: flash_attn_kvpacked_func(torch.ones(4, 4, 8), torch.ones(2, 6, 2, 2, 8)),
+                 ValueError, r"flash_attn_kvpacked_func: q must be \(batch, seqlen_q, nheads, "
+                 r"headdim\)", id="kvpacked-q-rank-3"),
+    pytest.param(lambda: flash_attn_kvpacked_func(bshd(2, 4, 4, 8, F32),
+                                                  torch.ones(3, 6, 2, 2, 8)), ValueError,
+                 r"flash_attn_kvpacked_func: kv must be .* with q's batch and headdim, got "
+                 r"q.shape=\(2, 4, 4, 8\), kv.shape=\(3, 6, 2, 2, 8\)", id="kv-batch"),
+    pytest.param(lambda: flash_attn_kvpacked_func(bshd(2, 4, 4, 8, F32),
+                                                  torch.ones(2, 6, 2, 2, 4)), ValueError,
+                 r"flash_attn_kvpacked_func: kv must be .* with q's batch and headdim",
+                 id="kv-headdim"),
+    pytest.param(lambda: flash_attn_kvpacked_func(bshd(2, 4, 3, 8, F32),
+                                                  torch.ones(2, 6, 2, 2, 8)), ValueError,
+                 "flash_attn_kvpacked_func: q's nheads must be a multiple of kv's nheads_k",
+                 id="kv-heads"),
+    pytest.param(lambda: flash_attn_kvpacked_func(bshd(2, 4, 4, 8, F32),
+                                                  torch.ones(2, 6, 2, 2, 8, dtype=torch.float64)),
+                 TypeError, "flash_attn_kvpacked_func: kv must have q's dtype torch.float32",
+                 id="kv-dtype"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 2, 2, 8), torch.tensor([0, 8], dtype=torch.int32), 8), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: qkv must be \(total, 3, nheads, headdim\), "
+                 r"its dim 1 of size 3, got qkv.shape=\(8, 2, 2, 8\)", id="varlen-qkv-dim1-is-2"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(1, 8, 3, 2, 8), torch.tensor([0, 8], dtype=torch.int32), 8), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: qkv must be \(total, 3, nheads, headdim\), "
+                 r"got qkv.shape=\(1, 8, 3, 2, 8\)", id="varlen-qkv-rank-5"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(torch.ones(8, 3, 2, 8),
+                                                          torch.tensor([0, 8]), 8), TypeError,
+                 "flash_attn_varlen_qkvpacked_func: cu_seqlens must have dtype torch.int32",
+                 id="varlen-qkv-cu-int64"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(torch.ones(8, 3, 2, 8), None, 8),
+                 TypeError, "flash_attn_varlen_qkvpacked_func: cu_seqlens must be an int32 tensor",
+                 id="varlen-qkv-cu-none"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([[0, 8]], dtype=torch.int32), 8), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens must be \(batch \+ 1,\), got "
+                 r"cu_seqlens.shape=\(1, 2\)", id="varlen-qkv-cu-2d"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([0, 3, 7], dtype=torch.int32), 8), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: the last entry of cu_seqlens must be the "
+                 r"number of packed rows 8, got cu_seqlens\[2\]=7", id="varlen-qkv-cu-total"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([1, 3, 8], dtype=torch.int32), 8), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens must start at 0",
+                 id="varlen-qkv-cu-start"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([0, 5, 3, 8], dtype=torch.int32), 8), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens must be non-decreasing",
+                 id="varlen-qkv-cu-decreasing"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([0, 3, 8], dtype=torch.int32), 4), ValueError,
+                 r"flash_attn_varlen_qkvpacked_func: sequence 1 has length 5 \(cu_seqlens\[2\] "
+                 r"- cu_seqlens\[1\]\), more than max_seqlen=4", id="varlen-qkv-max-too-small"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([0, 8], dtype=torch.int32), 8.0), TypeError,
+                 "flash_attn_varlen_qkvpacked_func: max_seqlen must be an int",
+                 id="varlen-qkv-max-float"),
+    pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
+        torch.ones(8, 3, 2, 8), torch.tensor([0, 8], dtype=torch.int32), -1), ValueError,
+                 "flash_attn_varlen_qkvpacked_func: max_seqlen must be non-negative",
+                 id="varlen-qkv-max-negative"),
+    pytest.param(lambda: flash_attn_varlen_kvpacked_func(
+        torch.ones(6, 4, 8), torch.ones(8, 3, 2, 8), *varlen_lengths()), ValueError,
+                 r"flash_attn_varlen_kvpacked_func: kv must be \(total_k, 2, nheads_k, headdim\), "
+                 r"its dim 1 of size 2, got kv.shape=\(8, 3, 2, 8\)", id="varlen-kv-dim1-is-3"),
+    pytest.param(lambda: flash_attn_varlen_kvpacked_func(
+        torch.ones(6, 4, 8), torch.ones(8, 2, 8), *varlen_lengths()), ValueError,
+                 r"flash_attn_varlen_kvpacked_func: kv must be \(total_k, 2, nheads_k, headdim\), "
+                 r"got kv.shape=\(8, 2, 8\)", id="varlen-kv-rank-3"),
+    pytest.param(lambda: flash_attn_varlen_kvpacked_func(
+        torch.ones(6, 4, 8), torch.ones(8, 2, 2, 16), *varlen_lengths()), ValueError,
+                 r"flash_attn_varlen_kvpacked_func: kv must be .* with q's headdim",
+                 id="varlen-kv-headdim"),
+    pytest.param(lambda: flash_attn_varlen_kvpacked_func(
+        torch.ones(6, 4, 8), torch.ones(8, 2, 3, 8), *varlen_lengths()), ValueError,
+                 "flash_attn_varlen_kvpacked_func: q's nheads must be a multiple of kv's nheads_k",
+                 id="varlen-kv-heads"),
+    pytest.param(lambda: flash_attn_varlen_kvpacked_func(
+        torch.ones(6, 4, 8), torch.ones(8, 2, 2, 8), None, None, 4, 5), TypeError,
+                 "flash_attn_varlen_kvpacked_func: cu_seqlens_q must be a tensor",
+                 id="varlen-kv-cu-none"),
+    pytest.param(varlen_kvpacked_call(window_size=torch.tensor([1.0, 0.0])), TypeError,
+                 "flash_attn_varlen_kvpacked_func: window_size must be a pair",
+                 id="varlen-kv-window-float-tensor"),
 ]
+
+
+def varlen_lengths():
+    """cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k for total_q 6, total_k 8."""
+    return (torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 3, 8], dtype=torch.int32),
+            4, 5)
 
 
 @pytest.mark.parametrize("call,error,named", BAD)
