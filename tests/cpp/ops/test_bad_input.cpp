@@ -9,6 +9,7 @@
 #include "../attention_test_utils.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nested.h>
 
 #include <cctype>
@@ -528,6 +529,33 @@ std::vector<BadCall> table() {
                   E::kTypeError,
                   {"dropout_seed.dtype=Int"},
                   forward_with_seed(torch::zeros({2}, torch::kInt))});
+  // The C++ API's options: the kernel ops take the scale as an argument and a seed, not a
+  // generator; packed sequences take no key mask.
+  rows.push_back({"forward options scale",
+                  E::kValueError,
+                  {"attention_forward: the kernel ops take the scale as an argument"},
+                  [a] {
+                    causal_attention::attention_forward(a.q, a.k, a.v, 0.5,
+                                                        AttentionOptions().scale(0.5));
+                  }});
+  rows.push_back({"backward options generator",
+                  E::kValueError,
+                  {"attention_backward: the kernel ops take", "::generator"},
+                  [a] {
+                    causal_attention::attention_backward(
+                        a.grad_out, a.q, a.k, a.v, a.out, a.lse, 0.5,
+                        AttentionOptions().generator(at::make_generator<at::CPUGeneratorImpl>(1)));
+                  }});
+  rows.push_back({"varlen options key_mask",
+                  E::kValueError,
+                  {"varlen_attention: key_mask is for dense calls"},
+                  [a] {
+                    const at::Tensor cu = torch::tensor({0, 5, 10}, torch::kInt);
+                    const at::Tensor q = a.q.transpose(1, 2).flatten(0, 1);
+                    causal_attention::varlen_attention(
+                        q, q, q, cu, cu, 5, 5,
+                        AttentionOptions().key_mask(torch::ones({10}, torch::kBool)));
+                  }});
   rows.push_back({"forward dropout seed on meta",
                   E::kValueError,
                   {"dropout_seed must be a CPU tensor", "on meta"},
