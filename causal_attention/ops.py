@@ -14,7 +14,7 @@ calls under their former names (lengths after ``v`` resp. ``lse``), kept for sav
 """
 
 import inspect
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -59,6 +59,8 @@ _FLOAT_ARGUMENTS = ("scale", "softcap", "dropout_p")
 def check_window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
     """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError naming
     ``caller`` (the schema would broadcast a single int to both sides)."""
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is type(window[1]) is int:
+        return window  # the common case, without the slower Sequence check below
     if (
         isinstance(window, (str, bytes))
         or not isinstance(window, Sequence)
@@ -69,27 +71,31 @@ def check_window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
     return (window[0], window[1])
 
 
-# Each op's argument names, read once from its schema (torch.compile traces the wrappers, and
-# cannot trace into a schema).
-_OPS = ("attention", "attention_weights", "varlen_attention", "attention_forward",
-        "attention_backward", "varlen_attention_forward", "varlen_attention_backward")
-_ARGUMENT_NAMES = {
-    name: tuple(a.name for a in getattr(torch.ops.causal_attention, name).default._schema.arguments)
-    for name in _OPS
+# Each op, and where the arguments the schema parser cannot check sit among its positional
+# arguments, read once from its schema (torch.compile traces the wrappers, not a schema).
+_OPS = {
+    name: getattr(torch.ops.causal_attention, name)
+    for name in ("attention", "attention_weights", "varlen_attention", "attention_forward",
+                 "attention_backward", "varlen_attention_forward", "varlen_attention_backward")
+}
+_CHECKED_POSITIONS = {
+    name: tuple((a.name, i) for i, a in enumerate(op.default._schema.arguments)
+                if a.name in ("window",) + _FLOAT_ARGUMENTS)
+    for name, op in _OPS.items()
 }
 
 
 def _call(name: str, *args: Any, **kwargs: Any) -> Any:
     """``torch.ops.causal_attention.<name>`` after the checks the schema parser cannot make."""
-    op = getattr(torch.ops.causal_attention, name)
-    bound: Dict[str, Any] = dict(zip(_ARGUMENT_NAMES[name], args))
-    bound.update(kwargs)
-    caller = f"causal_attention.{name}"
-    if "window" in bound:
-        check_window(caller, bound["window"])
-    for argument in _FLOAT_ARGUMENTS:
-        refuse_tensor_requiring_grad(caller, argument, bound.get(argument))
-    return op(*args, **kwargs)
+    caller = "causal_attention." + name
+    for argument, position in _CHECKED_POSITIONS[name]:
+        value = args[position] if position < len(args) else kwargs.get(argument)
+        if argument == "window":
+            if value is not None:
+                check_window(caller, value)
+        else:
+            refuse_tensor_requiring_grad(caller, argument, value)
+    return _OPS[name](*args, **kwargs)
 
 
 def _kernel_alias(name: str):
