@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ._arguments import refuse_tensor_requiring_grad
 from .ops import attention
@@ -78,9 +79,14 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> Tensor:
     """Same signature and result as ``torch.nn.functional.scaled_dot_product_attention`` for
-    the calls it serves: ``attn_mask=None``; ``is_causal=False`` (full attention, any query and
-    key lengths) or ``is_causal=True`` with equal query and key lengths; ``0 <= dropout_p < 1``;
-    and key/value heads fewer than query heads only with ``enable_gqa=True``.
+    the calls it serves: ``is_causal=False`` (full attention) or ``is_causal=True`` (causal,
+    top-left aligned as SDPA's: query row ``i`` sees keys ``0..i``) with any query and key
+    lengths; ``attn_mask`` None or a ``torch.nn.attention.bias.CausalBias``
+    (``causal_upper_left``, as ``is_causal``, or ``causal_lower_right``: row ``i`` sees keys
+    up to ``i + Lk - Lq``, the KV-cache alignment); ``0 <= dropout_p < 1``; and key/value heads
+    fewer than query heads only with ``enable_gqa=True``. Both alignments are the op's window
+    geometry, no mask built; a row that sees no key (lower-right with ``Lq > Lk``) gives zeros,
+    as in SDPA.
 
     Shapes are SDPA's: ``query (..., Hq, Lq, E)``, ``key (..., Hkv, Lk, E)``,
     ``value (..., Hkv, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``. As in SDPA, ``dropout_p > 0`` drops
@@ -88,17 +94,23 @@ def scaled_dot_product_attention(
     evaluation), drawing the dropout mask's seed from torch's default generator: the same
     generator state gives the same result, bit for bit (SDPA's own random stream differs, so
     the two agree in distribution, not draw for draw). Any other call raises
-    ``NotImplementedError``: masks are not implemented, ``dropout_p=1`` (SDPA's all-zero
-    output) neither, and with ``Lq != Lk`` SDPA's ``is_causal`` aligns top-left while this op
-    aligns bottom-right (call :func:`causal_attention.attention` for the KV-cache alignment).
-    Arguments of a type SDPA refuses raise SDPA's ``TypeError``, a ``scale`` tensor that
-    requires grad included; a ``dropout_p`` outside ``[0, 1]`` raises ``ValueError``.
+    ``NotImplementedError``: other masks are not implemented, ``dropout_p=1`` (SDPA's all-zero
+    output) neither. Arguments of a type SDPA refuses raise SDPA's ``TypeError``, a ``scale``
+    tensor that requires grad included; a ``dropout_p`` outside ``[0, 1]`` raises
+    ``ValueError``, as a CausalBias with ``is_causal=True`` does in SDPA.
     """
     _check_argument_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if attn_mask is not None:
+    top_left = True
+    if isinstance(attn_mask, CausalBias):
+        if is_causal:
+            raise ValueError(
+                f"{_OP}: a CausalBias attn_mask should not be used with is_causal=True"
+            )
+        is_causal, top_left = True, attn_mask.variant == CausalVariant.UPPER_LEFT
+    elif attn_mask is not None:
         raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: attn_mask is not supported; "
-            "only is_causal=True or False without a mask is served"
+            "causal_attention.scaled_dot_product_attention: attn_mask is not supported but as a "
+            "torch.nn.attention.bias.CausalBias; is_causal=True or False without a mask is served"
         )
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
@@ -111,19 +123,28 @@ def scaled_dot_product_attention(
             "causal_attention.scaled_dot_product_attention: dropout_p=1.0 (every probability "
             "dropped, an all-zero output in SDPA) is not supported; dropout_p must be below 1"
         )
-    if is_causal and query.dim() >= 2 and key.dim() >= 2 and query.size(-2) != key.size(-2):
-        raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: is_causal=True with query and key "
-            f"lengths that differ (query.shape={tuple(query.shape)}, key.shape="
-            f"{tuple(key.shape)}); SDPA's is_causal aligns top-left there, this op "
-            "bottom-right: call causal_attention.attention for KV-cache attention"
-        )
     if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.size(-3) != key.size(-3):
         raise NotImplementedError(
             "causal_attention.scaled_dot_product_attention: query and key have different head "
             f"counts (query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); pass "
             "enable_gqa=True for grouped-query attention"
         )
-    # is_causal=False is full attention: no bound on either side of the diagonal.
-    window = (-1, 0) if is_causal else (-1, -1)
+    key, value, window = _aligned(query, key, value, is_causal, top_left)
     return attention(query, key, value, scale=scale, window=window, dropout_p=dropout_p)
+
+
+def _aligned(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, top_left: bool):
+    """Keys, values and the op's window (bottom-right aligned) for SDPA's visibility.
+    is_causal=False is full attention: no bound on either side. Top-left causal with
+    ``Lq < Lk`` leaves the keys past ``Lq`` unseen by every row: they are dropped (a view, and
+    their gradient is zero), and what is left is causal with equal lengths; with ``Lq > Lk``,
+    row ``i`` sees keys up to ``i = i + (Lk - Lq) + (Lq - Lk)``: a window reaching ``Lq - Lk``
+    past the bottom-right diagonal."""
+    if not is_causal:
+        return key, value, (-1, -1)
+    if not top_left or query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+        return key, value, (-1, 0)
+    len_q, len_k = query.size(-2), key.size(-2)
+    if len_q < len_k:
+        return key.narrow(-2, 0, len_q), value.narrow(-2, 0, len_q), (-1, 0)
+    return key, value, (-1, len_q - len_k)

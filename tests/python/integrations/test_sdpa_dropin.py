@@ -1,7 +1,8 @@
 """causal_attention.scaled_dot_product_attention as a drop-in for F.scaled_dot_product_attention:
 same result for the calls it serves (causal, and non-causal full attention within twice SDPA's
-error in every dtype), with dropout the probabilities attention_weights gives for the same
-generator state, dropped at the rate asked; NotImplementedError naming the argument otherwise."""
+error in every dtype; causal with any lengths, top-left as is_causal or as a CausalBias says),
+with dropout the probabilities attention_weights gives for the same generator state, dropped at
+the rate asked; NotImplementedError naming the argument otherwise."""
 
 import math
 from decimal import Decimal
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import causal_attention
 from attention_testing.inputs import Case, make_tensor
@@ -74,6 +76,71 @@ def test_non_causal_calls_match_sdpa_within_twice_its_error(case, kwargs, dtype)
                             to64(grad_out), **kwargs)
     failures = twice_sdpa_error_failures(RESULT_NAMES, ours, same, ref)
     assert not failures, "; ".join(failures)
+
+
+# Causal attention with query and key lengths that differ: SDPA's is_causal aligns top-left, and
+# CausalBias says which alignment (upper-left, or lower-right: the KV-cache one).
+ALIGNED_CASES = {
+    "Lq<Lk-gqa-Dv8": (Case(5, 70, 16, dv=8, hq=4, hkv=2), {"enable_gqa": True}),
+    "Lq>Lk-mqa-scale": (Case(70, 9, 8, hq=2, hkv=1), {"enable_gqa": True, "scale": 0.3}),
+    "Lq<Lk-transposed": (Case(33, 130, 32, hq=2, hkv=2, batch=(2,), layout="transposed"), {}),
+    "2d-Lq<Lk": (Case(9, 20, 8, heads=False), {}),
+    "equal": (Case(20, 20, 8, hq=2, hkv=2), {}),
+}
+ALIGNED = [
+    pytest.param(case, {**kwargs, **alignment(case)}, id=f"{name}-{kind}")
+    for name, (case, kwargs) in ALIGNED_CASES.items()
+    for kind, alignment in (
+        ("is_causal", lambda c: {"is_causal": True}),
+        ("upper-left", lambda c: {"attn_mask": causal_upper_left(c.lq, c.lk)}),
+        ("lower-right", lambda c: {"attn_mask": causal_lower_right(c.lq, c.lk)}),
+    )
+]
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("case,kwargs", ALIGNED)
+def test_causal_alignments_match_sdpa_within_twice_its_error(case, kwargs, dtype):
+    inputs = case.inputs(dtype)
+    grad_out = make_tensor(case.out_shape, dtype)
+    ours = forward_and_grads(causal_attention.scaled_dot_product_attention, inputs, grad_out,
+                             **kwargs)
+    same = forward_and_grads(F.scaled_dot_product_attention, inputs, grad_out, **kwargs)
+    ref = forward_and_grads(F.scaled_dot_product_attention, [to64(t) for t in inputs],
+                            to64(grad_out), **kwargs)
+    failures = twice_sdpa_error_failures(RESULT_NAMES, ours, same, ref)
+    assert not failures, "; ".join(failures)
+
+
+def test_lower_right_rows_that_see_no_key_are_zeros():
+    q, k, v = Case(9, 4, 8, hq=2, hkv=2).inputs(torch.float64, requires_grad=True)
+    out = causal_attention.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(9, 4))
+    # Rows 0..4 see no key (row i sees keys up to i + 4 - 9); the rest are the op's KV alignment.
+    assert torch.equal(out[..., :5, :], torch.zeros_like(out[..., :5, :]))
+    torch.testing.assert_close(out, causal_attention.attention(q, k, v))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.isfinite().all() for g in grads)
+
+
+def test_top_left_causal_is_the_op_on_the_keys_rows_can_see():
+    """With Lq < Lk no row sees the keys past Lq: the call is the op on the first Lq keys, and
+    the keys past them get zero gradient; nothing of size Lq x Lk is built."""
+    q, k, v = Case(6, 11, 8, hq=2, hkv=2).inputs(torch.float64, requires_grad=True)
+    out = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, causal_attention.attention(q, k[..., :6, :], v[..., :6, :]))
+    dk, dv = torch.autograd.grad(out.sum(), (k, v))
+    assert torch.equal(dk[..., 6:, :], torch.zeros_like(dk[..., 6:, :]))
+    assert torch.equal(dv[..., 6:, :], torch.zeros_like(dv[..., 6:, :]))
+
+
+def test_a_causal_bias_with_is_causal_is_a_value_error_as_in_sdpa():
+    q, k, v = Case(4, 6, 8, hq=2, hkv=2).inputs(torch.float32)
+    with pytest.raises(ValueError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(4, 6), is_causal=True)
+    with pytest.raises(ValueError, match="causal_attention.scaled_dot_product_attention: a Causal"):
+        causal_attention.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_upper_left(4, 6), is_causal=True
+        )
 
 
 def dropped_attention(q, k, v, dropout_p, is_causal, **kwargs):
@@ -151,14 +218,6 @@ REFUSED = [
     pytest.param(
         Case(8, 8, 4, hq=2, hkv=2), {"dropout_p": 1.0, "is_causal": True}, "dropout_p=1.0",
         id="dropout-1",
-    ),
-    pytest.param(
-        Case(4, 8, 4, hq=2, hkv=2), {"is_causal": True}, "is_causal=True with query and key",
-        id="causal-Lq<Lk",
-    ),
-    pytest.param(
-        Case(8, 4, 4, heads=False), {"is_causal": True}, "lengths that differ",
-        id="causal-Lq>Lk-2d",
     ),
     pytest.param(Case(8, 8, 4, hq=4, hkv=2), {"is_causal": True}, "enable_gqa", id="gqa-no-flag"),
 ]
