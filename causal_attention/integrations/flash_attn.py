@@ -225,9 +225,8 @@ def flash_attn_varlen_qkvpacked_func(
     with ``return_attn_probs=True``, ``(out, softmax_lse (nheads, total), S_dmask)``."""
     fn = f"{_PREFIX}.flash_attn_varlen_qkvpacked_func"
     q, k, v = _unpack(fn, "qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
-    max_seqlen = _as_int(fn, "max_seqlen", max_seqlen)
-    _check_cumulative_lengths(fn, "cu_seqlens", cu_seqlens, qkv.size(0), "max_seqlen",
-                              max_seqlen)
+    # cu_seqlens and max_seqlen serve queries and keys alike: the op checks them, naming its
+    # cu_seqlens_q and max_seqlen_q, as for flash_attn_varlen_func.
     return _varlen_call(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                         softmax_scale, causal, window_size, softcap, alibi_slopes,
                         return_attn_probs)
@@ -812,46 +811,6 @@ def _check_packed_kv(fn: str, q: Tensor, kv: Tensor, layout: str) -> None:
         )
     if kv.dtype != q.dtype:
         raise TypeError(f"{fn}: kv must have q's dtype {q.dtype}, got {kv.dtype}")
-
-
-def _check_cumulative_lengths(fn: str, name: str, cu, total: int, max_name: str,
-                              max_seqlen: int) -> None:
-    """``cu`` as the op checks cumulative lengths, for a function whose argument is not the op's
-    ``cu_seqlens_q``/``cu_seqlens_k`` (the qkv-packed varlen call passes one for both): int32
-    ``(batch + 1,)`` from 0, non-decreasing, ending at ``total``, no length above
-    ``max_seqlen``. The values are read only from a CPU tensor outside of tracing."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{fn}: {name} must be an int32 tensor (batch + 1,), got {_describe(cu)}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{fn}: {name} must have dtype torch.int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{fn}: {name} must be (batch + 1,), got {name}.shape={tuple(cu.shape)}")
-    if max_seqlen < 0:
-        raise ValueError(f"{fn}: {max_name} must be non-negative, got {max_seqlen}")
-    if cu.device.type != "cpu" or torch.compiler.is_compiling():
-        return
-    if int(cu[0]) != 0:
-        raise ValueError(f"{fn}: {name} must start at 0, got {name}[0]={int(cu[0])}")
-    lengths = cu.diff()
-    decreasing = (lengths < 0).nonzero()
-    if decreasing.numel():
-        i = int(decreasing[0])
-        raise ValueError(
-            f"{fn}: {name} must be non-decreasing, got {name}[{i}]={int(cu[i])} > "
-            f"{name}[{i + 1}]={int(cu[i + 1])}"
-        )
-    too_long = (lengths > max_seqlen).nonzero()
-    if too_long.numel():
-        i = int(too_long[0])
-        raise ValueError(
-            f"{fn}: sequence {i} has length {int(lengths[i])} ({name}[{i + 1}] - {name}[{i}]), "
-            f"more than {max_name}={max_seqlen}"
-        )
-    if int(cu[-1]) != total:
-        raise ValueError(
-            f"{fn}: the last entry of {name} must be the number of packed rows {total}, got "
-            f"{name}[{cu.numel() - 1}]={int(cu[-1])}"
-        )
 
 
 def _check_rank(fn: str, name: str, t, dims: int, layout: str) -> None:

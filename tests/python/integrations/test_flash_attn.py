@@ -1346,38 +1346,38 @@ BAD = [
                  r"got qkv.shape=\(1, 8, 3, 2, 8\)", id="varlen-qkv-rank-5"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(torch.ones(8, 3, 2, 8),
                                                           torch.tensor([0, 8]), 8), TypeError,
-                 "flash_attn_varlen_qkvpacked_func: cu_seqlens must have dtype torch.int32",
+                 "cu_seqlens_q must be int32", 
                  id="varlen-qkv-cu-int64"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(torch.ones(8, 3, 2, 8), None, 8),
-                 TypeError, "flash_attn_varlen_qkvpacked_func: cu_seqlens must be an int32 tensor",
+                 TypeError, "flash_attn_varlen_qkvpacked_func: cu_seqlens_q must be a tensor",
                  id="varlen-qkv-cu-none"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([[0, 8]], dtype=torch.int32), 8), ValueError,
-                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens must be \(batch \+ 1,\), got "
-                 r"cu_seqlens.shape=\(1, 2\)", id="varlen-qkv-cu-2d"),
+                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens_q must be \(batch \+ 1,\), got "
+                 r"cu_seqlens_q.shape=\(1, 2\)", id="varlen-qkv-cu-2d"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([0, 3, 7], dtype=torch.int32), 8), ValueError,
-                 r"flash_attn_varlen_qkvpacked_func: the last entry of cu_seqlens must be the "
-                 r"number of packed rows 8, got cu_seqlens\[2\]=7", id="varlen-qkv-cu-total"),
+                 r"attention_forward: the last entry of cu_seqlens_q must be the "
+                 r"number of packed rows 8, got cu_seqlens_q\[2\]=7", id="varlen-qkv-cu-total"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([1, 3, 8], dtype=torch.int32), 8), ValueError,
-                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens must start at 0",
+                 r"attention_forward: cu_seqlens_q must start at 0",
                  id="varlen-qkv-cu-start"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([0, 5, 3, 8], dtype=torch.int32), 8), ValueError,
-                 r"flash_attn_varlen_qkvpacked_func: cu_seqlens must be non-decreasing",
+                 r"attention_forward: cu_seqlens_q must be non-decreasing",
                  id="varlen-qkv-cu-decreasing"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([0, 3, 8], dtype=torch.int32), 4), ValueError,
-                 r"flash_attn_varlen_qkvpacked_func: sequence 1 has length 5 \(cu_seqlens\[2\] "
-                 r"- cu_seqlens\[1\]\), more than max_seqlen=4", id="varlen-qkv-max-too-small"),
+                 r"attention_forward: sequence 1 has length 5 \(cu_seqlens_q\[2\] "
+                 r"- cu_seqlens_q\[1\]\), more than max_seqlen_q=4", id="varlen-qkv-max-too-small"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([0, 8], dtype=torch.int32), 8.0), TypeError,
-                 "flash_attn_varlen_qkvpacked_func: max_seqlen must be an int",
+                 "flash_attn_varlen_qkvpacked_func: max_seqlen_q must be an int",
                  id="varlen-qkv-max-float"),
     pytest.param(lambda: flash_attn_varlen_qkvpacked_func(
         torch.ones(8, 3, 2, 8), torch.tensor([0, 8], dtype=torch.int32), -1), ValueError,
-                 "flash_attn_varlen_qkvpacked_func: max_seqlen must be non-negative",
+                 "varlen_attention: max_seqlen_q and max_seqlen_k must be non-negative",
                  id="varlen-qkv-max-negative"),
     pytest.param(lambda: flash_attn_varlen_kvpacked_func(
         torch.ones(6, 4, 8), torch.ones(8, 3, 2, 8), *varlen_lengths()), ValueError,
