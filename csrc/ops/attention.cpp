@@ -70,17 +70,24 @@ Gradients call_attention_backward(const BackwardCall& c) {
 
 namespace {
 
-// A C++ API call as the struct the ops take.
+// The score options of a C++ API call (the kernel ops' seed aside).
+detail::ScoreOptions score_options(const AttentionOptions& options) {
+  detail::ScoreOptions score;
+  score.window.assign(options.window().begin(), options.window().end());
+  score.softcap = options.softcap();
+  score.alibi_slopes = options.alibi_slopes();
+  score.sinks = options.sinks();
+  score.dropout_p = options.dropout_p();
+  return score;
+}
+
+// A C++ API call of a differentiable op as the struct the ops take.
 detail::AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const AttentionOptions& options) {
   detail::AttentionCall call{q, k, v};
   call.scale = options.scale();
   call.key_mask = options.key_mask();
-  call.options.window.assign(options.window().begin(), options.window().end());
-  call.options.softcap = options.softcap();
-  call.options.alibi_slopes = options.alibi_slopes();
-  call.options.sinks = options.sinks();
-  call.options.dropout_p = options.dropout_p();
+  call.options = score_options(options);
   call.generator = options.generator();
   return call;
 }
@@ -94,11 +101,10 @@ detail::ForwardCall forward_call(const char* op, const at::Tensor& q, const at::
                     ": the kernel ops take the scale as an argument and dropout_seed for dropout; "
                     "AttentionOptions::scale and ::generator are for attention, "
                     "attention_weights and varlen_attention");
-  detail::AttentionCall call = attention_call(q, k, v, options);
   detail::ForwardCall forward{q, k, v};
   forward.scale = scale;
-  forward.key_mask = std::move(call.key_mask);
-  forward.options = std::move(call.options);
+  forward.key_mask = options.key_mask();
+  forward.options = score_options(options);
   forward.options.dropout_seed = dropout_seed;
   return forward;
 }
@@ -180,12 +186,9 @@ std::tuple<at::Tensor, at::Tensor> packed_forward_alias(
     double scale, at::IntArrayRef window, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
-  detail::ForwardCall call{q, k, v};
-  call.scale = scale;
-  call.options =
-      detail::score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
-  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
-  return detail::call_attention_forward(call);
+  return detail::forward_from_schema<detail::call_attention_forward>(
+      q, k, v, scale, std::nullopt, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
+      cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k));
 }
 
 detail::Gradients packed_backward_alias(
@@ -195,15 +198,10 @@ detail::Gradients packed_backward_alias(
     double scale, at::IntArrayRef window, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
-  detail::BackwardCall call(detail::ForwardCall{q, k, v});
-  call.scale = scale;
-  call.options =
-      detail::score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
-  call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
-  call.grad_out = grad_out;
-  call.out = out;
-  call.lse = lse;
-  return detail::call_attention_backward(call);
+  return detail::backward_from_schema<detail::call_attention_backward>(
+      grad_out, q, k, v, out, lse, scale, std::nullopt, window, softcap, alibi_slopes, sinks,
+      dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
+      std::move(max_seqlen_k));
 }
 
 }  // namespace

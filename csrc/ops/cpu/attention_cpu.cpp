@@ -58,7 +58,8 @@ class KernelLayout {
   at::Tensor rows(const at::Tensor& t) const {
     return as_batch_heads_rows(packed_ ? t.transpose(0, 1).unsqueeze(0) : t);
   }
-  // lse: (..., Hq, Lq) as (batch, Hq, Lq), or packed (Hq, total_q) as (1, Hq, total_q).
+  // lse: (..., Hq, Lq) as (batch, Hq, Lq), or packed (Hq, total_q) as (1, Hq, total_q); a view
+  // of a contiguous one.
   at::Tensor lse_rows(const at::Tensor& lse, const at::Tensor& q_rows) const {
     return packed_ ? lse.contiguous().unsqueeze(0)
                    : lse.reshape({q_rows.size(0), q_rows.size(1), q_rows.size(2)}).contiguous();
@@ -155,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const detail::ForwardCa
   at::Tensor out = at::empty_symint(layout.out_sizes(call.q, call.v), call.q.options());
   at::Tensor lse = at::empty_symint(layout.lse_sizes(call.q), detail::lse_options(call.q));
   t.out = layout.rows(out);
-  t.lse = layout.packed() ? lse.unsqueeze(0) : lse.view({t.q.size(0), t.q.size(1), t.q.size(2)});
+  t.lse = layout.lse_rows(lse, t.q);  // a view: lse is allocated contiguous
   if (lse.numel() > 0 && !no_sequences(t)) {
     run_kernel(forward_kernel, std::move(t));
   }
