@@ -286,7 +286,7 @@ def read_key_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
             window = (left, 0)
             seen = visible_keys(lq, key_length, window, device=mask.device)
             key_ok = used[:, 0, diagonal_row, keys] | ~seen.any(dim=0)
-            expected = visible_keys(lq, key_length, window, key_mask=key_ok)
+            expected = seen & key_ok[:, None, None, :]
             if torch.equal(used, expected.expand_as(used)):
                 key_mask = None if bool(key_ok.all()) else key_ok
                 return MaskLayout(key_length, key_mask, window=window)
