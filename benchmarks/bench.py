@@ -135,7 +135,12 @@ def print_header(env, args):
 def main(argv=None):
     args = parse_bench_args(__doc__, argv)
     if args.table_from:
-        print("\n".join(report.grid_table(json.loads(args.table_from.read_text())["results"])))
+        rows = json.loads(args.table_from.read_text())["results"]
+        if args.compare_with:
+            base = json.loads(args.compare_with.read_text())["results"]
+            print("\n".join(report.grid_comparison(rows, base)))
+        else:
+            print("\n".join(report.grid_table(rows)))
         return
     preset = args.preset
     torch.set_num_threads(args.threads)

@@ -40,6 +40,9 @@ def parse_bench_args(doc, argv=None):
                         help="the mean of v and grad_out in the accuracy section")
     parser.add_argument("--table-from", type=Path, default=None,
                         help="print the grid table of a saved results.json and exit")
+    parser.add_argument("--compare-with", type=Path, default=None,
+                        help="with --table-from: each grid cell's ratio vs SDPA over this saved "
+                        "run's, and their median, lowest and highest")
     args = parser.parse_args(argv)
     args.preset = QUICK if args.quick else FULL
     args.rounds = args.rounds or args.preset.rounds

@@ -84,6 +84,33 @@ def grid_table(rows):
     return lines
 
 
+def grid_ratios(rows):
+    """Our ratio vs SDPA per grid cell: {(dtype, mode, B, H, D, L): ratio}."""
+    return {(r["dtype"], r["mode"], r["B"], r["H"], r["D"], r["Lq"]): r["ratio_vs_sdpa"]
+            for r in rows if r["section"] == "grid" and r["status"] == "ok"
+            and r["impl"] == "ours" and r["ratio_vs_sdpa"] is not None}
+
+
+def grid_comparison(rows, base_rows):
+    """Each grid cell of both runs: its ratio vs SDPA in each, and this run's over the base's;
+    then their median, lowest and highest. Ratios, not times, so that runs on a machine whose
+    speed drifts between them compare (each ratio is within one run)."""
+    now, base = grid_ratios(rows), grid_ratios(base_rows)
+    cells = sorted(now.keys() & base.keys(), key=lambda k: (k[0] != "float32",) + k[1:])
+    lines = ["dtype    pass  B  H     L    D | x sdpa base | x sdpa now | now / base"]
+    changes = []
+    for dtype, mode, batch, heads, dim, length in cells:
+        key = (dtype, mode, batch, heads, dim, length)
+        changes.append(now[key] / base[key])
+        lines.append(f"{dtype:<8} {mode:<4} {batch:>2} {heads:>2} {length:>5} {dim:>4} | "
+                     f"{base[key]:>11.2f} | {now[key]:>10.2f} | {changes[-1]:>10.2f}")
+    if changes:
+        median = statistics.median(changes)
+        lines.append(f"now / base over {len(changes)} cells: median {median:.2f}, "
+                     f"lowest {min(changes):.2f}, highest {max(changes):.2f}")
+    return lines
+
+
 def check(what, value, target=None, met=None, where=""):
     return {"what": what, "value": value, "target": target, "met": met, "where": where}
 

@@ -84,6 +84,40 @@ def test_documented_grid_tables_are_the_saved_runs(saved):
         assert line in document, line
 
 
+def test_call_overhead_times_every_call_against_sdpa():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.call_overhead", "--rounds", "1", "--min-run-time",
+         "0.01"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("(")]
+    assert len(rows) == 10  # 2 shapes x 5 calls
+    for shape, call, median_us, vs_sdpa in rows:
+        assert float(median_us) > 0
+        if "sdpa" in call:
+            assert float(vs_sdpa) == 1.0
+
+
+def test_documented_grid_comparison_is_the_saved_runs():
+    """The comparison docs/benchmarks/README.md quotes is what --compare-with prints for the two
+    saved Zen 5 runs, and every cell's ratio of ratios is the cells' own."""
+    now, base = (REPO_ROOT / "docs" / "benchmarks" / name
+                 for name in ("grid_zen5_options.json", "grid_zen5.json"))
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--table-from", str(now), "--compare-with",
+         str(base)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    document = (REPO_ROOT / "docs" / "benchmarks" / "README.md").read_text()
+    assert lines[-1].startswith("now / base over 32 cells") and lines[-1] in document
+    for line in lines[1:-1]:
+        base_ratio, now_ratio, change = (float(field) for field in line.split("|")[1:])
+        assert abs(now_ratio / base_ratio - change) <= 0.01, line
+
+
 @pytest.mark.parametrize(
     "module, sections",
     [("ragged", ("mask", "leftpad", "packed")), ("options", ("window", "modifiers"))],
