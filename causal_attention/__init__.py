@@ -12,6 +12,7 @@ from .nn import CausalSelfAttention  # noqa: E402
 from .ops import (  # noqa: E402
     attention,
     attention_backward,
+    attention_gradients,
     attention_forward,
     attention_weights,
     varlen_attention,
@@ -23,6 +24,7 @@ __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
+    "attention_gradients",
     "attention_weights",
     "varlen_attention",
     "varlen_attention_forward",

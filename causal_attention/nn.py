@@ -170,6 +170,7 @@ class CausalSelfAttention(nn.Module):
         cache: Optional[KVCache] = None,
         need_weights: bool = False,
         key_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Tensor] = None,
     ):
         """Attends ``x (B, L, E)`` (causally, or as ``window`` says) and returns ``(B, L, E)``.
 
@@ -184,6 +185,12 @@ class CausalSelfAttention(nn.Module):
         at padding positions are not meaningful (a query that sees no key attends to nothing and
         gives ``c_proj``'s bias): ignore them, as transformers does. Pass it by name: it comes
         after ``need_weights`` only because TorchScript compiles no keyword-only arguments.
+
+        ``attn_mask``, SDPA's, broadcastable to ``(B, Hq, L, cached + L)`` (bool, True where a
+        query may attend a key, or floating, added to the scores; a learned bias gets its
+        gradient), narrows what the window and the key mask let each query see: a document
+        mask of a packed batch, a prefix-LM's or a relative-position bias. It is not cached:
+        give each call the mask of its queries against every cached key.
 
         With ``need_weights=True``, returns ``(output, weights)``, the attention probabilities
         ``(B, Hq, L, cached + L)``, materialized (O(L²) memory) for inspection; under a key mask
@@ -202,16 +209,21 @@ class CausalSelfAttention(nn.Module):
                     "forward_with_weights(x, cache, key_mask) for the attention weights"
                 )
             else:
-                return self.forward_with_weights(x, cache, key_mask)
+                return self.forward_with_weights(x, cache, key_mask, attn_mask)
         q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
-        return self._project_output(self._attend(q, k, v, mask))
+        return self._project_output(self._attend(q, k, v, mask, attn_mask))
 
     @torch.jit.export
     def forward_with_weights(
-        self, x: Tensor, cache: Optional[KVCache] = None, key_mask: Optional[Tensor] = None
+        self,
+        x: Tensor,
+        cache: Optional[KVCache] = None,
+        key_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Tensor]:
-        """``forward(x, cache, need_weights=True, key_mask=key_mask)``: the output and the
-        attention probabilities ``(B, Hq, L, cached + L)``; also on a scripted module."""
+        """``forward(x, cache, need_weights=True, key_mask=key_mask, attn_mask=attn_mask)``: the
+        output and the attention probabilities ``(B, Hq, L, cached + L)``; also on a scripted
+        module."""
         q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
         dropout_p = self._attention_dropout_p()
         weights = _attention_weights(
@@ -219,6 +231,7 @@ class CausalSelfAttention(nn.Module):
             k,
             v,
             key_mask=mask,
+            attn_mask=attn_mask,
             window=self.window,
             softcap=self.softcap,
             alibi_slopes=self.alibi_slopes,
@@ -226,7 +239,7 @@ class CausalSelfAttention(nn.Module):
             dropout_p=dropout_p,
         )
         if dropout_p == 0.0:
-            return self._project_output(self._attend(q, k, v, mask)), weights
+            return self._project_output(self._attend(q, k, v, mask, attn_mask)), weights
         # Every call draws a new dropout mask: the output is made from these weights, so that it
         # is the one they describe. Query head h reads key/value head h // (Hq // Hkv).
         batch, length, cached = q.size(0), q.size(2), k.size(2)
@@ -304,12 +317,16 @@ class CausalSelfAttention(nn.Module):
     def _attention_dropout_p(self) -> float:
         return self.attn_dropout if self.training else 0.0
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+        attn_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         return _attention(
             q,
             k,
             v,
             key_mask=key_mask,
+            attn_mask=attn_mask,
             window=self.window,
             softcap=self.softcap,
             alibi_slopes=self.alibi_slopes,

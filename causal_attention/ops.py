@@ -9,7 +9,11 @@ each row's exponentiated scores and its sink (``-inf`` for a row that sees nothi
 accumulation dtype, not differentiable; ``dropout_seed`` the int64 ``(2,)`` ``(seed, offset)``,
 required when ``dropout_p > 0``. ``attention_backward(grad_out, q, k, v, out, lse, scale,
 <the forward's options>) -> (dq, dk, dv, dsinks)``, ``dsinks`` ``(0,)`` without sinks; double
-backward raises. ``varlen_attention_forward`` and ``varlen_attention_backward`` are the packed
+backward raises. Both take ``attn_mask`` last (after the packed lengths), and
+``attention_gradients(<attention_backward's arguments>, attn_mask_grad=False) -> (dq, dk, dv,
+dsinks, dattn_mask)`` also returns a floating ``attn_mask``'s gradient (``(0,)`` without
+``attn_mask_grad``); ``attention_backward`` is it without that result.
+``varlen_attention_forward`` and ``varlen_attention_backward`` are the packed
 calls under their former names (lengths after ``v`` resp. ``lse``), kept for saved programs.
 """
 
@@ -76,7 +80,8 @@ def check_window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
 _OPS = {
     name: getattr(torch.ops.causal_attention, name)
     for name in ("attention", "attention_weights", "varlen_attention", "attention_forward",
-                 "attention_backward", "varlen_attention_forward", "varlen_attention_backward")
+                 "attention_backward", "attention_gradients", "varlen_attention_forward",
+                 "varlen_attention_backward")
 }
 _CHECKED_POSITIONS = {
     name: tuple((a.name, i) for i, a in enumerate(op.default._schema.arguments)
@@ -109,6 +114,7 @@ def _kernel_alias(name: str):
 
 attention_forward = _kernel_alias("attention_forward")
 attention_backward = _kernel_alias("attention_backward")
+attention_gradients = _kernel_alias("attention_gradients")
 varlen_attention_forward = _kernel_alias("varlen_attention_forward")
 varlen_attention_backward = _kernel_alias("varlen_attention_backward")
 
@@ -123,6 +129,7 @@ def _dense_op(name: str, doc: str):
         *,
         scale: Optional[float] = None,
         key_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Tensor] = None,
         window: Sequence[int] = (-1, 0),
         softcap: Optional[float] = None,
         alibi_slopes: Optional[Tensor] = None,
@@ -130,7 +137,8 @@ def _dense_op(name: str, doc: str):
         dropout_p: float = 0.0,
         generator: Optional[torch.Generator] = None,
     ) -> Tensor:
-        return _call(name, q, k, v, scale=scale, key_mask=key_mask, window=window,
+        return _call(name, q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
+                     window=window,
                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                      dropout_p=dropout_p, generator=generator)
 
@@ -153,6 +161,14 @@ attention = _dense_op(
             transformers' ``attention_mask`` convention). It is broadcast over heads and query
             rows and combined with the window; key blocks it hides entirely are skipped. A row
             left with no visible key returns zeros; hidden keys get zero gradient.
+        attn_mask: optional, SDPA's: broadcastable to ``(..., Hq, Lq, Lk)`` (never expanded in
+            memory), bool (True where row ``i`` may attend key ``j``) or floating (float32 or
+            ``q``'s dtype), added to the scores after softcap and ALiBi, ``-inf`` hiding the
+            key. It narrows what the window and ``key_mask`` let a row see: with
+            ``window=(-1, -1)`` it is SDPA's masked (non-causal) attention. Key blocks it hides
+            entirely are skipped, forward and backward, so a block-diagonal (document) mask
+            costs in proportion to its visible blocks. A floating mask that requires grad gets
+            its gradient, summed over the dims it is broadcast along (learned biases train).
         window, softcap, alibi_slopes, sinks, dropout_p, generator: the score options
             (:class:`ScoreOptions`).
 
@@ -185,7 +201,7 @@ attention_weights = _dense_op(
     Arguments and errors are those of :func:`attention`; ``v`` is only validated.
 
     This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
-    Differentiable in ``q``, ``k`` and ``sinks``.
+    Differentiable in ``q``, ``k``, ``sinks`` and a floating ``attn_mask``.
     """,
 )
 
@@ -222,7 +238,8 @@ def varlen_attention(
 # Its options are the dense ops' but the key mask, keyword-only: its signature says so (help,
 # IDEs), from theirs rather than written out again.
 _PACKED_OPTIONS = [p for p in inspect.signature(attention).parameters.values()
-                   if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "key_mask"]
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY
+                   and p.name not in ("key_mask", "attn_mask")]
 _PACKED_POSITIONAL = list(inspect.signature(varlen_attention).parameters.values())[:-1]
 varlen_attention.__signature__ = inspect.signature(varlen_attention).replace(
     parameters=_PACKED_POSITIONAL + _PACKED_OPTIONS

@@ -178,6 +178,7 @@ CausalSelfAttentionImpl::Heads CausalSelfAttentionImpl::project_heads(
 AttentionOptions CausalSelfAttentionImpl::attention_options(const Heads& heads) const {
   return AttentionOptions()
       .key_mask(heads.key_mask)
+      .attn_mask(heads.attn_mask)
       .window(options.window())
       .softcap(options.softcap())
       .alibi_slopes(if_defined(alibi_slopes))
@@ -195,13 +196,18 @@ at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
 }
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache,
-                                            const std::optional<at::Tensor>& key_mask) {
-  return project_output(attend(project_heads(x, cache, key_mask)));
+                                            const std::optional<at::Tensor>& key_mask,
+                                            const std::optional<at::Tensor>& attn_mask) {
+  Heads heads = project_heads(x, cache, key_mask);
+  heads.attn_mask = attn_mask;
+  return project_output(attend(heads));
 }
 
 std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights(
-    const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask) {
-  const Heads heads = project_heads(x, cache, key_mask);
+    const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask,
+    const std::optional<at::Tensor>& attn_mask) {
+  Heads heads = project_heads(x, cache, key_mask);
+  heads.attn_mask = attn_mask;
   const AttentionOptions attention_options = this->attention_options(heads);
   at::Tensor weights = attention_weights(heads.q, heads.k, heads.v, attention_options);
   if (attention_options.dropout_p() == 0.0) {

@@ -37,15 +37,15 @@ at::Tensor call_attention(const AttentionCall& c) {
                    o.sinks, o.dropout_p, c.generator);
   }
   static auto op = operator_handle<AttentionSignature>("causal_attention::attention");
-  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
-                 o.dropout_p, c.generator);
+  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, c.attn_mask, o.window, o.softcap,
+                 o.alibi_slopes, o.sinks, o.dropout_p, c.generator);
 }
 
 at::Tensor call_attention_weights(const AttentionCall& c) {
   static auto op = operator_handle<AttentionSignature>("causal_attention::attention_weights");
   const ScoreOptions& o = c.options;
-  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
-                 o.dropout_p, c.generator);
+  return op.call(c.q, c.k, c.v, c.scale, c.key_mask, c.attn_mask, o.window, o.softcap,
+                 o.alibi_slopes, o.sinks, o.dropout_p, c.generator);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& c) {
@@ -54,16 +54,25 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& c) 
   const PackedLengths& p = c.packed;
   return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
                  o.dropout_p, o.dropout_seed, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q,
-                 p.max_seqlen_k);
+                 p.max_seqlen_k, c.attn_mask);
 }
 
-Gradients call_attention_backward(const BackwardCall& c) {
+Gradients call_attention_gradients(const BackwardCall& c) {
+  static auto op = operator_handle<GradientsSignature>("causal_attention::attention_gradients");
+  const ScoreOptions& o = c.options;
+  const PackedLengths& p = c.packed;
+  return op.call(c.grad_out, c.q, c.k, c.v, c.out, c.lse, c.scale, c.key_mask, o.window, o.softcap,
+                 o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed, p.cu_seqlens_q,
+                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, c.attn_mask, c.attn_mask_grad);
+}
+
+BackwardGradients call_attention_backward(const BackwardCall& c) {
   static auto op = operator_handle<BackwardSignature>("causal_attention::attention_backward");
   const ScoreOptions& o = c.options;
   const PackedLengths& p = c.packed;
   return op.call(c.grad_out, c.q, c.k, c.v, c.out, c.lse, c.scale, c.key_mask, o.window, o.softcap,
                  o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed, p.cu_seqlens_q,
-                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k);
+                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, c.attn_mask);
 }
 
 }  // namespace detail
@@ -87,6 +96,7 @@ detail::AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, c
   detail::AttentionCall call{q, k, v};
   call.scale = options.scale();
   call.key_mask = options.key_mask();
+  call.attn_mask = options.attn_mask();
   call.options = score_options(options);
   call.generator = options.generator();
   return call;
@@ -104,9 +114,22 @@ detail::ForwardCall forward_call(const char* op, const at::Tensor& q, const at::
   detail::ForwardCall forward{q, k, v};
   forward.scale = scale;
   forward.key_mask = options.key_mask();
+  forward.attn_mask = options.attn_mask();
   forward.options = score_options(options);
   forward.options.dropout_seed = dropout_seed;
   return forward;
+}
+
+detail::BackwardCall backward_call(const char* op, const at::Tensor& grad_out, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                   const at::Tensor& lse, double scale,
+                                   const AttentionOptions& options,
+                                   const std::optional<at::Tensor>& dropout_seed) {
+  detail::BackwardCall call(forward_call(op, q, k, v, scale, options, dropout_seed));
+  call.grad_out = grad_out;
+  call.out = out;
+  call.lse = lse;
+  return call;
 }
 
 }  // namespace
@@ -125,9 +148,10 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                             c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                             const AttentionOptions& options) {
-  TORCH_CHECK_VALUE(!options.key_mask().has_value(),
-                    "causal_attention.varlen_attention: key_mask is for dense calls; packed "
-                    "sequences (cu_seqlens) hold no padding");
+  TORCH_CHECK_VALUE(!options.key_mask().has_value() && !options.attn_mask().has_value(),
+                    "causal_attention.varlen_attention: key_mask and attn_mask are for dense "
+                    "calls; packed sequences (cu_seqlens) hold no padding, and each sequence sees "
+                    "only its own keys");
   detail::AttentionCall call = attention_call(q, k, v, options);
   call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
   return detail::call_attention(call);
@@ -140,16 +164,23 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
       forward_call("causal_attention.attention_forward", q, k, v, scale, options, dropout_seed));
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_gradients(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale, const AttentionOptions& options,
+    const std::optional<at::Tensor>& dropout_seed, bool attn_mask_grad) {
+  detail::BackwardCall call = backward_call("causal_attention.attention_gradients", grad_out, q, k,
+                                            v, out, lse, scale, options, dropout_seed);
+  call.attn_mask_grad = attn_mask_grad;
+  return detail::call_attention_gradients(call);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale, const AttentionOptions& options,
     const std::optional<at::Tensor>& dropout_seed) {
-  detail::BackwardCall call(
-      forward_call("causal_attention.attention_backward", q, k, v, scale, options, dropout_seed));
-  call.grad_out = grad_out;
-  call.out = out;
-  call.lse = lse;
-  return detail::call_attention_backward(call);
+  return detail::call_attention_backward(backward_call("causal_attention.attention_backward",
+                                                       grad_out, q, k, v, out, lse, scale, options,
+                                                       dropout_seed));
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,
@@ -188,20 +219,21 @@ std::tuple<at::Tensor, at::Tensor> packed_forward_alias(
     double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   return detail::forward_from_schema<detail::call_attention_forward>(
       q, k, v, scale, std::nullopt, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
-      cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k));
+      cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k), std::nullopt);
 }
 
-detail::Gradients packed_backward_alias(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> packed_backward_alias(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
     double scale, at::IntArrayRef window, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
-  return detail::backward_from_schema<detail::call_attention_backward>(
-      grad_out, q, k, v, out, lse, scale, std::nullopt, window, softcap, alibi_slopes, sinks,
-      dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
-      std::move(max_seqlen_k));
+  static auto op =
+      detail::operator_handle<detail::BackwardSignature>("causal_attention::attention_backward");
+  return op.call(grad_out, q, k, v, out, lse, scale, std::nullopt, window, softcap, alibi_slopes,
+                 sinks, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                 std::move(max_seqlen_q), std::move(max_seqlen_k), std::nullopt);
 }
 
 }  // namespace
@@ -213,14 +245,17 @@ detail::Gradients packed_backward_alias(
   "float dropout_p=0.0, "
 #define CAUSAL_ATTENTION_DRAWN_SEED "Generator? generator=None"
 #define CAUSAL_ATTENTION_GIVEN_SEED "Tensor? dropout_seed=None"
+// The kernel ops take attn_mask last, after the arguments they had before it, so that programs
+// saved with positional calls keep their meaning.
 #define CAUSAL_ATTENTION_PACKED_SEQUENCES                                               \
   ", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, " \
-  "SymInt? max_seqlen_k=None"
+  "SymInt? max_seqlen_k=None, Tensor? attn_mask=None"
 
 TORCH_LIBRARY(causal_attention, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, Tensor? "
-      "key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_DRAWN_SEED ") -> Tensor");
+      "key_mask=None, Tensor? "
+      "attn_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_DRAWN_SEED ") -> Tensor");
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, float scale, Tensor? "
       "key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
@@ -232,9 +267,15 @@ TORCH_LIBRARY(causal_attention, m) {
           CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
       ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def(
+      "attention_gradients(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "float scale, Tensor? key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
+          CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
+      ", bool attn_mask_grad=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, "
+      "Tensor dattn_mask)");
+  m.def(
       "attention_weights(Tensor q, Tensor k, Tensor v, *, float? scale=None, "
-      "Tensor? key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_DRAWN_SEED
-      ") -> Tensor");
+      "Tensor? key_mask=None, Tensor? "
+      "attn_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_DRAWN_SEED ") -> Tensor");
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "SymInt max_seqlen_q, SymInt max_seqlen_k, *, float? "

@@ -69,9 +69,18 @@ at::Tensor attention_weights_composite(const detail::AttentionCall& call) {
                             .to(scores.scalar_type())
                             .mul(distance.abs().to(scores.scalar_type())));
   }
-  // Key j is hidden from row i outside the window i + off - left <= j <= i + off + right, or
-  // where the key mask hides it.
+  // Key j is hidden from row i outside the window i + off - left <= j <= i + off + right, where
+  // the key mask hides it, or where attn_mask does (False, or -inf added to the score).
   at::Tensor hidden = at::zeros_like(distance, distance.options().dtype(at::kBool));
+  if (call.attn_mask.has_value()) {
+    const at::Tensor& mask = *call.attn_mask;
+    if (mask.scalar_type() == at::kBool) {
+      hidden = hidden.logical_or(mask.logical_not());
+    } else {
+      scores = scores.add(mask.to(scores.scalar_type()));
+      hidden = hidden.logical_or(mask.eq(-std::numeric_limits<double>::infinity()));
+    }
+  }
   if (window[0] >= 0) {
     hidden = hidden.logical_or(distance.gt(window[0]));
   }

@@ -137,25 +137,30 @@ c10::SymInt dense_heads(const at::Tensor& q) {
   return q.dim() >= 3 ? q.sym_size(-3) : c10::SymInt(1);
 }
 
-// The inputs, the key mask and the score options of a dense or packed call.
-void check_inputs_and_options(const char* op, const at::Tensor& q, const at::Tensor& k,
-                              const at::Tensor& v, const std::optional<at::Tensor>& key_mask,
-                              const ScoreOptions& options, const PackedLengths& packed) {
-  if (packed.any()) {
-    check_packed_inputs(op, q, k, v, key_mask, packed);
-    const std::vector<c10::SymInt> sequences{packed.cu_seqlens_q->sym_size(0) - 1};
-    check_score_options(op, q, sequences, q.sym_size(1), options);
+// The inputs, the masks and the score options of a dense or packed call (an AttentionCall or a
+// ForwardCall).
+template <typename Call>
+void check_inputs_and_options(const char* op, const Call& call) {
+  const at::Tensor &q = call.q, &k = call.k, &v = call.v;
+  if (call.packed.any()) {
+    check_packed_inputs(op, q, k, v, call.key_mask, call.packed);
+    TORCH_CHECK_VALUE(!call.attn_mask.has_value(), op,
+                      ": attn_mask is for dense calls; in packed sequences (cu_seqlens) each "
+                      "sequence sees only its own keys, narrowed by the window");
+    const std::vector<c10::SymInt> sequences{call.packed.cu_seqlens_q->sym_size(0) - 1};
+    check_score_options(op, q, sequences, q.sym_size(1), call.options);
   } else {
     check_dense_inputs(op, q, k, v);
-    check_key_mask(op, q, k, key_mask);
-    check_score_options(op, q, dense_batch(q), dense_heads(q), options);
+    check_key_mask(op, q, k, call.key_mask);
+    check_attn_mask(op, q, k, call.attn_mask);
+    check_score_options(op, q, dense_batch(q), dense_heads(q), call.options);
   }
 }
 
 }  // namespace
 
 double check_attention_call(const char* op, const AttentionCall& call) {
-  check_inputs_and_options(op, call.q, call.k, call.v, call.key_mask, call.options, call.packed);
+  check_inputs_and_options(op, call);
   return resolve_scale(op, call.q, call.scale);
 }
 
@@ -164,6 +169,7 @@ ForwardCall resolve_attention_call(const AttentionCall& call) {
   forward.scale = check_attention_call(
       call.packed.any() ? "causal_attention.varlen_attention" : "causal_attention.attention", call);
   forward.key_mask = call.key_mask;
+  forward.attn_mask = call.attn_mask;
   forward.options = call.options;
   forward.options.dropout_seed = draw_dropout_seed(call.options.dropout_p, call.generator);
   forward.packed = call.packed;
@@ -172,16 +178,15 @@ ForwardCall resolve_attention_call(const AttentionCall& call) {
 
 void check_forward_call(const ForwardCall& call) {
   constexpr const char* op = "causal_attention.attention_forward";
-  check_inputs_and_options(op, call.q, call.k, call.v, call.key_mask, call.options, call.packed);
+  check_inputs_and_options(op, call);
   check_scale(op, call.scale, call.q.scalar_type());
   check_given_dropout_seed(op, call.q, call.options);
 }
 
-void check_backward_call(const BackwardCall& call) {
-  constexpr const char* op = "causal_attention.attention_backward";
+void check_backward_call(const BackwardCall& call, const char* op) {
   const at::Tensor& q = call.q;
   check_dense_tensor(op, "grad_out", call.grad_out);
-  check_inputs_and_options(op, q, call.k, call.v, call.key_mask, call.options, call.packed);
+  check_inputs_and_options(op, call);
   check_given_dropout_seed(op, q, call.options);
   check_dense_tensor(op, "out", call.out);
   check_dense_tensor(op, "lse", call.lse);
@@ -202,6 +207,13 @@ void check_backward_call(const BackwardCall& call) {
                     ": lse must have shape ", packed ? "(Hq, total_q)" : "(..., Hq, Lq)", "=",
                     c10::SymIntArrayRef(expected_lse), ", got lse.shape=", call.lse.sym_sizes());
   check_saved_forward(op, q, call.grad_out, call.out, call.lse);
+  TORCH_CHECK_VALUE(
+      !call.attn_mask_grad ||
+          (call.attn_mask.has_value() && at::isFloatingType(call.attn_mask->scalar_type())),
+      op,
+      ": attn_mask_grad=True asks for the gradient of a floating attn_mask, got "
+      "attn_mask=",
+      call.attn_mask.has_value() ? c10::toString(call.attn_mask->scalar_type()) : "None");
 }
 
 void check_dropout_keep_mask_call(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,

@@ -35,9 +35,11 @@ ForwardCall resolve_attention_call(const AttentionCall& call);
 // int64 (2,) (seed, offset) on the CPU (or the Meta device for a Meta call), when dropout_p > 0.
 void check_forward_call(const ForwardCall& call);
 
-// Everything attention_backward checks: the forward's call, plus grad_out and out shaped like the
-// forward's out in q's dtype and lse like its lse in the accumulation dtype.
-void check_backward_call(const BackwardCall& call);
+// Everything attention_gradients (or, under `op`, attention_backward) checks: the forward's call,
+// plus grad_out and out shaped like the forward's out in q's dtype, lse like its lse in the
+// accumulation dtype, and with attn_mask_grad a floating attn_mask.
+void check_backward_call(const BackwardCall& call,
+                         const char* op = "causal_attention.attention_gradients");
 
 // dropout_keep_mask: the seed as the kernel ops', always read; dropout_p in [0, 1); shape
 // (..., Lq, Lk).

@@ -26,6 +26,11 @@ struct ScoreOptions {
   std::optional<at::Tensor> dropout_seed;
 };
 
+// attn_mask as SDPA takes it, broadcastable to the scores (*batch, Hq, Lq, Lk) and never expanded
+// in memory: bool (true where a query row may attend a key), or floating (float32 or q's dtype,
+// added to the scores after softcap and ALiBi; -inf hides the key). Dense calls only.
+using AttentionMask = std::optional<at::Tensor>;
+
 // Packed sequences (varlen): all four given, or none for a dense call.
 struct PackedLengths {
   std::optional<at::Tensor> cu_seqlens_q, cu_seqlens_k;
@@ -46,6 +51,7 @@ struct AttentionCall {
   at::Tensor q, k, v;
   std::optional<double> scale;
   std::optional<at::Tensor> key_mask;
+  AttentionMask attn_mask;
   ScoreOptions options;
   PackedLengths packed;
   std::optional<at::Generator> generator;
@@ -60,16 +66,20 @@ struct ForwardCall {
   at::Tensor q, k, v;
   double scale = 0.0;
   std::optional<at::Tensor> key_mask;
+  AttentionMask attn_mask;
   ScoreOptions options;
   PackedLengths packed;
 };
 
-// A call of attention_backward: the forward's call, its out and lse, and out's gradient.
+// A call of attention_gradients (attention_backward is it without the mask's gradient): the
+// forward's call, its out and lse, and out's gradient; attn_mask_grad asks for a floating
+// attn_mask's gradient.
 struct BackwardCall : ForwardCall {
   BackwardCall() = default;
   explicit BackwardCall(ForwardCall forward) : ForwardCall(std::move(forward)) {}
 
   at::Tensor grad_out, out, lse;
+  bool attn_mask_grad = false;
 };
 
 }  // namespace causal_attention::detail

@@ -18,7 +18,8 @@
 
 namespace causal_attention::detail {
 
-using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // dq dk dv dsinks
+// attention_gradients' results: dq, dk, dv, dsinks and dattn_mask.
+using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The score options from their flat arguments, in schema order.
 inline ScoreOptions score_options(at::IntArrayRef window, std::optional<double> softcap,
@@ -31,7 +32,8 @@ inline ScoreOptions score_options(at::IntArrayRef window, std::optional<double> 
 template <at::Tensor (*kernel)(const AttentionCall&)>
 at::Tensor attention_from_schema(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  std::optional<double> scale,
-                                 const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+                                 const std::optional<at::Tensor>& key_mask,
+                                 const AttentionMask& attn_mask, at::IntArrayRef window,
                                  std::optional<double> softcap,
                                  const std::optional<at::Tensor>& alibi_slopes,
                                  const std::optional<at::Tensor>& sinks, double dropout_p,
@@ -39,6 +41,7 @@ at::Tensor attention_from_schema(const at::Tensor& q, const at::Tensor& k, const
   AttentionCall call{q, k, v};
   call.scale = scale;
   call.key_mask = key_mask;
+  call.attn_mask = attn_mask;
   call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, std::nullopt);
   call.generator = std::move(generator);
   return kernel(call);
@@ -69,30 +72,31 @@ std::tuple<at::Tensor, at::Tensor> forward_from_schema(
     const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_k) {
+    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask) {
   ForwardCall call{q, k, v};
   call.scale = scale;
   call.key_mask = key_mask;
+  call.attn_mask = attn_mask;
   call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
   call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
   return kernel(call);
 }
 
 template <Gradients (*kernel)(const BackwardCall&)>
-Gradients backward_from_schema(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                               double scale, const std::optional<at::Tensor>& key_mask,
-                               at::IntArrayRef window, std::optional<double> softcap,
-                               const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks, double dropout_p,
-                               const std::optional<at::Tensor>& dropout_seed,
-                               const std::optional<at::Tensor>& cu_seqlens_q,
-                               const std::optional<at::Tensor>& cu_seqlens_k,
-                               std::optional<c10::SymInt> max_seqlen_q,
-                               std::optional<c10::SymInt> max_seqlen_k) {
+Gradients gradients_from_schema(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask, bool attn_mask_grad) {
   BackwardCall call(ForwardCall{q, k, v});
   call.scale = scale;
   call.key_mask = key_mask;
+  call.attn_mask = attn_mask;
+  call.attn_mask_grad = attn_mask_grad;
   call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
   call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
   call.grad_out = grad_out;
@@ -101,11 +105,32 @@ Gradients backward_from_schema(const at::Tensor& grad_out, const at::Tensor& q, 
   return kernel(call);
 }
 
+// attention_backward: attention_gradients' flat arguments but attn_mask_grad (false), and its
+// results but dattn_mask.
+using BackwardGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+template <Gradients (*kernel)(const BackwardCall&)>
+BackwardGradients backward_from_schema(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::optional<at::Tensor>& key_mask, at::IntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask) {
+  auto [dq, dk, dv, dsinks, dattn_mask] = gradients_from_schema<kernel>(
+      grad_out, q, k, v, out, lse, scale, key_mask, window, softcap, alibi_slopes, sinks, dropout_p,
+      dropout_seed, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
+      attn_mask, /*attn_mask_grad=*/false);
+  return {dq, dk, dv, dsinks};
+}
+
 // The C++ signatures of the schemas, argument for argument: the adapters' (which no kernel
 // instantiates here).
 using AttentionSignature = decltype(attention_from_schema<nullptr>);
 using VarlenAttentionSignature = decltype(varlen_attention_from_schema<nullptr>);
 using ForwardSignature = decltype(forward_from_schema<nullptr>);
+using GradientsSignature = decltype(gradients_from_schema<nullptr>);
 using BackwardSignature = decltype(backward_from_schema<nullptr>);
 
 // Through the dispatcher (attention.cpp). call_attention serves attention and varlen_attention
@@ -113,6 +138,7 @@ using BackwardSignature = decltype(backward_from_schema<nullptr>);
 at::Tensor call_attention(const AttentionCall& call);
 at::Tensor call_attention_weights(const AttentionCall& call);
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& call);
-Gradients call_attention_backward(const BackwardCall& call);
+Gradients call_attention_gradients(const BackwardCall& call);
+BackwardGradients call_attention_backward(const BackwardCall& call);
 
 }  // namespace causal_attention::detail

@@ -48,6 +48,13 @@ inline std::vector<c10::SymInt> varlen_lse_sym_sizes(const at::Tensor& q) {
   return {q.sym_size(1), q.sym_size(0)};
 }
 
+// The scores (..., Hq, Lq, Lk) of a dense call, which an attn_mask broadcasts against.
+inline std::vector<c10::SymInt> scores_sym_sizes(const at::Tensor& q, const at::Tensor& k) {
+  std::vector<c10::SymInt> sizes(q.sym_sizes().begin(), q.sym_sizes().end());
+  sizes.back() = k.sym_size(-2);
+  return sizes;
+}
+
 // A key mask is (*batch, Lk): q's leading (batch) dims, those before (Hq, Lq, D), and k's keys.
 inline std::vector<c10::SymInt> key_mask_sym_sizes(const at::Tensor& q, const at::Tensor& k) {
   std::vector<c10::SymInt> sizes(q.sym_sizes().begin(),

@@ -182,6 +182,32 @@ void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
                     " for q.shape=", q.sym_sizes(), ", k.shape=", k.sym_sizes());
 }
 
+void check_attn_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
+                     const AttentionMask& attn_mask) {
+  if (!attn_mask.has_value()) {
+    return;
+  }
+  const at::Tensor& mask = *attn_mask;
+  check_dense_tensor(op, "attn_mask", mask);
+  const at::ScalarType dtype = mask.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kBool || dtype == at::kFloat || dtype == q.scalar_type(), op,
+                   ": attn_mask must be bool (True where a query may attend a key), float32 or "
+                   "q's dtype ",
+                   q.scalar_type(), " (added to the scores), got attn_mask.dtype=", dtype);
+  TORCH_CHECK_VALUE(mask.device() == q.device(), op, ": attn_mask must be on q's device ",
+                    q.device(), ", got attn_mask.device=", mask.device());
+  const std::vector<c10::SymInt> scores = scores_sym_sizes(q, k);
+  bool broadcastable = mask.dim() <= int64_t(scores.size());
+  for (int64_t d = 1; broadcastable && d <= mask.dim(); ++d) {
+    const c10::SymInt& size = mask.sym_size(-d);
+    broadcastable = size == 1 || size == scores[scores.size() - d];
+  }
+  TORCH_CHECK_VALUE(broadcastable, op,
+                    ": attn_mask must be broadcastable to the scores (*batch, Hq, Lq, Lk)=",
+                    c10::SymIntArrayRef(scores), ", got attn_mask.shape=", mask.sym_sizes(),
+                    " for q.shape=", q.sym_sizes(), ", k.shape=", k.sym_sizes());
+}
+
 // The dtypes and devices of a backward's grad_out, out (q's dtype) and lse (the accumulation
 // dtype), whatever their layout.
 void check_saved_forward(const char* op, const at::Tensor& q, const at::Tensor& grad_out,

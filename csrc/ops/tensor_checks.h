@@ -35,6 +35,11 @@ void check_packed_inputs(const char* op, const at::Tensor& q, const at::Tensor& 
 void check_key_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
                     const std::optional<at::Tensor>& key_mask);
 
+// attn_mask, where given: bool, float32 or q's dtype (TypeError otherwise, as SDPA), on q's
+// device, broadcastable to the scores (*batch, Hq, Lq, Lk).
+void check_attn_mask(const char* op, const at::Tensor& q, const at::Tensor& k,
+                     const AttentionMask& attn_mask);
+
 // A backward's grad_out and out in q's dtype, lse in the accumulation dtype, all on q's device.
 void check_saved_forward(const char* op, const at::Tensor& q, const at::Tensor& grad_out,
                          const at::Tensor& out, const at::Tensor& lse);

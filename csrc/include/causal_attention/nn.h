@@ -141,8 +141,13 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
   // meaningful (a query that sees no key gives c_proj's bias). A bad key_mask throws
   // c10::TypeError (undefined, not bool) or c10::ValueError (shape, device) before the cache
   // changes.
+  //
+  // attn_mask, the op's (ops.h), broadcastable to (B, num_heads, L, cached + L), narrows what the
+  // window and key mask let each query see (a document or prefix-LM mask, a learned bias, which
+  // gets its gradient). It is not cached: each call gives its queries' mask against every key.
   at::Tensor forward(const at::Tensor& x, KVCache* cache = nullptr,
-                     const std::optional<at::Tensor>& key_mask = std::nullopt);
+                     const std::optional<at::Tensor>& key_mask = std::nullopt,
+                     const std::optional<at::Tensor>& attn_mask = std::nullopt);
 
   // forward's output and the attention probabilities (B, num_heads, L, cached + L); the latter
   // are materialized, O(L^2) memory, for inspection only. Under a key mask they are 0 at hidden
@@ -150,7 +155,8 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
   // with attn_dropout they are the dropped and rescaled ones that the output was computed with.
   std::tuple<at::Tensor, at::Tensor> forward_with_weights(
       const at::Tensor& x, KVCache* cache = nullptr,
-      const std::optional<at::Tensor>& key_mask = std::nullopt);
+      const std::optional<at::Tensor>& key_mask = std::nullopt,
+      const std::optional<at::Tensor>& attn_mask = std::nullopt);
 
   // An empty cache for batch_size sequences of up to max_len positions, in the dtype and on the
   // device of the parameters.
@@ -171,6 +177,7 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
     at::Tensor q, k, v;  // (B, H, L, D) views of c_attn's output; k and v include the cache
     // What to attend with: key_mask without a cache, the cache's mask with one.
     std::optional<at::Tensor> key_mask;
+    std::optional<at::Tensor> attn_mask;  // the call's, as given
   };
   Heads project_heads(const at::Tensor& x, KVCache* cache,
                       const std::optional<at::Tensor>& key_mask);

@@ -39,7 +39,13 @@ namespace causal_attention {
 // The public, differentiable op: returns out (..., Hq, Lq, Dv). options.scale defaults to
 // 1/sqrt(D). options.key_mask: bool (*batch, Lk), True where a key may be attended (q's leading
 // dims; (Lk,) for a call without them), broadcast over heads and query rows and combined with the
-// window. A row left with no visible key returns zeros; a hidden key gets zero gradient.
+// window. options.attn_mask: SDPA's attn_mask, broadcastable to (*batch, Hq, Lq, Lk) (never
+// expanded in memory): bool (True where row i may attend key j) or floating (float32 or q's
+// dtype), added to the scores after softcap and ALiBi, -inf hiding the key; it narrows the
+// window and key mask, so window (-1, -1) with it is SDPA's masked attention. Key blocks it hides
+// entirely are skipped. A floating mask that requires grad gets its gradient (summed over the
+// dims it is broadcast along). A row left with no visible key returns zeros; a hidden key gets
+// zero gradient.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionOptions& options = {});
 
@@ -78,6 +84,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& out, const at::Tensor& lse, double scale,
     const AttentionOptions& options = {},
     const std::optional<at::Tensor>& dropout_seed = std::nullopt);
+
+// attention_backward's gradients and, with attn_mask_grad, the floating attn_mask's: returns
+// (dq, dk, dv, dsinks, dattn_mask), dattn_mask shaped and typed like options.attn_mask, empty
+// (0,) without attn_mask_grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_gradients(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale,
+    const AttentionOptions& options = {},
+    const std::optional<at::Tensor>& dropout_seed = std::nullopt, bool attn_mask_grad = false);
 
 // The dropout keep mask of `attention` for scores of `shape` (..., Hq, Lq, Lk), as bool: what
 // attention_weights multiplies by. dropout_seed as attention_forward's.

@@ -25,6 +25,10 @@ struct AttentionOptions {
   TORCH_ARG(std::optional<double>, scale) = std::nullopt;
   // bool (*batch, Lk), true where a key may be attended. Dense calls only.
   TORCH_ARG(std::optional<at::Tensor>, key_mask) = std::nullopt;
+  // SDPA's attn_mask, broadcastable to the scores (*batch, Hq, Lq, Lk): bool (true where a query
+  // row may attend a key) or floating (float32 or q's dtype, added to the scores; -inf hides).
+  // It narrows what the window and key mask let a row see. Dense calls only.
+  TORCH_ARG(std::optional<at::Tensor>, attn_mask) = std::nullopt;
   TORCH_ARG(Window, window) = Window { -1, 0 };
   TORCH_ARG(std::optional<double>, softcap) = std::nullopt;
   TORCH_ARG(std::optional<at::Tensor>, alibi_slopes) = std::nullopt;

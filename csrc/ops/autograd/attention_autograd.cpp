@@ -2,8 +2,8 @@
 // with torch::jit::load) can run backward, and torch.compile traces the forward and backward ops
 // as units. One Function pair serves dense and packed calls: each redispatches below autograd,
 // and the backward op's Function refuses a second derivative, loudly. Key masks, cumulative
-// lengths, ALiBi slopes and dropout seeds are not differentiable: they get no gradient; sinks get
-// theirs from the backward op.
+// lengths, ALiBi slopes and dropout seeds are not differentiable: they get no gradient; sinks and
+// a floating attn_mask get theirs from the backward op (attention_gradients).
 #include "../checks.h"
 #include "../schema_adapters.h"
 
@@ -27,6 +27,7 @@ void save_call(AutogradContext* ctx, const ForwardCall& call, const at::Tensor& 
   auto& d = ctx->saved_data;
   d["scale"] = call.scale;
   d["key_mask"] = call.key_mask;
+  d["attn_mask"] = call.attn_mask;
   d["window"] = call.options.window;
   d["softcap"] = call.options.softcap;
   d["alibi_slopes"] = call.options.alibi_slopes;
@@ -51,6 +52,7 @@ BackwardCall load_call(AutogradContext* ctx, const at::Tensor& grad_out) {
   call.grad_out = grad_out;
   call.scale = d["scale"].toDouble();
   call.key_mask = d["key_mask"].toOptional<at::Tensor>();
+  call.attn_mask = d["attn_mask"].toOptional<at::Tensor>();
   call.options.window = d["window"].toIntVector();
   call.options.softcap = d["softcap"].toOptional<double>();
   call.options.alibi_slopes = d["alibi_slopes"].toOptional<at::Tensor>();
@@ -67,7 +69,7 @@ BackwardCall load_call(AutogradContext* ctx, const at::Tensor& grad_out) {
 // The arguments of each Function's forward after the context, in order: the tensors autograd
 // differentiates (so that it tracks them), then the call, which holds them too. backward returns
 // one gradient per argument, at these slots.
-enum ForwardArgument : size_t { kQ, kK, kV, kSinks, kForwardCall, kForwardArguments };
+enum ForwardArgument : size_t { kQ, kK, kV, kSinks, kAttnMask, kForwardCall, kForwardArguments };
 enum BackwardArgument : size_t {
   kGradOut,
   kBackwardQ,
@@ -75,6 +77,7 @@ enum BackwardArgument : size_t {
   kBackwardV,
   kOut,
   kBackwardSinks,
+  kBackwardAttnMask,
   kBackwardCall,
   kBackwardArguments
 };
@@ -90,10 +93,17 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
                                const at::Tensor& /*q*/, const at::Tensor& /*k*/,
                                const at::Tensor& /*v*/, const at::Tensor& /*out*/,
                                const std::optional<at::Tensor>& /*sinks*/,
+                               const std::optional<at::Tensor>& /*attn_mask*/,
                                const BackwardCall& call) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // attention_backward unless the mask's gradient is asked for, so that graphs (compile,
+    // export) and errors name the op they always did.
+    if (call.attn_mask_grad) {
+      auto [dq, dk, dv, dsinks, dattn_mask] = detail::call_attention_gradients(call);
+      return {dq, dk, dv, dsinks, dattn_mask};
+    }
     auto [dq, dk, dv, dsinks] = detail::call_attention_backward(call);
-    return {dq, dk, dv, dsinks};
+    return {dq, dk, dv, dsinks, at::empty({0}, call.q.options())};
   }
 
   static variable_list backward(AutogradContext* /*ctx*/, const variable_list& /*grads*/) {
@@ -103,7 +113,8 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
   }
 
   static variable_list apply_to(const BackwardCall& call) {
-    return apply(call.grad_out, call.q, call.k, call.v, call.out, call.options.sinks, call);
+    return apply(call.grad_out, call.q, call.k, call.v, call.out, call.options.sinks,
+                 call.attn_mask, call);
   }
 };
 static_assert(arguments_after_context<AttentionBackwardFunction>() == kBackwardArguments);
@@ -114,6 +125,7 @@ class AttentionForwardFunction : public torch::autograd::Function<AttentionForwa
   static variable_list forward(AutogradContext* ctx, const at::Tensor& /*q*/,
                                const at::Tensor& /*k*/, const at::Tensor& /*v*/,
                                const std::optional<at::Tensor>& /*sinks*/,
+                               const std::optional<at::Tensor>& /*attn_mask*/,
                                const ForwardCall& call) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = detail::call_attention_forward(call);
@@ -128,7 +140,13 @@ class AttentionForwardFunction : public torch::autograd::Function<AttentionForwa
     if (!grad_out.defined()) {
       return grads_in;
     }
-    const BackwardCall call = load_call(ctx, grad_out);
+    BackwardCall call = load_call(ctx, grad_out);
+    // A floating attn_mask gets its gradient where autograd asks for it (a bool one cannot). Its
+    // edge follows q, k, v and the sinks where given: autograd numbers only the tensors present.
+    const size_t attn_mask_edge = kAttnMask - (call.options.sinks.has_value() ? 0 : 1);
+    call.attn_mask_grad = call.attn_mask.has_value() &&
+                          at::isFloatingType(call.attn_mask->scalar_type()) &&
+                          ctx->needs_input_grad(attn_mask_edge);
     const variable_list g = AttentionBackwardFunction::apply_to(call);
     grads_in[kQ] = g[0];
     grads_in[kK] = g[1];
@@ -136,11 +154,14 @@ class AttentionForwardFunction : public torch::autograd::Function<AttentionForwa
     if (call.options.sinks.has_value()) {
       grads_in[kSinks] = g[3];
     }
+    if (call.attn_mask_grad) {
+      grads_in[kAttnMask] = g[4];
+    }
     return grads_in;
   }
 
   static variable_list apply_to(const ForwardCall& call) {
-    return apply(call.q, call.k, call.v, call.options.sinks, call);
+    return apply(call.q, call.k, call.v, call.options.sinks, call.attn_mask, call);
   }
 };
 static_assert(arguments_after_context<AttentionForwardFunction>() == kForwardArguments);
@@ -157,10 +178,17 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(const ForwardCall&
   return {out_lse[0], out_lse[1]};
 }
 
-detail::Gradients attention_backward_autograd(const BackwardCall& call) {
-  detail::check_backward_call(call);
+// attention_gradients, and attention_backward (its results but the mask's), checked under `op`.
+detail::Gradients gradients_autograd(const char* op, const BackwardCall& call) {
+  detail::check_backward_call(call, op);
   const variable_list g = AttentionBackwardFunction::apply_to(call);
-  return {g[0], g[1], g[2], g[3]};
+  return {g[0], g[1], g[2], g[3], g[4]};
+}
+detail::Gradients attention_gradients_autograd(const BackwardCall& call) {
+  return gradients_autograd("causal_attention.attention_gradients", call);
+}
+detail::Gradients attention_backward_autograd(const BackwardCall& call) {
+  return gradients_autograd("causal_attention.attention_backward", call);
 }
 
 }  // namespace
@@ -169,6 +197,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("attention", detail::attention_from_schema<attention_autograd>);
   m.impl("varlen_attention", detail::varlen_attention_from_schema<attention_autograd>);
   m.impl("attention_forward", detail::forward_from_schema<attention_forward_autograd>);
+  m.impl("attention_gradients", detail::gradients_from_schema<attention_gradients_autograd>);
   m.impl("attention_backward", detail::backward_from_schema<attention_backward_autograd>);
 }
 

@@ -13,7 +13,11 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <limits>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace causal_attention::cpu {
 namespace {
@@ -102,6 +106,121 @@ void set_key_mask(ForwardTensors& t, const std::optional<at::Tensor>& key_mask) 
   t.kept_keys_before.narrow(1, 1, len_k).copy_(t.key_mask.cumsum(1, at::kInt));
 }
 
+// attn_mask's own dims as (batch, heads, rows, keys) for a dense q: each is the scores' size or 1
+// where the mask is broadcast along it. A view of the mask but where it broadcasts along some of
+// several batch dims and not others: those are expanded (a copy of the mask times the batch dims
+// it spans, never its expansion over heads, rows or keys).
+at::Tensor mask_as_kernel_dims(const at::Tensor& mask, const at::Tensor& q) {
+  at::Tensor m = mask;
+  while (m.dim() < q.dim()) {
+    m = m.unsqueeze(0);
+  }
+  if (m.dim() == 2) {
+    return m.unsqueeze(0).unsqueeze(0);
+  }
+  if (m.dim() == 3) {
+    return m.unsqueeze(0);
+  }
+  const auto inner = m.sizes().slice(m.dim() - 3);
+  const auto leading = m.sizes().slice(0, m.dim() - 3);
+  if (std::all_of(leading.begin(), leading.end(), [](int64_t size) { return size == 1; })) {
+    return m.reshape({1, inner[0], inner[1], inner[2]});
+  }
+  std::vector<int64_t> sizes(q.sizes().begin(), q.sizes().end() - 3);
+  const int64_t batch = c10::multiply_integers(sizes);
+  sizes.insert(sizes.end(), inner.begin(), inner.end());
+  return m.expand(sizes).reshape({batch, inner[0], inner[1], inner[2]});
+}
+
+// One MaskTile per KernelAttentionMask::kTileRows x kTileKeys entries of a mask in its own dims:
+// hidden where every entry hides its key (false, -inf), visible where none changes anything
+// (true, 0), else mixed. O(mask) time, O(tiles) memory, one task per row of tiles.
+template <typename T>
+at::Tensor mask_tiles(const at::Tensor& mask) {
+  constexpr int64_t kRows = KernelAttentionMask::kTileRows, kKeys = KernelAttentionMask::kTileKeys;
+  const int64_t batch = mask.size(0), heads = mask.size(1), rows = mask.size(2),
+                keys = mask.size(3);
+  const int64_t row_tiles = (rows + kRows - 1) / kRows, key_tiles = (keys + kKeys - 1) / kKeys;
+  at::Tensor tiles =
+      at::empty({batch, heads, row_tiles, key_tiles}, mask.options().dtype(at::kByte));
+  uint8_t* out = tiles.data_ptr<uint8_t>();
+  const T* data = mask.data_ptr<T>();
+  const auto hides = [](T x) {
+    if constexpr (std::is_same_v<T, bool>) {
+      return !x;
+    } else {
+      return x == -std::numeric_limits<T>::infinity();
+    }
+  };
+  const auto leaves = [](T x) {
+    if constexpr (std::is_same_v<T, bool>) {
+      return x;
+    } else {
+      return x == T(0);
+    }
+  };
+  at::parallel_for(0, batch * heads * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (heads * row_tiles), h = item / row_tiles % heads,
+                    row_tile = item % row_tiles;
+      const T* head = data + b * mask.stride(0) + h * mask.stride(1);
+      for (int64_t key_tile = 0; key_tile < key_tiles; ++key_tile) {
+        bool all_hidden = true, all_left = true;
+        for (int64_t r = row_tile * kRows; r < std::min(rows, (row_tile + 1) * kRows); ++r) {
+          for (int64_t c = key_tile * kKeys; c < std::min(keys, (key_tile + 1) * kKeys); ++c) {
+            const T x = head[r * mask.stride(2) + c * mask.stride(3)];
+            all_hidden = all_hidden && hides(x);
+            all_left = all_left && leaves(x);
+          }
+        }
+        out[item * key_tiles + key_tile] =
+            all_hidden ? kTileHidden : (all_left ? kTileVisible : kTileMixed);
+      }
+    }
+  });
+  return tiles;
+}
+
+// attn_mask as the kernels read it (kernel_api.h), for q, k in the kernels' layout: floating
+// masks in the accumulation dtype, unit stride along keys, expanded to the scores as a view.
+KernelAttentionMask kernel_attn_mask(const at::Tensor& mask, const at::Tensor& q,
+                                     const ForwardTensors& t) {
+  at::Tensor own = mask_as_kernel_dims(mask, q);
+  if (own.scalar_type() != at::kBool) {
+    own = own.to(detail::accumulation_dtype(q.scalar_type()));
+  }
+  if (own.size(3) > 1 && own.stride(3) != 1) {
+    own = own.contiguous();
+  }
+  KernelAttentionMask kernel;
+  kernel.tiles = own.scalar_type() == at::kBool     ? mask_tiles<bool>(own)
+                 : own.scalar_type() == at::kDouble ? mask_tiles<double>(own)
+                                                    : mask_tiles<float>(own);
+  kernel.values = own.expand({t.q.size(0), t.q.size(1), t.q.size(2), t.k.size(2)});
+  return kernel;
+}
+
+// attn_mask's gradient from the kernel's dS over the scores (batch, Hq, Lq, Lk): summed over the
+// dims the mask is broadcast along, one slice after the other (the same sums at any thread
+// count), in the mask's shape and dtype.
+at::Tensor attn_mask_gradient(const at::Tensor& scores_grad, const at::Tensor& q,
+                              const at::Tensor& k, const at::Tensor& mask) {
+  std::vector<int64_t> scores(q.sizes().begin(), q.sizes().end());
+  scores.back() = k.size(-2);
+  at::Tensor grad = scores_grad.view(scores);
+  const int64_t padding = grad.dim() - mask.dim();
+  for (int64_t d = 0; d < grad.dim(); ++d) {
+    if (grad.size(d) > 1 && (d < padding || mask.size(d - padding) == 1)) {
+      at::Tensor sum = grad.select(d, 0).clone();
+      for (int64_t i = 1; i < grad.size(d); ++i) {
+        sum.add_(grad.select(d, i));
+      }
+      grad = sum.unsqueeze(d);
+    }
+  }
+  return grad.reshape(mask.sizes()).to(mask.scalar_type());
+}
+
 // The score options as the kernels read them (kernel_api.h), for tensors already in the kernels'
 // layout with their sequences set.
 KernelScoreOptions kernel_options(const ForwardTensors& t, const detail::ScoreOptions& options) {
@@ -139,6 +258,9 @@ ForwardTensors kernel_inputs(const char* op, const detail::ForwardCall& call,
     t.sequences = packed_sequences(op, call);
   } else {
     set_key_mask(t, call.key_mask);
+    if (call.attn_mask.has_value()) {
+      t.attn_mask = kernel_attn_mask(*call.attn_mask, call.q, t);
+    }
   }
   t.options = kernel_options(t, call.options);
   return t;
@@ -163,11 +285,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const detail::ForwardCa
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const detail::BackwardCall& call) {
-  detail::check_backward_call(call);
+// attention_gradients, and attention_backward (its results but the mask's), checked under `op`.
+detail::Gradients gradients_cpu(const char* op, const detail::BackwardCall& call) {
+  detail::check_backward_call(call, op);
   const KernelLayout layout(call);
-  BackwardTensors t(kernel_inputs("causal_attention.attention_backward", call, layout));
+  BackwardTensors t(kernel_inputs(op, call, layout));
   t.grad_out = layout.rows(call.grad_out);
   t.out = layout.rows(call.out);
   t.lse = layout.lse_rows(call.lse, t.q);
@@ -184,11 +306,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   t.dq = layout.rows(dq);
   t.dk = layout.rows(dk);
   t.dv = layout.rows(dv);
+  if (call.attn_mask_grad) {
+    t.dattn_mask = at::zeros({t.q.size(0), t.q.size(1), t.q.size(2), t.k.size(2)},
+                             detail::lse_options(call.q));
+  }
   if ((dq.numel() > 0 || dk.numel() > 0 || dv.numel() > 0) && !no_sequences(t)) {
     run_kernel(backward_kernel, t);
   }
   return {dq, dk, dv,
-          sinks.has_value() ? t.dsinks.to(sinks->scalar_type()) : at::empty({0}, call.q.options())};
+          sinks.has_value() ? t.dsinks.to(sinks->scalar_type()) : at::empty({0}, call.q.options()),
+          call.attn_mask_grad ? attn_mask_gradient(t.dattn_mask, call.q, call.k, *call.attn_mask)
+                              : at::empty({0}, call.q.options())};
+}
+
+detail::Gradients attention_gradients_cpu(const detail::BackwardCall& call) {
+  return gradients_cpu("causal_attention.attention_gradients", call);
+}
+detail::Gradients attention_backward_cpu(const detail::BackwardCall& call) {
+  return gradients_cpu("causal_attention.attention_backward", call);
 }
 
 // The dropout keep mask of scores (..., Hq, Lq, Lk), from the kernels' own hash (batch = the
@@ -215,6 +350,7 @@ at::Tensor dropout_keep_mask_cpu(const at::Tensor& dropout_seed, c10::SymIntArra
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   using namespace causal_attention;
   m.impl("attention_forward", detail::forward_from_schema<cpu::attention_forward_cpu>);
+  m.impl("attention_gradients", detail::gradients_from_schema<cpu::attention_gradients_cpu>);
   m.impl("attention_backward", detail::backward_from_schema<cpu::attention_backward_cpu>);
   m.impl("dropout_keep_mask", causal_attention::cpu::dropout_keep_mask_cpu);
 }

@@ -24,15 +24,25 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const detail::ForwardC
 }
 
 // Gradients have the shapes and dtypes of the inputs they belong to; dsinks is (0,) without
-// sinks.
-detail::Gradients attention_backward_meta(const detail::BackwardCall& call) {
-  detail::check_backward_call(call);
-  const std::optional<at::Tensor>& sinks = call.options.sinks;
+// sinks, dattn_mask without attn_mask_grad.
+detail::Gradients gradients_meta(const char* op, const detail::BackwardCall& call) {
+  detail::check_backward_call(call, op);
+  const auto like = [&](const std::optional<at::Tensor>& t, bool wanted) {
+    return wanted ? at::empty_symint(t->sym_sizes(), t->options())
+                  : at::empty({0}, call.q.options());
+  };
   return {at::empty_symint(call.q.sym_sizes(), call.q.options()),
           at::empty_symint(call.k.sym_sizes(), call.k.options()),
           at::empty_symint(call.v.sym_sizes(), call.v.options()),
-          sinks.has_value() ? at::empty_symint(sinks->sym_sizes(), sinks->options())
-                            : at::empty({0}, call.q.options())};
+          like(call.options.sinks, call.options.sinks.has_value()),
+          like(call.attn_mask, call.attn_mask_grad)};
+}
+
+detail::Gradients attention_gradients_meta(const detail::BackwardCall& call) {
+  return gradients_meta("causal_attention.attention_gradients", call);
+}
+detail::Gradients attention_backward_meta(const detail::BackwardCall& call) {
+  return gradients_meta("causal_attention.attention_backward", call);
 }
 
 at::Tensor dropout_keep_mask_meta(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,
@@ -45,6 +55,7 @@ at::Tensor dropout_keep_mask_meta(const at::Tensor& dropout_seed, c10::SymIntArr
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("attention_forward", detail::forward_from_schema<attention_forward_meta>);
+  m.impl("attention_gradients", detail::gradients_from_schema<attention_gradients_meta>);
   m.impl("attention_backward", detail::backward_from_schema<attention_backward_meta>);
   m.impl("dropout_keep_mask", dropout_keep_mask_meta);
 }

@@ -548,13 +548,49 @@ std::vector<BadCall> table() {
                   }});
   rows.push_back({"varlen options key_mask",
                   E::kValueError,
-                  {"varlen_attention: key_mask is for dense calls"},
+                  {"varlen_attention: key_mask and attn_mask are for dense calls"},
                   [a] {
                     const at::Tensor cu = torch::tensor({0, 5, 10}, torch::kInt);
                     const at::Tensor q = a.q.transpose(1, 2).flatten(0, 1);
                     causal_attention::varlen_attention(
                         q, q, q, cu, cu, 5, 5,
                         AttentionOptions().key_mask(torch::ones({10}, torch::kBool)));
+                  }});
+  rows.push_back({"varlen options attn_mask",
+                  E::kValueError,
+                  {"varlen_attention: key_mask and attn_mask are for dense calls"},
+                  [a] {
+                    const at::Tensor cu = torch::tensor({0, 5, 10}, torch::kInt);
+                    const at::Tensor q = a.q.transpose(1, 2).flatten(0, 1);
+                    causal_attention::varlen_attention(
+                        q, q, q, cu, cu, 5, 5,
+                        AttentionOptions().attn_mask(torch::ones({5, 5}, torch::kBool)));
+                  }});
+  rows.push_back({"attn_mask int dtype",
+                  E::kTypeError,
+                  {"attention: attn_mask must be bool", "attn_mask.dtype=Long"},
+                  [a] {
+                    causal_attention::attention(
+                        a.q, a.k, a.v,
+                        AttentionOptions().attn_mask(torch::zeros({1}, torch::kLong)));
+                  }});
+  rows.push_back(
+      {"attn_mask not broadcastable",
+       E::kValueError,
+       {"attention: attn_mask must be broadcastable to the scores", "attn_mask.shape=[3]"},
+       [a] {
+         causal_attention::attention(a.q, a.k, a.v,
+                                     AttentionOptions().attn_mask(torch::zeros({3}, torch::kBool)));
+       }});
+  rows.push_back({"attention_gradients attn_mask_grad of a bool mask",
+                  E::kValueError,
+                  {"attention_gradients: attn_mask_grad=True asks for the gradient of a floating"},
+                  [a] {
+                    const auto [out, lse] = causal_attention::attention_forward(a.q, a.k, a.v, 0.5);
+                    causal_attention::attention_gradients(
+                        out, a.q, a.k, a.v, out, lse, 0.5,
+                        AttentionOptions().attn_mask(torch::ones({1}, torch::kBool)), std::nullopt,
+                        /*attn_mask_grad=*/true);
                   }});
   rows.push_back({"forward dropout seed on meta",
                   E::kValueError,

@@ -1,6 +1,7 @@
-// Key masks and packed sequences through the C++ API, with C++ autograd only: a key mask against
-// SDPA with the equivalent boolean mask, packed sequences against separate calls per sequence,
-// and the typed errors of bad cumulative lengths.
+// Key masks, attention masks and packed sequences through the C++ API, with C++ autograd only: a
+// key mask against SDPA with the equivalent boolean mask, a document mask and a learned bias (its
+// gradient included) against SDPA with the same attn_mask, packed sequences against separate
+// calls per sequence, and the typed errors of bad cumulative lengths.
 #include "../attention_test_utils.h"
 
 #include <causal_attention/ops.h>
@@ -60,6 +61,41 @@ TEST(KeyMask, MatchesSdpaWithTheBooleanMaskForwardAndBackward) {
     const at::Tensor rows = torch::arange(seen_from, len);
     EXPECT_LT(max_abs_diff(ours.dq.index_select(2, rows), sdpa.dq.index_select(2, rows)), 1e-12);
   }
+}
+
+TEST(AttnMask, BoolAndLearnedBiasMatchSdpaForwardAndBackwardWithCppAutograd) {
+  torch::manual_seed(0);
+  const int64_t len = 150;
+  const at::Tensor q = torch::randn({2, 4, len, 16}, torch::kDouble);
+  const at::Tensor k = torch::randn({2, 2, len, 16}, torch::kDouble);
+  const at::Tensor v = torch::randn({2, 2, len, 8}, torch::kDouble);
+  const at::Tensor grad_out = torch::randn({2, 4, len, 8}, torch::kDouble);
+  const at::Tensor document = torch::arange(len).div(50, "floor");
+  const at::Tensor documents = document.unsqueeze(1).eq(document.unsqueeze(0));
+  const auto ours = run_with_grad(q, k, v, grad_out, [&](auto a, auto b, auto c) {
+    return causal_attention::attention(a, b, c,
+                                       causal_attention::AttentionOptions().attn_mask(documents));
+  });
+  const auto sdpa = run_with_grad(q, k, v, grad_out, [&](auto a, auto b, auto c) {
+    return at::scaled_dot_product_attention(a, b, c, documents & bottom_right_mask(len, len), 0.0,
+                                            false, std::nullopt, true);
+  });
+  EXPECT_LT(max_abs_diff(ours.out, sdpa.out), 1e-12);
+  EXPECT_LT(max_abs_diff(ours.dq, sdpa.dq), 1e-12);
+  EXPECT_LT(max_abs_diff(ours.dk, sdpa.dk), 1e-12);
+  EXPECT_LT(max_abs_diff(ours.dv, sdpa.dv), 1e-12);
+
+  // A (1, H, L, L) bias trained through the op: its gradient is summed over the batch.
+  const at::Tensor bias = torch::randn({1, 4, len, len}, torch::kDouble).requires_grad_();
+  const at::Tensor ours_out = causal_attention::attention(
+      q, k, v, causal_attention::AttentionOptions().attn_mask(bias).window({-1, -1}));
+  const at::Tensor ours_grad = torch::autograd::grad({ours_out}, {bias}, {grad_out})[0];
+  const at::Tensor sdpa_out =
+      at::scaled_dot_product_attention(q, k, v, bias, 0.0, false, std::nullopt, true);
+  const at::Tensor sdpa_grad = torch::autograd::grad({sdpa_out}, {bias}, {grad_out})[0];
+  EXPECT_LT(max_abs_diff(ours_out, sdpa_out), 1e-12);
+  EXPECT_EQ(ours_grad.sizes(), bias.sizes());
+  EXPECT_LT(max_abs_diff(ours_grad, sdpa_grad), 1e-12);
 }
 
 TEST(VarlenAttention, MatchesSeparateCallsPerSequenceWithCppAutograd) {

@@ -554,3 +554,34 @@ def test_attention_dropout_backpropagates_through_forward_with_weights():
     _, ref_grads, _, _ = dropout_reference(config, module, x, grad_out, 0.3, 5)
     for name, ref_grad in ref_grads.items():
         torch.testing.assert_close(grads[name.replace("param.", "param.attn.")], ref_grad)
+
+
+@pytest.mark.parametrize("dtype", dtype_params([torch.float64, torch.float32]))
+def test_a_document_mask_is_each_document_alone_and_a_learned_bias_trains(dtype):
+    """attn_mask through the module: a block-diagonal mask over a packed row gives what each
+    document gives alone, and a float bias parameter gets the gradient SDPA's math gives it."""
+    torch.manual_seed(0)
+    module = CausalSelfAttention(32, 4, num_kv_heads=2, dtype=dtype)
+    lengths = [5, 11, 8]
+    x = torch.randn(1, sum(lengths), 32, dtype=dtype)
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    packed = module(x, attn_mask=document[:, None] == document[None, :])
+    alone = torch.cat([module(part) for part in x.split(lengths, dim=1)], dim=1)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (packed - alone).abs().max().item() <= tolerance
+
+    bias = torch.randn(1, 4, 6, 6, dtype=dtype, requires_grad=True)
+    y = torch.randn(2, 6, 32, dtype=dtype)
+    out = module(y, attn_mask=bias)
+    (grad,) = torch.autograd.grad(out.square().sum(), bias)
+    q, k, v = module._project_heads(y, None)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf")), enable_gqa=True
+    )
+    (want,) = torch.autograd.grad(module._project_output(reference).square().sum(), bias)
+    assert (grad - want).abs().max().item() <= 10 * tolerance
+    weights = module(y, need_weights=True, attn_mask=bias)[1]
+    assert weights.shape == (2, 4, 6, 6) and torch.allclose(
+        weights.sum(-1), torch.ones(2, 4, 6, dtype=dtype)
+    )

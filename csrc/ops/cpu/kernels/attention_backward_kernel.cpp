@@ -13,6 +13,9 @@
 //   (dP - delta then cancels). And float32/float64 when the forward decoded (few query rows):
 //   its scores were summed in another order than the backward's block products, so lse does not
 //   normalize the backward's P, which with a peaked softmax measured 3-12x SDPA's gradient error.
+//   And float32/float64 when attn_mask's gradient is asked for: that gradient is dS itself, entry
+//   by entry, and a delta from O would carry the forward's exponentials' error (exp_u20) into
+//   every entry (measured up to 5x SDPA's error in float32).
 //   There a step before the gradients sums, over the very P and dP the gradients recompute (S
 //   and dP, 2 block products a pair, one task per query block), l = sum_j P_ij (with the sink's
 //   share) and sum_j P_ij dP'_ij: the gradients then use P / l, a softmax of their own scores,
@@ -55,7 +58,8 @@ class BackwardKernel {
 
  public:
   explicit BackwardKernel(const BackwardTensors& t)
-      : recomputed_statistics_(kReducedPrecision || forward_decodes(AttentionDims(t))),
+      : recomputed_statistics_(kReducedPrecision || forward_decodes(AttentionDims(t)) ||
+                               t.dattn_mask.defined()),
         delta_(padded_query_rows(AttentionDims(t))),
         normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
@@ -101,7 +105,7 @@ class BackwardKernel {
       acc_t* normalizer = normalizers_.data() + bh * dims_.len_q + q0;
       std::fill_n(delta, rows, acc_t(0));
       std::fill_n(normalizer, rows, acc_t(0));
-      for_each_visible_key_block(b, q0, rows, [&](int64_t k0, int64_t cols) {
+      for_each_visible_key_block(b, h, q0, rows, [&](int64_t k0, int64_t cols) {
         const auto ko = pair_.key_operands(b, h / dims_.group(), k0);
         pair_.add_row_shares(bh, qo, ko, q0, rows, k0, cols, normalizer, delta, s);
       });
@@ -168,14 +172,16 @@ class BackwardKernel {
   }
 
   // Calls fn(k0, cols) for each key block that a row of query rows [q0, q0 + rows) of batch item
-  // b sees, in order (blocks the key mask hides entirely are skipped).
+  // b, query head h, sees, in order (blocks the key mask or attn_mask hides entirely are
+  // skipped).
   template <typename Fn>
-  void for_each_visible_key_block(int64_t b, int64_t q0, int64_t rows, const Fn& fn) const {
+  void for_each_visible_key_block(int64_t b, int64_t h, int64_t q0, int64_t rows,
+                                  const Fn& fn) const {
     const int64_t key_end = dims_.key_end(b, q0 + rows - 1);
     const int64_t first_block = dims_.key_begin(b, q0) / blocks_.keys * blocks_.keys;
     for (int64_t k0 = first_block; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
-      if (dims_.kept_keys(b, k0, cols) > 0) {
+      if (dims_.kept_keys(b, k0, cols) > 0 && !dims_.mask_hides(b, h, q0, rows, k0, cols)) {
         fn(k0, cols);
       }
     }
@@ -269,8 +275,10 @@ class BackwardKernel {
         const auto qo = pair_.query_operands(b, h, q0, rows, s);
         for (int64_t t = 0; k0 + t * blocks_.keys < key_end; ++t) {
           const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
-          // Blocks before the window of every row, or that the key mask hides, get zeros.
-          if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0) {
+          // Blocks before the window of every row, or that the key mask or attn_mask hides, get
+          // zeros.
+          if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0 &&
+              !dims_.mask_hides(b, h, q0, rows, kj, cols)) {
             pair_gradients(b, h, q0, rows, kj, cols, qo, ko[t], t, dq, s);
           }
         }
@@ -291,7 +299,8 @@ class BackwardKernel {
   void pair_gradients(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                       const typename Pair::QueryOperands& qo, const typename Pair::KeyOperands& ko,
                       int64_t t, const QuerySums* dq, Scratch& s) const {
-    pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols, s);
+    pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols,
+                                      /*record_mask_gradient=*/true, s);
     pair_.add_value_gradient(b, h, q0, rows, k0, cols, s.value_gradient(t, dims_), s);
     pair_.add_key_gradient(b, h, q0, rows, k0, cols, s.key_gradient(t, dims_), s);
     if (dq != nullptr) {
@@ -308,9 +317,11 @@ class BackwardKernel {
     const auto qo = pair_.query_operands(b, h, q0, rows, s);
     acc_t* dq = s.grad_a.data();  // sum_j dS_ij K_j
     std::fill_n(dq, rows * D, acc_t(0));
-    for_each_visible_key_block(b, q0, rows, [&](int64_t k0, int64_t cols) {
+    for_each_visible_key_block(b, h, q0, rows, [&](int64_t k0, int64_t cols) {
       const auto ko = pair_.key_operands(b, h / dims_.group(), k0);
-      pair_.probabilities_and_gradients(bh, qo, ko, q0, rows, k0, cols, s);
+      // Pass 1 recorded attn_mask's gradient of this pair.
+      pair_.probabilities_and_gradients(bh, qo, ko, q0, rows, k0, cols,
+                                        /*record_mask_gradient=*/false, s);
       pair_.add_query_product(b, h / dims_.group(), q0, rows, k0, cols, dq, D, s);
     });
     for (int64_t r = 0; r < rows; ++r) {

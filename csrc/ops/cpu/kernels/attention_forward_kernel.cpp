@@ -79,6 +79,7 @@ class ForwardKernel {
     std::vector<acc_t> partial;  // one chain's scores (multiply_in_chains)
     // The keys of the current block each row of a query block sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
+    std::vector<MaskRow<acc_t>> mask_rows;  // and the attn_mask row of each, where it is read
     NonFiniteRowGuard<scalar_t> v_guard;
     RowState<acc_t> state;  // every row of the tile
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile_rows)
@@ -88,6 +89,7 @@ class ForwardKernel {
           partial(blocks.query_rows * blocks.keys),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
+          mask_rows(blocks.query_rows),
           state(tile_rows, d.value_dim) {}
   };
 
@@ -113,9 +115,10 @@ class ForwardKernel {
         const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
         const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
         const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
-        // Blocks outside the window of every row of the query block, or that the key mask hides
-        // entirely, are skipped.
-        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0) {
+        // Blocks outside the window of every row of the query block, or that the key mask or
+        // attn_mask hides entirely, are skipped.
+        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0 &&
+            !dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
           const Operand<gemm_t> q_block{q_rows.data + (q0 - t0) * q_rows.ld, q_rows.ld};
           key_block(b, h, q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
         }
@@ -136,23 +139,24 @@ class ForwardKernel {
                        s.scores.data(), cols, score_chain(dims_), s.partial.data());
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
     // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
-    const bool* kept = dims_.hidden_keys(b, k0, cols);
+    const BlockMasks masks = dims_.block_masks(b, h, q0, rows, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       const KeyRange range = dims_.visible_in_block(b, q0 + r, k0, cols);
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
-      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, range, cols,
-                       modifiers_.row(dims_, b, h, q0 + r, k0, kept));
+      const RowScoring<acc_t> scoring = modifiers_.row(dims_, b, h, q0 + r, k0, masks);
+      s.mask_rows[r] = scoring.mask;
+      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, range, cols, scoring);
     }
     // O += P V_j
-    accumulate_values(b, h_kv, q0, rows, k0, cols, kept, packed,
+    accumulate_values(b, h_kv, q0, rows, k0, cols, masks, packed,
                       s.state.out.data() + first_state_row * dims_.value_dim, s);
   }
 
   // O += P V_j, with P in s.scores (float32 for every input dtype, V widened to it:
   // backward_block_pair.h says why); V_j is the packed block unless the guard cleaned it.
   void accumulate_values(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
-                         int64_t cols, const bool* kept, const Packed& packed, acc_t* out,
+                         int64_t cols, const BlockMasks& masks, const Packed& packed, acc_t* out,
                          Scratch& s) const {
     const Operand<acc_t> p{s.scores.data(), cols};
     const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
@@ -162,10 +166,11 @@ class ForwardKernel {
       }
       return ValuePack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
     };
-    s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols), rows, dims_.value_dim,
-                           cols, p,
+    s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols, masks), rows,
+                           dims_.value_dim, cols, p,
                            MaskedFactor<acc_t>{s.scores.data(), cols, s.first_visible.data(),
-                                               s.visible.data(), /*transposed=*/false, kept},
+                                               s.visible.data(), /*transposed=*/false, masks.kept,
+                                               masks.attn_mask ? s.mask_rows.data() : nullptr},
                            v_rows, pack_values, out, dims_.value_dim);
   }
 

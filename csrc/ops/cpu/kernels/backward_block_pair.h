@@ -46,7 +46,8 @@ class BlockPairGradients {
     std::vector<acc_t> p, ds, grad_a, grad_b, softcap_grad, keep_factors;
     // The keys of the current block each query row sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
-    const bool* kept = nullptr;  // the key mask of the current block, if it hides some keys
+    BlockMasks masks;                       // of the current block pair
+    std::vector<MaskRow<acc_t>> mask_rows;  // each row's attn_mask, where masks.attn_mask
     NonFiniteRowGuard<scalar_t> guard;
     // For key tiles of up to `tile` blocks.
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
@@ -64,6 +65,7 @@ class BlockPairGradients {
           keep_factors(blocks.keys),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
+          mask_rows(blocks.query_rows),
           keys_per_block(blocks.keys) {}
 
     // The dK_j and dV_j accumulators of block t of a key tile (cols x D, cols x Dv).
@@ -105,7 +107,8 @@ class BlockPairGradients {
         normalizers(normalizers),
         scale(static_cast<acc_t>(t.scale)),
         modifiers(t),
-        packed(dims, k, v, blocks.keys) {}
+        packed(dims, k, v, blocks.keys),
+        mask_grad(t.dattn_mask.defined() ? t.dattn_mask.template data_ptr<acc_t>() : nullptr) {}
 
   QueryOperands query_operands(int64_t b, int64_t h, int64_t q0, int64_t rows, Scratch& s) const {
     return {Pack::a(q.row(b, h, q0), rows, dims.head_dim, q.row_stride, s.q_tile.data()),
@@ -118,23 +121,29 @@ class BlockPairGradients {
     return {packed.keys_t(b, h_kv, k0), packed.values_t(b, h_kv, k0)};
   }
 
-  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS); s.first_visible, s.visible and
-  // s.kept the keys each row sees.
+  // S, P, dP and dS of the pair into s.p (P) and s.ds (dS); s.first_visible, s.visible,
+  // s.masks and s.mask_rows the keys each row sees. With record_mask_gradient, also attn_mask's
+  // gradient of the pair, where it is asked for (each pair records it once).
   void probabilities_and_gradients(int64_t bh, const QueryOperands& qo, const KeyOperands& ko,
                                    int64_t q0, int64_t rows, int64_t k0, int64_t cols,
-                                   Scratch& s) const {
+                                   bool record_mask_gradient, Scratch& s) const {
     const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
     const acc_t* row_delta = delta + bh * dims.len_q + q0;
     const acc_t* row_normalizer = normalizers + bh * dims.len_q + q0;
-    s.kept = dims.hidden_keys(b, k0, cols);
+    s.masks = dims.block_masks(b, h, q0, rows, k0, cols);
+    acc_t* mask_grad_rows = record_mask_gradient && mask_grad
+                                ? mask_grad + ((bh * dims.len_q + q0) * dims.len_k + k0)
+                                : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
+      const RowScoring<acc_t> scoring = modifiers.row(dims, b, h, q0 + r, k0, s.masks);
+      s.mask_rows[r] = scoring.mask;
       // P = exp(x - lse);  dS = P o (dP - delta) o x'
       const KeyRange range = softmax_gradient_row(
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
-          cols, modifiers.row(dims, b, h, q0 + r, k0, s.kept), row_lse[r], row_normalizer[r],
-          row_delta[r], row_scratch(s));
+          cols, scoring, row_lse[r], row_normalizer[r], row_delta[r], row_scratch(s),
+          mask_grad_rows ? mask_grad_rows + r * dims.len_k : nullptr);
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
     }
@@ -148,11 +157,11 @@ class BlockPairGradients {
     const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
-    const bool* kept = dims.hidden_keys(b, k0, cols);
+    const BlockMasks masks = dims.block_masks(b, h, q0, rows, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       const RowShares<acc_t> row = row_shares(
           s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
-          cols, modifiers.row(dims, b, h, q0 + r, k0, kept), row_lse[r], row_scratch(s));
+          cols, modifiers.row(dims, b, h, q0 + r, k0, masks), row_lse[r], row_scratch(s));
       mass[r] += row.mass;
       share[r] += row.share;
     }
@@ -182,9 +191,8 @@ class BlockPairGradients {
     const acc_t* a_values = s.ds.data();
     const Operand<acc_t> a = GradientPack::a(a_values, rows, cols, cols, s.ds_tile.data());
     s.guard.multiply_add(
-        dims.has_masked_entries(b, q0, rows, k0, cols), rows, dims.head_dim, cols, a,
-        MaskedFactor<acc_t>{a_values, cols, s.first_visible.data(), s.visible.data(),
-                            /*transposed=*/false, s.kept},
+        dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), rows, dims.head_dim, cols, a,
+        masked_factor(a_values, cols, /*transposed=*/false, s),
         Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
         [&](Operand<scalar_t> source) {
           return GradientPack::b(source.data, cols, dims.head_dim, source.ld, s.b_rows.data());
@@ -202,6 +210,7 @@ class BlockPairGradients {
   const acc_t scale;
   const ScoreModifiers<acc_t> modifiers;
   const PackedKeyValues<scalar_t, gemm_t, ValueOperand::kTransposed> packed;
+  acc_t* const mask_grad;  // (batch * heads_q, len_q, len_k) where asked for, else null
 
  private:
   // S = Q_i K_j^T into s.p;  dP = dO_i V_j^T into s.ds (in chains: schedule.h, score_chain)
@@ -214,6 +223,18 @@ class BlockPairGradients {
                        s.partial.data());
   }
 
+  // P or dS of the current pair as the guard reads it (non_finite_guard.h).
+  static MaskedFactor<acc_t> masked_factor(const acc_t* values, int64_t cols, bool transposed,
+                                           const Scratch& s) {
+    return {values,
+            cols,
+            s.first_visible.data(),
+            s.visible.data(),
+            transposed,
+            s.masks.kept,
+            s.masks.attn_mask ? s.mask_rows.data() : nullptr};
+  }
+
   static GradientRowScratch<acc_t> row_scratch(Scratch& s) {
     return {s.softcap_grad.data(), s.keep_factors.data()};
   }
@@ -224,10 +245,8 @@ class BlockPairGradients {
                               int64_t rows, int64_t k0, int64_t cols, acc_t* acc,
                               Scratch& s) const {
     s.guard.multiply_add(
-        dims.has_masked_entries(b, q0, rows, k0, cols), cols, width, rows, a_t,
-        MaskedFactor<acc_t>{a_values, cols, s.first_visible.data(), s.visible.data(),
-                            /*transposed=*/true, s.kept},
-        rows_of_b,
+        dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), cols, width, rows, a_t,
+        masked_factor(a_values, cols, /*transposed=*/true, s), rows_of_b,
         [&](Operand<scalar_t> source) {
           return GradientPack::b(source.data, rows, width, source.ld, s.b_rows.data());
         },

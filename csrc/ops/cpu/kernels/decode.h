@@ -79,6 +79,7 @@ class DecodeForward {
   struct Scratch {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
+    std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     RowState<acc_t> state;
     NonFiniteRowGuard<scalar_t> guard;
     explicit Scratch(const AttentionDims& d)
@@ -89,6 +90,7 @@ class DecodeForward {
           scores_t(padded(task_rows(d)) * kKeyBlock),
           first_visible(task_rows(d)),
           visible(task_rows(d)),
+          mask_rows(task_rows(d)),
           state(task_rows(d), d.value_dim) {}
   };
 
@@ -159,10 +161,21 @@ class DecodeForward {
     const int64_t D = dims_.head_dim, Dv = dims_.value_dim, rows = t.rows, b = t.b, h_kv = t.h_kv;
     const scalar_t* k_block = k_.row(b, h_kv, k0);
     const bool* kept = dims_.hidden_keys(b, k0, cols);
-    const Operand<scalar_t> values = kept
-                                         ? s.guard.without_hidden_non_finite_rows(
-                                               {v_.row(b, h_kv, k0), v_.row_stride}, cols, Dv, kept)
-                                         : Operand<scalar_t>{v_.row(b, h_kv, k0), v_.row_stride};
+    // attn_mask may hide a key from some rows and not others (heads and rows differ): then every
+    // non-finite value row is left out of the products and added back where a row sees it.
+    bool attn_mask_read = false;
+    for (int64_t r = 0; r < rows; ++r) {
+      const BlockMasks masks{kept, !dims_.attn_mask.absent() &&
+                                       dims_.attn_mask.block(b, t.head(r, dims_), t.query_row(r), 1,
+                                                             k0, cols) != kTileVisible};
+      s.mask_rows[r] = modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks).mask;
+      attn_mask_read = attn_mask_read || masks.attn_mask;
+    }
+    const Operand<scalar_t> value_rows{v_.row(b, h_kv, k0), v_.row_stride};
+    const Operand<scalar_t> values =
+        attn_mask_read ? s.guard.without_non_finite_rows(value_rows, cols, Dv)
+        : kept         ? s.guard.without_hidden_non_finite_rows(value_rows, cols, Dv, kept)
+                       : value_rows;
     StreamAhead stream;
     stream.values = StreamAhead::Rows::of(values.data, cols, Dv, values.ld);
     stream.next_keys = StreamAhead::Rows::of(
@@ -183,13 +196,21 @@ class DecodeForward {
       const KeyRange range = dims_.visible_in_block(b, t.query_row(r), k0, cols);
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
+      const BlockMasks masks{kept, s.mask_rows[r].active()};
       s.state.fold_row(s.scores.data() + r * cols, r, range, cols,
-                       modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, kept));
+                       modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks));
     }
     // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
     accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
                                s.visible.data(), values.data, values.ld, Dv, s.state.out.data(), Dv,
                                stream);
+    if (attn_mask_read) {
+      s.guard.add_back(
+          rows, Dv,
+          MaskedFactor<acc_t>{s.scores.data(), cols, s.first_visible.data(), s.visible.data(),
+                              /*transposed=*/false, kept, s.mask_rows.data()},
+          value_rows, s.state.out.data(), Dv);
+    }
   }
 
   const AttentionDims dims_;

@@ -8,10 +8,14 @@
 // merged by the linker with its AVX2 or baseline twin.
 #pragma once
 
+#include "kernel_api.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <utility>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -22,6 +26,92 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
 // Keys [begin, end) of a block, relative to its first key; begin == end when empty.
 struct KeyRange {
   int64_t begin, end;
+};
+
+// attn_mask's entries of one query row from a block's first key: key c (relative) is
+// bools[c * stride] (true: visible) or values[c * stride] (added to the score; -inf hides it).
+// Inactive (both null) where the block needs no entry read.
+template <typename acc_t>
+struct MaskRow {
+  const bool* bools = nullptr;
+  const acc_t* values = nullptr;
+  int64_t stride = 0;
+
+  bool active() const { return bools != nullptr || values != nullptr; }
+  bool hides(int64_t c) const {
+    return bools    ? !bools[c * stride]
+           : values ? values[c * stride] == -std::numeric_limits<acc_t>::infinity()
+                    : false;
+  }
+};
+
+// attn_mask (kernel_api.h) as the kernels read it: its entries and tile summary by element
+// strides, 0 along broadcast dims. absent() without a mask.
+class AttentionMaskView {
+ public:
+  AttentionMaskView() = default;
+  explicit AttentionMaskView(const KernelAttentionMask& m) {
+    if (!m.defined()) {
+      return;
+    }
+    (m.values.scalar_type() == at::kBool ? bools_ : values_) = m.values.data_ptr();
+    for (int d = 0; d < 4; ++d) {
+      stride_[d] = m.values.stride(d);
+      tile_stride_[d] = m.tiles.size(d) == 1 ? 0 : m.tiles.stride(d);
+    }
+    tiles_ = m.tiles.data_ptr<uint8_t>();
+    // A mask broadcast along query rows (keys) has one tile along them: every row (key) reads it.
+    rows_per_tile_ = m.tiles.size(2) == 1 ? 0 : KernelAttentionMask::kTileRows;
+    keys_per_tile_ = m.tiles.size(3) == 1 ? 0 : KernelAttentionMask::kTileKeys;
+  }
+
+  bool absent() const { return bools_ == nullptr && values_ == nullptr; }
+
+  // The mask over rows [q0, q0 + rows) and keys [k0, k0 + cols) of (b, h): hidden (visible)
+  // where every tile it meets is, else mixed. O(tiles met).
+  MaskTile block(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    const uint8_t* head = tiles_ + b * tile_stride_[0] + h * tile_stride_[1];
+    const auto [first_row_tile, last_row_tile] = tile_span(q0, rows, rows_per_tile_);
+    const auto [first_key_tile, last_key_tile] = tile_span(k0, cols, keys_per_tile_);
+    const uint8_t first = head[first_row_tile * tile_stride_[2] + first_key_tile * tile_stride_[3]];
+    for (int64_t i = first_row_tile; i <= last_row_tile; ++i) {
+      for (int64_t j = first_key_tile; j <= last_key_tile; ++j) {
+        if (head[i * tile_stride_[2] + j * tile_stride_[3]] != first) {
+          return kTileMixed;
+        }
+      }
+    }
+    return MaskTile(first);
+  }
+
+  // Query row `row` of (b, h) from key k0.
+  template <typename acc_t>
+  MaskRow<acc_t> row(int64_t b, int64_t h, int64_t row, int64_t k0) const {
+    const int64_t offset = b * stride_[0] + h * stride_[1] + row * stride_[2] + k0 * stride_[3];
+    return {bools_ ? static_cast<const bool*>(bools_) + offset : nullptr,
+            values_ ? static_cast<const acc_t*>(values_) + offset : nullptr, stride_[3]};
+  }
+
+ private:
+  static std::pair<int64_t, int64_t> tile_span(int64_t first, int64_t count, int64_t per_tile) {
+    return per_tile == 0
+               ? std::pair<int64_t, int64_t>{0, 0}
+               : std::pair<int64_t, int64_t>{first / per_tile, (first + count - 1) / per_tile};
+  }
+
+  const void* bools_ = nullptr;
+  const void* values_ = nullptr;
+  int64_t stride_[4] = {0, 0, 0, 0};
+  const uint8_t* tiles_ = nullptr;
+  int64_t tile_stride_[4] = {0, 0, 0, 0};
+  int64_t rows_per_tile_ = 0, keys_per_tile_ = 0;
+};
+
+// What hides keys of one block pair besides the window: the key mask of its keys where it hides
+// some (else null), and whether attn_mask's entries must be read (its tiles there are mixed).
+struct BlockMasks {
+  const bool* kept = nullptr;
+  bool attn_mask = false;
 };
 
 // The problem's sizes, with what narrows visibility: the window, packed sequences (varlen), where
@@ -41,6 +131,7 @@ struct AttentionDims {
   const bool* key_mask = nullptr;              // (batch, len_k), true where a key may be attended
   const int32_t* kept_before = nullptr;        // (batch, len_k + 1): kept keys before each key
   int64_t window_left = -1, window_right = 0;  // see key_begin, key_end
+  AttentionMaskView attn_mask;                 // hides (or biases) entries of (b, h_q, row, key)
 
   template <typename Tensors>
   explicit AttentionDims(const Tensors& t)
@@ -52,7 +143,8 @@ struct AttentionDims {
         head_dim(t.q.size(3)),
         value_dim(t.v.size(3)),
         window_left(t.options.window_left),
-        window_right(t.options.window_right) {
+        window_right(t.options.window_right),
+        attn_mask(t.attn_mask) {
     if (t.sequences.packed()) {
       cu_q = t.sequences.cu_q.template data_ptr<int32_t>();
       cu_k = t.sequences.cu_k.template data_ptr<int32_t>();
@@ -129,14 +221,25 @@ struct AttentionDims {
   const bool* hidden_keys(int64_t b, int64_t k0, int64_t cols) const {
     return kept_keys(b, k0, cols) < cols ? key_mask + b * len_k + k0 : nullptr;
   }
-  // Whether some row of [q0, q0 + rows) misses a key of [k0, k0 + cols): the block pair
-  // straddles a window boundary or holds keys the mask hides, so its products carry masked
-  // zeros. The bounds never decrease, so the first row has the lowest end and the last the
-  // highest begin.
-  bool has_masked_entries(int64_t b, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+  // Whether attn_mask hides every entry of rows [q0, q0 + rows) x keys [k0, k0 + cols) of query
+  // head h: a block skipped as the window's are.
+  bool mask_hides(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    return !attn_mask.absent() && attn_mask.block(b, h, q0, rows, k0, cols) == kTileHidden;
+  }
+  // The masks of a block pair that is not skipped.
+  BlockMasks block_masks(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
+                         int64_t cols) const {
+    return {hidden_keys(b, k0, cols),
+            !attn_mask.absent() && attn_mask.block(b, h, q0, rows, k0, cols) != kTileVisible};
+  }
+  // Whether some row of [q0, q0 + rows) may miss a key of [k0, k0 + cols): the block pair
+  // straddles a window boundary or has masks, so its products may carry masked zeros. The
+  // bounds never decrease, so the first row has the lowest end and the last the highest begin.
+  bool has_masked_entries(int64_t b, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                          const BlockMasks& masks) const {
     return visible_in_block(b, q0, k0, cols).end < cols ||
-           visible_in_block(b, q0 + rows - 1, k0, cols).begin > 0 ||
-           hidden_keys(b, k0, cols) != nullptr;
+           visible_in_block(b, q0 + rows - 1, k0, cols).begin > 0 || masks.kept != nullptr ||
+           masks.attn_mask;
   }
 };
 

@@ -36,6 +36,19 @@ struct KernelScoreOptions {
   uint64_t dropout_seed = 0, dropout_offset = 0;
 };
 
+// attn_mask as the kernels read it (op_arguments.h says what it means). values: (batch, heads_q,
+// len_q, len_k), bool or floating in the accumulation dtype, a view with stride 0 along the dims
+// the mask is broadcast along and stride 0 or 1 along keys. tiles: uint8 (batch, heads, query
+// tiles, key tiles) over the mask's own dims (size 1 where it is broadcast), one MaskTile per
+// kTileRows x kTileKeys entries, which says in O(1) per block whether the mask hides it (skipped),
+// leaves it as it is (nothing to read) or must be read entry by entry. Undefined without a mask.
+enum MaskTile : uint8_t { kTileHidden = 0, kTileVisible = 1, kTileMixed = 2 };
+struct KernelAttentionMask {
+  static constexpr int64_t kTileRows = 64, kTileKeys = 64;
+  at::Tensor values, tiles;
+  bool defined() const { return values.defined(); }
+};
+
 // q, k, v, out: (batch, heads, rows, dim) with unit stride along dim; lse: (batch, heads_q,
 // len_q) with unit stride along rows, in the accumulation dtype. Packed sequences: batch 1, the
 // rows of every sequence one after the other, lse (1, heads_q, total rows). key_mask: contiguous
@@ -45,6 +58,7 @@ struct ForwardTensors {
   at::Tensor q, k, v, out, lse;
   double scale = 0;
   at::Tensor key_mask, kept_keys_before;
+  KernelAttentionMask attn_mask;
   PackedSequences sequences;
   KernelScoreOptions options;
   // bfloat16/float16: whether the block products are native (block_gemm.h), decided once per
@@ -62,10 +76,12 @@ struct ForwardTensors {
   }
 };
 
-// As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v, and with
-// sinks dsinks (heads_q,) in the accumulation dtype.
+// As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v, with sinks
+// dsinks (heads_q,) in the accumulation dtype, and where a floating attn_mask's gradient is asked
+// for dattn_mask: zeros (batch, heads_q, len_q, len_k) in the accumulation dtype, contiguous, into
+// which the kernel writes dS at every pair it computes (the caller sums it over broadcast dims).
 struct BackwardTensors : ForwardTensors {
-  at::Tensor grad_out, dq, dk, dv, dsinks;
+  at::Tensor grad_out, dq, dk, dv, dsinks, dattn_mask;
 
   explicit BackwardTensors(ForwardTensors forward) : ForwardTensors(std::move(forward)) {}
 };

@@ -8,6 +8,7 @@
 // so the rows the mask protects get bitwise the results they get without the non-finite values.
 #pragma once
 
+#include "geometry.h"
 #include "operands.h"
 
 #include <algorithm>
@@ -19,7 +20,8 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 
 // The A operand of a guarded product as the kernel holds it, untransposed: values[r * ld + c],
 // where row r sees columns [first[r], visible[r]), less the columns c with kept[c] false where
-// `kept` (the key mask of the block) is not null. With `transposed`, the product multiplies by
+// `kept` (the key mask of the block) is not null and those that row r's attn_mask hides where
+// `mask_rows` (one per row) is not null. With `transposed`, the product multiplies by
 // its transpose, so B's rows are indexed by r (dV += P^T dO, dK += dS^T Q); else by c
 // (O += P V, dQ += dS K).
 template <typename acc_t>
@@ -30,9 +32,11 @@ struct MaskedFactor {
   const int64_t* visible;
   bool transposed;
   const bool* kept;
+  const MaskRow<acc_t>* mask_rows = nullptr;
 
   bool sees(int64_t r, int64_t c) const {
-    return c >= first[r] && c < visible[r] && (!kept || kept[c]);
+    return c >= first[r] && c < visible[r] && (!kept || kept[c]) &&
+           (!mask_rows || !mask_rows[r].hides(c));
   }
 };
 
@@ -48,6 +52,14 @@ class NonFiniteRowGuard {
                     const PackB& pack_b, acc_t* c, int64_t ldc) {
     const Operand<scalar_t> source = prepare(has_masked_entries, b_rows, K, N);
     multiply(M, N, K, a, pack_b(source), c, ldc, /*accumulate=*/true);
+    add_back(M, N, factor, b_rows, c, ldc);
+  }
+
+  // c[M, N] += the contributions of the rows a cleaned copy left out (without_non_finite_rows),
+  // where `factor` says they are visible.
+  template <typename acc_t>
+  void add_back(int64_t M, int64_t N, const MaskedFactor<acc_t>& factor, Operand<scalar_t> b_rows,
+                acc_t* c, int64_t ldc) const {
     for (int64_t i : bad_rows_) {
       const scalar_t* bad = b_rows.data + i * b_rows.ld;
       if (factor.transposed) {
@@ -67,6 +79,12 @@ class NonFiniteRowGuard {
     }
   }
 
+  // `rows` with its non-finite rows zeroed in a copy (for add_back), or itself if it has none:
+  // the value rows of a decode block whose attn_mask hides entries of some rows.
+  Operand<scalar_t> without_non_finite_rows(Operand<scalar_t> rows, int64_t n_rows, int64_t width) {
+    return without_non_finite_rows(rows, n_rows, width, [](int64_t) { return true; });
+  }
+
   // The value rows of a decode block whose key mask hides some keys (kept[i] false): read in
   // place with the hidden rows' zero weights, so a hidden non-finite row is zeroed in a copy.
   Operand<scalar_t> without_hidden_non_finite_rows(Operand<scalar_t> rows, int64_t n_rows,
@@ -83,7 +101,7 @@ class NonFiniteRowGuard {
       bad_rows_.clear();
       return rows;
     }
-    return without_non_finite_rows(rows, n_rows, width, [](int64_t) { return true; });
+    return without_non_finite_rows(rows, n_rows, width);
   }
 
   // `rows`, or a copy with the non-finite rows among those `considered` zeroed (listed in

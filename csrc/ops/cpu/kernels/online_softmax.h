@@ -152,7 +152,7 @@ inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim
 }
 
 // The backward's rows of one block pair start from raw scores p = q.k and dp = dO.v over `cols`
-// keys, of which row sees `range`, less those the key mask hides (scoring.kept).
+// keys, of which row sees `range`, less those the masks hide (scoring.sees).
 template <typename acc_t>
 struct GradientRowScratch {
   acc_t* softcap_grad;  // dx/d(scale S) / scale of each key
@@ -210,10 +210,10 @@ inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t 
   const RecomputedRow<acc_t> row =
       probabilities_row(p, dp, range, cols, scoring, lse, acc_t(1), scratch);
   range = row.range;
-  if (scoring.kept) {
+  if (scoring.masks_keys()) {
     acc_t share = 0;
     for (int64_t c = range.begin; c < range.end; ++c) {
-      share += scoring.kept[c] ? p[c] * dp[c] : acc_t(0);
+      share += scoring.sees(c) ? p[c] * dp[c] : acc_t(0);
     }
     return {row.mass, share};
   }
@@ -222,13 +222,16 @@ inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t 
 
 // The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
 //   P = exp(x - lse) normalizer;  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
-// over the keys of `range` less those the key mask hides, zeros elsewhere; g = dx/d(scale S) /
+// over the keys of `range` less those the masks hide, zeros elsewhere; g = dx/d(scale S) /
 // scale (1 - tanh^2 under softcap, else 1). Then P is the dropped P o keep / (1 - p) that dV
-// needs. Returns the range of columns the row reaches.
+// needs. Where mask_grad is given (the row's attn_mask gradient from the block's first key),
+// dS before g, the gradient of x, is stored there over the range. Returns the range of columns
+// the row reaches.
 template <typename acc_t>
 inline KeyRange softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
                                      const RowScoring<acc_t>& scoring, acc_t lse, acc_t normalizer,
-                                     acc_t delta, const GradientRowScratch<acc_t>& scratch) {
+                                     acc_t delta, const GradientRowScratch<acc_t>& scratch,
+                                     acc_t* mask_grad) {
   range = probabilities_row(p, ds, range, cols, scoring, lse, normalizer, scratch).range;
   const int64_t begin = range.begin, end = range.end;
   using Vec = at::vec::Vectorized<acc_t>;
@@ -239,13 +242,18 @@ inline KeyRange softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_
                        ds + begin, end - begin);
   std::fill(ds, ds + begin, acc_t(0));
   std::fill(ds + end, ds + cols, acc_t(0));
-  if (scoring.kept) {
+  if (scoring.masks_keys()) {
     // Likewise for the hidden keys, whose dP may be non-finite (0 * inf), as may P in a
     // poisoned row (exp(-inf - NaN)).
     for (int64_t c = begin; c < end; ++c) {
-      p[c] = scoring.kept[c] ? p[c] : acc_t(0);
-      ds[c] = scoring.kept[c] ? ds[c] : acc_t(0);
+      const bool seen = scoring.sees(c);
+      p[c] = seen ? p[c] : acc_t(0);
+      ds[c] = seen ? ds[c] : acc_t(0);
     }
+  }
+  // dS with respect to the modified scores x is attn_mask's gradient (x = ... + attn_mask).
+  if (mask_grad != nullptr) {
+    std::copy(ds + begin, ds + end, mask_grad + begin);
   }
   if (scoring.softcap != acc_t(0)) {
     at::vec::map2<acc_t>(times, ds + begin, ds + begin, scratch.softcap_grad + begin, end - begin);

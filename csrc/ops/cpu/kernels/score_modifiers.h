@@ -1,9 +1,10 @@
 // The score modifiers: what happens to a row of raw scores S = q.k of one block before its
-// softmax (scale, softcap, ALiBi, the key mask's -inf) and to its probabilities after (dropout),
-// and the sinks that join each row's denominator. Each is a step inside the online softmax's
-// pass over the row (online_softmax.h), forward and backward, never a pass of its own over
-// Lq x Lk. In FlashAttention's order:
-//   x = scale S;  x = softcap tanh(x / softcap);  x -= slope |i + off - j|;  hidden keys -inf;
+// softmax (scale, softcap, ALiBi, attn_mask, the masks' -inf) and to its probabilities after
+// (dropout), and the sinks that join each row's denominator. Each is a step inside the online
+// softmax's pass over the row (online_softmax.h), forward and backward, never a pass of its own
+// over Lq x Lk. In FlashAttention's order:
+//   x = scale S;  x = softcap tanh(x / softcap);  x -= slope |i + off - j|;  x += attn_mask;
+//   hidden keys -inf;
 //   P = exp(x - lse), lse including exp(sink);  P *= keep / (1 - p).
 #pragma once
 
@@ -61,7 +62,8 @@ struct RowScoring {
   acc_t slope;    // ALiBi; 0: off
   // The block's column at distance 0 from the row (row + off - k0), for ALiBi.
   int64_t diagonal;
-  const bool* kept;  // the block's key mask where it hides some keys, else null
+  const bool* kept;     // the block's key mask where it hides some keys, else null
+  MaskRow<acc_t> mask;  // the row's attn_mask where the block's must be read, else inactive
   // Dropout: the row's key, the block's first key, the generator (null: off) and 1 / (1 - p).
   const DropoutHash* dropout;
   uint32_t dropout_row;
@@ -69,7 +71,12 @@ struct RowScoring {
   acc_t keep_scale;
 
   // Only the scale: the fused fast path.
-  bool plain() const { return softcap == acc_t(0) && slope == acc_t(0) && kept == nullptr; }
+  bool plain() const {
+    return softcap == acc_t(0) && slope == acc_t(0) && kept == nullptr && !mask.active();
+  }
+  // Whether a mask may hide keys of the row's window range, and whether it leaves key c visible.
+  bool masks_keys() const { return kept != nullptr || mask.active(); }
+  bool sees(int64_t c) const { return (!kept || kept[c]) && (!mask.active() || !mask.hides(c)); }
 
   // x = modified row[c] for c in [begin, end), in place; returns their max (NaN if one is NaN,
   // -inf if none). With softcap, softcap_grad[c] = dx/d(scale S) / scale = 1 - tanh^2 where not
@@ -86,14 +93,35 @@ struct RowScoring {
     } else {
       max = modify<false, false>(row, begin, end, nullptr);
     }
-    if (!kept) {
+    if (!masks_keys()) {
       return max;
     }
+    if (mask.active()) {
+      add_mask(row, begin, end);
+    }
     // A hidden key's score is -inf whatever it was (NaN included): zero probability.
-    for (int64_t i = begin; i < end; ++i) {
-      row[i] = kept[i] ? row[i] : -std::numeric_limits<acc_t>::infinity();
+    if (kept) {
+      for (int64_t i = begin; i < end; ++i) {
+        row[i] = kept[i] ? row[i] : -std::numeric_limits<acc_t>::infinity();
+      }
     }
     return row_max(row, begin, end);
+  }
+
+  // x += attn_mask (floating; -inf where it is -inf, whatever x was) or x = -inf where it is
+  // false (bool).
+  void add_mask(acc_t* row, int64_t begin, int64_t end) const {
+    using Vec = at::vec::Vectorized<acc_t>;
+    constexpr acc_t lowest = -std::numeric_limits<acc_t>::infinity();
+    if (mask.values && mask.stride == 1) {
+      at::vec::map2<acc_t>([](Vec x, Vec m) { return Vec::blendv(x + m, m, m == Vec(lowest)); },
+                           row + begin, row + begin, mask.values + begin, end - begin);
+      return;
+    }
+    for (int64_t c = begin; c < end; ++c) {
+      row[c] =
+          mask.hides(c) ? lowest : (mask.values ? row[c] + mask.values[c * mask.stride] : row[c]);
+    }
   }
 
   // apply's pass for one combination of modifiers, compiled without a branch inside the loop;
@@ -182,14 +210,16 @@ class ScoreModifiers {
         dropout_(t.options.dropout_p, t.options.dropout_seed, t.options.dropout_offset),
         keep_scale_(acc_t(1) / acc_t(1 - t.options.dropout_p)) {}
 
-  // Query row `row` of batch item b, query head h, against the keys from k0.
+  // Query row `row` of batch item b, query head h, against the keys from k0 of a block pair with
+  // these masks.
   RowScoring<acc_t> row(const AttentionDims& d, int64_t b, int64_t h, int64_t row, int64_t k0,
-                        const bool* kept) const {
+                        const BlockMasks& masks) const {
     return {scale_,
             softcap_,
             slopes_ ? acc_t(slopes_[b * heads_q_ + h]) : acc_t(0),
             row + (d.rows_k(b) - d.rows_q(b)) - k0,
-            kept,
+            masks.kept,
+            masks.attn_mask ? d.attn_mask.row<acc_t>(b, h, row, k0) : MaskRow<acc_t>{},
             dropout_.active() ? &dropout_ : nullptr,
             dropout_.active() ? dropout_.row_key(b, h, row) : 0u,
             k0,
