@@ -132,9 +132,40 @@ at::Tensor mask_as_kernel_dims(const at::Tensor& mask, const at::Tensor& q) {
   return m.expand(sizes).reshape({batch, inner[0], inner[1], inner[2]});
 }
 
+// The entries of keys [0, n) of one mask row (key stride `stride`) that hide their key (false,
+// -inf) and that leave the score as it is (true, 0), added to *hidden and *left: simple counting
+// loops over unit-stride rows, which the compiler vectorizes, since this reads the whole mask.
+template <typename T>
+void count_entries(const T* row, int64_t n, int64_t stride, int64_t* hidden, int64_t* left) {
+  int64_t h = 0, l = 0;
+  if constexpr (std::is_same_v<T, bool>) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(row);
+    if (stride == 1) {
+      for (int64_t c = 0; c < n; ++c) {
+        l += bytes[c];
+      }
+    } else {
+      for (int64_t c = 0; c < n; ++c) {
+        l += bytes[c * stride];
+      }
+    }
+    h = n - l;
+  } else {
+    constexpr T lowest = -std::numeric_limits<T>::infinity();
+    for (int64_t c = 0; c < n; ++c) {
+      const T x = row[c * stride];
+      h += x == lowest;
+      l += x == T(0);
+    }
+  }
+  *hidden += h;
+  *left += l;
+}
+
 // One MaskTile per KernelAttentionMask::kTileRows x kTileKeys entries of a mask in its own dims:
 // hidden where every entry hides its key (false, -inf), visible where none changes anything
-// (true, 0), else mixed. O(mask) time, O(tiles) memory, one task per row of tiles.
+// (true, 0), else mixed. O(mask) time, O(tiles) memory, one task per row of tiles, reading the
+// mask row by row.
 template <typename T>
 at::Tensor mask_tiles(const at::Tensor& mask) {
   constexpr int64_t kRows = KernelAttentionMask::kTileRows, kKeys = KernelAttentionMask::kTileKeys;
@@ -145,36 +176,26 @@ at::Tensor mask_tiles(const at::Tensor& mask) {
       at::empty({batch, heads, row_tiles, key_tiles}, mask.options().dtype(at::kByte));
   uint8_t* out = tiles.data_ptr<uint8_t>();
   const T* data = mask.data_ptr<T>();
-  const auto hides = [](T x) {
-    if constexpr (std::is_same_v<T, bool>) {
-      return !x;
-    } else {
-      return x == -std::numeric_limits<T>::infinity();
-    }
-  };
-  const auto leaves = [](T x) {
-    if constexpr (std::is_same_v<T, bool>) {
-      return x;
-    } else {
-      return x == T(0);
-    }
-  };
   at::parallel_for(0, batch * heads * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> hidden(key_tiles), left(key_tiles);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (heads * row_tiles), h = item / row_tiles % heads,
                     row_tile = item % row_tiles;
-      const T* head = data + b * mask.stride(0) + h * mask.stride(1);
-      for (int64_t key_tile = 0; key_tile < key_tiles; ++key_tile) {
-        bool all_hidden = true, all_left = true;
-        for (int64_t r = row_tile * kRows; r < std::min(rows, (row_tile + 1) * kRows); ++r) {
-          for (int64_t c = key_tile * kKeys; c < std::min(keys, (key_tile + 1) * kKeys); ++c) {
-            const T x = head[r * mask.stride(2) + c * mask.stride(3)];
-            all_hidden = all_hidden && hides(x);
-            all_left = all_left && leaves(x);
-          }
+      const int64_t first_row = row_tile * kRows, last_row = std::min(rows, first_row + kRows);
+      std::fill(hidden.begin(), hidden.end(), 0);
+      std::fill(left.begin(), left.end(), 0);
+      for (int64_t r = first_row; r < last_row; ++r) {
+        const T* row = data + b * mask.stride(0) + h * mask.stride(1) + r * mask.stride(2);
+        for (int64_t j = 0; j < key_tiles; ++j) {
+          count_entries(row + j * kKeys * mask.stride(3), std::min(kKeys, keys - j * kKeys),
+                        mask.stride(3), &hidden[j], &left[j]);
         }
-        out[item * key_tiles + key_tile] =
-            all_hidden ? kTileHidden : (all_left ? kTileVisible : kTileMixed);
+      }
+      for (int64_t j = 0; j < key_tiles; ++j) {
+        const int64_t entries = (last_row - first_row) * std::min(kKeys, keys - j * kKeys);
+        out[item * key_tiles + j] = hidden[j] == entries ? kTileHidden
+                                    : left[j] == entries ? kTileVisible
+                                                         : kTileMixed;
       }
     }
   });

@@ -63,7 +63,8 @@ class BackwardKernel {
         delta_(padded_query_rows(AttentionDims(t))),
         normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
-        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data(), normalizers_.data()),
+        pair_(t, block_sizes(t.q.size(3), t.v.size(3), t.attn_mask.defined()), delta_.data(),
+              normalizers_.data()),
         dims_(pair_.dims),
         blocks_(pair_.blocks) {}
 

@@ -31,7 +31,7 @@ class ForwardKernel {
  public:
   explicit ForwardKernel(const ForwardTensors& t)
       : dims_(t),
-        blocks_(block_sizes(dims_.head_dim, dims_.value_dim)),
+        blocks_(block_sizes(dims_.head_dim, dims_.value_dim, t.attn_mask.defined())),
         tile_rows_(forward_tile_rows(dims_, blocks_)),
         q_(t.q, dims_.cu_q),
         k_(t.k, dims_.cu_k),

@@ -118,6 +118,12 @@ struct RowScoring {
                            row + begin, row + begin, mask.values + begin, end - begin);
       return;
     }
+    if (mask.bools && mask.stride == 1) {
+      for (int64_t c = begin; c < end; ++c) {
+        row[c] = mask.bools[c] ? row[c] : lowest;
+      }
+      return;
+    }
     for (int64_t c = begin; c < end; ++c) {
       row[c] =
           mask.hides(c) ? lowest : (mask.values ? row[c] + mask.values[c * mask.stride] : row[c]);
