@@ -1,6 +1,6 @@
-"""Benchmark of ragged batches on the CPU: key masks and packed sequences, against torch's
-scaled_dot_product_attention (SDPA) with the equivalent boolean mask and against our own unmasked
-and per-sequence calls, all timed in the same run.
+"""Benchmark of ragged batches and attention masks on the CPU: key masks, packed sequences and
+attn_mask, against torch's scaled_dot_product_attention (SDPA) with the equivalent mask and
+against our own unmasked, key-masked, packed and per-sequence calls, all timed in the same run.
 
 Sections (--only):
   mask      key_mask of all True against the same call without a mask (the mask's overhead)
@@ -9,6 +9,13 @@ Sections (--only):
   packed    N sequences with lengths drawn from --packed-lengths, packed for varlen_attention,
             against SDPA on the right-padded batch with the equivalent boolean mask, and against
             the sum of separate per-sequence calls of ours
+  attn_mask "causal & key padding" as a full bool (B, 1, L, L) attn_mask, against the same call
+            with key_mask and against SDPA given that mask
+  documents a block-diagonal mask of --packed-count documents (lengths from --packed-lengths,
+            scaled to L) as attn_mask over one row of L tokens, against varlen_attention on the
+            same documents
+  bias      a float (1, H, L, L) attn_mask that requires grad (a learned relative-position bias),
+            against SDPA with that bias
 
 Every time is the median over --rounds interleaved rounds of torch.utils.benchmark's
 blocked_autorange medians, at --threads threads;
@@ -31,7 +38,7 @@ from .cases import MODES
 from .cli import common_parser
 from .sections import leaf, parse_section_args, run_sections, step
 
-SECTIONS = ("mask", "leftpad", "packed")
+SECTIONS = ("mask", "leftpad", "packed", "attn_mask", "documents", "bias")
 
 
 def parse_args(argv=None):
@@ -114,7 +121,76 @@ def packed_cases(args, dtype, pass_name):
         "vs_separate": ("ours_packed", "ours_separate")}
 
 
-CASES = {"mask": mask_cases, "leftpad": leftpad_cases, "packed": packed_cases}
+def padding(batch, length):
+    """Right padding of a batch: real lengths L, 7L/8, ..., one of them per batch item."""
+    real = torch.tensor([length - i * length // 8 for i in range(batch)])
+    return torch.arange(length) < real[:, None]
+
+
+def attn_mask_cases(args, dtype, pass_name):
+    """causal & key padding as a full (B, 1, L, L) bool attn_mask."""
+    for length in args.lengths:
+        q, k, v = (leaf(args.batch, args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
+        key_mask = padding(args.batch, length)
+        full = visible_keys(length, length, key_mask=key_mask)  # (B, 1, L, L), causal included
+        # Rows past a short sequence's end see their padding only in SDPA's semantics; ours sees
+        # nothing there: both are the same work on real rows.
+        yield f"B{args.batch} L{length}", {
+            "ours_attn_mask": step(lambda q, k, v: causal_attention.attention(
+                q, k, v, attn_mask=full), (q, k, v), pass_name),
+            "ours_key_mask": step(lambda q, k, v: causal_attention.attention(
+                q, k, v, key_mask=key_mask), (q, k, v), pass_name),
+            "sdpa_attn_mask": step(lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=full | ~full.any(-1, keepdim=True)), (q, k, v), pass_name),
+        }, {"vs_key_mask": ("ours_attn_mask", "ours_key_mask"),
+            "vs_sdpa": ("sdpa_attn_mask", "ours_attn_mask")}
+
+
+def document_lengths(args, length):
+    """--packed-count lengths drawn from --packed-lengths, scaled to sum to `length`."""
+    drawn = packed_lengths(args)
+    lengths = [max(1, n * length // sum(drawn)) for n in drawn]
+    lengths[-1] += length - sum(lengths)
+    return lengths
+
+
+def documents_cases(args, dtype, pass_name):
+    """A block-diagonal document mask as attn_mask against varlen_attention on the documents."""
+    for length in args.lengths:
+        lengths = document_lengths(args, length)
+        document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        mask = document[:, None] == document[None, :]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        q, k, v = (leaf(1, args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
+
+        def packed(q, k, v):
+            rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # (L, H, D) views
+            return causal_attention.varlen_attention(*rows, cu, cu, max(lengths), max(lengths))
+
+        yield f"L{length} documents {lengths}", {
+            "ours_attn_mask": step(lambda q, k, v: causal_attention.attention(
+                q, k, v, attn_mask=mask), (q, k, v), pass_name),
+            "ours_varlen": step(packed, (q, k, v), pass_name),
+        }, {"vs_varlen": ("ours_attn_mask", "ours_varlen")}
+
+
+def bias_cases(args, dtype, pass_name):
+    """A learned (1, H, L, L) float bias, causal, against SDPA with it."""
+    for length in args.lengths:
+        q, k, v = (leaf(args.batch, args.heads, length, args.head_dim, dtype=dtype) for _ in "qkv")
+        bias = leaf(1, args.heads, length, length, dtype=dtype)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        yield f"B{args.batch} L{length}", {
+            "ours_bias": step(lambda q, k, v, bias: causal_attention.attention(
+                q, k, v, attn_mask=bias), (q, k, v, bias), pass_name),
+            "sdpa_bias": step(lambda q, k, v, bias: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf"))), (q, k, v, bias),
+                pass_name),
+        }, {"vs_sdpa": ("sdpa_bias", "ours_bias")}
+
+
+CASES = {"mask": mask_cases, "leftpad": leftpad_cases, "packed": packed_cases,
+         "attn_mask": attn_mask_cases, "documents": documents_cases, "bias": bias_cases}
 
 
 def main(argv=None):
