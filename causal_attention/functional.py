@@ -1,9 +1,10 @@
 """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
-It serves exactly the calls whose result our op reproduces (with dropout, the same computation
-with its own random stream), and refuses every other call with ``NotImplementedError`` naming
-the argument, so that swapping it in can never silently change a model's results. An argument
-of a type SDPA refuses is refused with SDPA's exception type.
+It takes every argument torch's SDPA takes on the CPU and gives its result (with dropout, the
+same computation with its own random stream), broadcasting as SDPA broadcasts, and refuses what
+SDPA refuses with the exception type SDPA raises (``TypeError`` from its argument parser,
+``RuntimeError`` from its checks), so that swapping it in neither changes a model's results nor
+the errors its code catches.
 """
 
 import sys
@@ -78,73 +79,113 @@ def scaled_dot_product_attention(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """Same signature and result as ``torch.nn.functional.scaled_dot_product_attention`` for
-    the calls it serves: ``is_causal=False`` (full attention) or ``is_causal=True`` (causal,
-    top-left aligned as SDPA's: query row ``i`` sees keys ``0..i``) with any query and key
-    lengths; ``attn_mask`` None or a ``torch.nn.attention.bias.CausalBias``
-    (``causal_upper_left``, as ``is_causal``, or ``causal_lower_right``: row ``i`` sees keys
-    up to ``i + Lk - Lq``, the KV-cache alignment); ``0 <= dropout_p < 1``; and key/value heads
-    fewer than query heads only with ``enable_gqa=True``. Both alignments are the op's window
-    geometry, no mask built; a row that sees no key (lower-right with ``Lq > Lk``) gives zeros,
+    """Same signature, result and errors as ``torch.nn.functional.scaled_dot_product_attention``
+    on the CPU.
+
+    ``attn_mask``: None, a bool mask (True where a query may attend a key) or a floating one
+    (float32 or the query's dtype, added to the scores; a learned bias gets its gradient),
+    broadcastable to ``(..., Hq, Lq, Lk)`` and never expanded in memory, or a
+    ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` as ``is_causal``,
+    ``causal_lower_right`` the KV-cache alignment: row ``i`` sees keys up to ``i + Lk - Lq``).
+    ``is_causal=True`` is causal top-left aligned as SDPA's (row ``i`` sees keys ``0..i``) with
+    any lengths, combined with ``attn_mask`` as SDPA combines them (both must allow a key). Both
+    alignments are the op's window geometry, no mask built. A row that sees no key gives zeros,
     as in SDPA.
 
-    Shapes are SDPA's: ``query (..., Hq, Lq, E)``, ``key (..., Hkv, Lk, E)``,
-    ``value (..., Hkv, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``. As in SDPA, ``dropout_p > 0`` drops
-    attention probabilities whatever the module's training mode (pass ``dropout_p=0.0`` in
-    evaluation), drawing the dropout mask's seed from torch's default generator: the same
-    generator state gives the same result, bit for bit (SDPA's own random stream differs, so
-    the two agree in distribution, not draw for draw). Any other call raises
-    ``NotImplementedError``: other masks are not implemented, ``dropout_p=1`` (SDPA's all-zero
-    output) neither. Arguments of a type SDPA refuses raise SDPA's ``TypeError``, a ``scale``
-    tensor that requires grad included; a ``dropout_p`` outside ``[0, 1]`` raises
-    ``ValueError``, as a CausalBias with ``is_causal=True`` does in SDPA.
+    Shapes are SDPA's: ``query (..., Hq, Lq, E)``, ``key (..., Hk, Lk, E)``,
+    ``value (..., Hv, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``, leading dims broadcast (as views);
+    heads broadcast as any dim, or with ``enable_gqa=True`` ``Hk`` and ``Hv`` divide ``Hq``
+    (grouped-query attention, K/V read in place). ``E = 0`` gives each row the mean of the
+    values it sees, as SDPA. As in SDPA, ``dropout_p > 0`` drops attention probabilities
+    whatever the module's training mode (pass ``dropout_p=0.0`` in evaluation), drawing the
+    dropout mask's seed from torch's default generator: the same generator state gives the same
+    result, bit for bit (SDPA's own random stream differs, so the two agree in distribution, not
+    draw for draw); ``dropout_p=1`` gives zeros. Errors: arguments of a type SDPA's parser
+    refuses raise its ``TypeError`` (a ``scale`` tensor that requires grad included), a
+    CausalBias with ``is_causal=True`` its ``ValueError``, and every call SDPA's checks refuse
+    (dtypes, shapes, devices, ``dropout_p`` outside ``[0, 1]``, ``is_causal`` with a mask that
+    requires grad) ``RuntimeError``, with our op's message naming the argument. Two calls that
+    torch 2.13's CPU SDPA runs without a word and answers wrongly raise ``RuntimeError`` here:
+    ``value`` with another key count than ``key``, and a mask on another device.
     """
     _check_argument_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    top_left = True
+    top_left, mask = True, attn_mask
     if isinstance(attn_mask, CausalBias):
         if is_causal:
             raise ValueError(
                 f"{_OP}: a CausalBias attn_mask should not be used with is_causal=True"
             )
-        is_causal, top_left = True, attn_mask.variant == CausalVariant.UPPER_LEFT
-    elif attn_mask is not None:
-        raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: attn_mask is not supported but as a "
-            "torch.nn.attention.bias.CausalBias; is_causal=True or False without a mask is served"
+        is_causal, top_left, mask = True, attn_mask.variant == CausalVariant.UPPER_LEFT, None
+    elif is_causal and attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        # SDPA's math kernel, the one that differentiates a mask, refuses both.
+        raise RuntimeError(
+            f"{_OP}: an attn_mask that requires grad should not be set with is_causal=True, as "
+            "in SDPA; add the causal part to the mask (-inf above the diagonal) instead"
         )
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(
-            "causal_attention.scaled_dot_product_attention: dropout_p must be in [0, 1], got "
-            f"dropout_p={dropout_p}"
-        )
-    if dropout_p == 1.0:
-        raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: dropout_p=1.0 (every probability "
-            "dropped, an all-zero output in SDPA) is not supported; dropout_p must be below 1"
-        )
-    if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.size(-3) != key.size(-3):
-        raise NotImplementedError(
-            "causal_attention.scaled_dot_product_attention: query and key have different head "
-            f"counts (query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}); pass "
-            "enable_gqa=True for grouped-query attention"
-        )
-    key, value, window = _aligned(query, key, value, is_causal, top_left)
-    return attention(query, key, value, scale=scale, window=window, dropout_p=dropout_p)
+        raise RuntimeError(f"{_OP}: dropout_p must be in [0, 1], got dropout_p={dropout_p}")
+    try:
+        query, key, value = _broadcast(query, key, value, enable_gqa)
+        key, value, mask, window = _aligned(query, key, value, mask, is_causal, top_left)
+        if query.dim() >= 1 and query.size(-1) == 0:
+            # Every score is 0: a row's mean of the values it sees. The op needs D > 0, so it
+            # gets one column of zeros, still a function of query and key for autograd.
+            query, key = (t.sum(-1, keepdim=True) for t in (query, key))
+            scale = 1.0 if scale is None else scale
+        out = attention(query, key, value, scale=scale, attn_mask=mask, window=window,
+                        dropout_p=0.0 if dropout_p == 1.0 else dropout_p)
+    except (TypeError, ValueError) as error:
+        # SDPA's checks of dtypes, shapes and devices raise RuntimeError: so does this, with
+        # our op's message.
+        raise RuntimeError(str(error)) from error
+    # Every probability dropped: SDPA's output is zeros, and so is its gradient.
+    return out * 0.0 if dropout_p == 1.0 else out
 
 
-def _aligned(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, top_left: bool):
-    """Keys, values and the op's window (bottom-right aligned) for SDPA's visibility.
-    is_causal=False is full attention: no bound on either side. Top-left causal with
-    ``Lq < Lk`` leaves the keys past ``Lq`` unseen by every row: they are dropped (a view, and
-    their gradient is zero), and what is left is causal with equal lengths; with ``Lq > Lk``,
-    row ``i`` sees keys up to ``i = i + (Lk - Lq) + (Lq - Lk)``: a window reaching ``Lq - Lk``
-    past the bottom-right diagonal."""
+def _broadcast(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
+    """query, key and value with their leading dims broadcast as SDPA broadcasts them, as views:
+    the dims before the heads as any dims, the heads too without ``enable_gqa`` (key and value
+    heads of 1 stay 1: the op's GQA reads them for every query head), with it key and value
+    heads that divide the query's, made equal for the op (the fewer repeated)."""
+    rank = max(query.dim(), key.dim(), value.dim())
+    if rank < 3 or query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+        return query, key, value
+    query, key, value = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+                         for t in (query, key, value))
+    batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    heads_q, heads_k, heads_v = query.size(-3), key.size(-3), value.size(-3)
+    if enable_gqa:
+        heads_kv = max(heads_k, heads_v)
+        if heads_k != heads_v and heads_kv % min(heads_k, heads_v) == 0:
+            repeat = heads_kv // min(heads_k, heads_v)
+            if heads_k < heads_v:
+                key = key.repeat_interleave(repeat, -3)
+            else:
+                value = value.repeat_interleave(repeat, -3)
+    else:
+        heads_q = torch.broadcast_shapes((heads_q,), (heads_k,), (heads_v,))[0]
+        heads_kv = 1 if heads_k == heads_v == 1 else heads_q
+    return (query.expand(*batch, heads_q, *query.shape[-2:]),
+            key.expand(*batch, heads_kv, *key.shape[-2:]),
+            value.expand(*batch, heads_kv, *value.shape[-2:]))
+
+
+def _aligned(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], is_causal: bool,
+             top_left: bool):
+    """Keys, values, the mask and the op's window (bottom-right aligned) for SDPA's
+    visibility. is_causal=False is full attention: no bound on either side. Top-left causal with
+    ``Lq < Lk`` leaves the keys past ``Lq`` unseen by every row: they are dropped (views, and
+    their gradient is zero), with the mask's columns of them, and what is left is causal with
+    equal lengths; with ``Lq > Lk``, row ``i`` sees keys up to ``i = i + (Lk - Lq) + (Lq - Lk)``:
+    a window reaching ``Lq - Lk`` past the bottom-right diagonal."""
     if not is_causal:
-        return key, value, (-1, -1)
+        return key, value, mask, (-1, -1)
     if not top_left or query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
-        return key, value, (-1, 0)
+        return key, value, mask, (-1, 0)
     len_q, len_k = query.size(-2), key.size(-2)
     if len_q < len_k:
-        return key.narrow(-2, 0, len_q), value.narrow(-2, 0, len_q), (-1, 0)
-    return key, value, (-1, len_q - len_k)
+        if mask is not None and mask.dim() >= 1 and mask.size(-1) == len_k:
+            mask = mask.narrow(-1, 0, len_q)
+        return key.narrow(-2, 0, len_q), value.narrow(-2, 0, len_q), mask, (-1, 0)
+    return key, value, mask, (-1, len_q - len_k)

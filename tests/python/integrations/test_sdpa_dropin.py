@@ -1,8 +1,10 @@
 """causal_attention.scaled_dot_product_attention as a drop-in for F.scaled_dot_product_attention:
-same result for the calls it serves (causal, and non-causal full attention within twice SDPA's
-error in every dtype; causal with any lengths, top-left as is_causal or as a CausalBias says),
-with dropout the probabilities attention_weights gives for the same generator state, dropped at
-the rate asked; NotImplementedError naming the argument otherwise."""
+same result for every call (causal, and non-causal full attention within twice SDPA's error in
+every dtype; causal with any lengths, top-left as is_causal or as a CausalBias says; any bool or
+additive attn_mask, with is_causal too, a learned one's gradient included; SDPA's broadcasting
+of the leading dims and heads; E = 0), with dropout the probabilities attention_weights gives
+for the same generator state, dropped at the rate asked; and for every bad call the exception
+type SDPA itself raises for it."""
 
 import math
 from decimal import Decimal
@@ -188,41 +190,178 @@ def test_positional_arguments_follow_sdpa_signature():
     )
 
 
-REFUSED = [
-    pytest.param(
-        Case(8, 8, 4, hq=2, hkv=2),
-        {"attn_mask": torch.ones(8, 8, dtype=torch.bool), "is_causal": True},
-        "attn_mask",
-        id="attn_mask",
-    ),
-    pytest.param(
-        Case(8, 8, 4, hq=2, hkv=2),
-        {"attn_mask": torch.ones(8, 8, dtype=torch.bool)},
-        "attn_mask",
-        id="attn_mask-not-causal",
-    ),
-    pytest.param(
-        Case(8, 8, 4, hq=2, hkv=2), {"dropout_p": 1.0, "is_causal": True}, "dropout_p=1.0",
-        id="dropout-1",
-    ),
-    pytest.param(Case(8, 8, 4, hq=4, hkv=2), {"is_causal": True}, "enable_gqa", id="gqa-no-flag"),
+# Any attn_mask SDPA takes, bool or additive (a learned one requiring grad), broadcast, with
+# is_causal (SDPA's top-left causal and the mask both) or without.
+def _mask(shape, kind, dtype):
+    generator = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        mask = torch.rand(shape, generator=generator) < 0.7
+        return mask | (torch.arange(shape[-1]) == 0)  # every row sees key 0, as SDPA needs
+    bias = torch.randn(shape, generator=generator).to(dtype)
+    return bias.requires_grad_() if kind == "learned" else bias
+
+
+MASKED = [
+    pytest.param(Case(17, 17, 8, hq=2, hkv=2), (17, 17), "bool", {}, id="bool-2d-mask"),
+    pytest.param(Case(17, 17, 8, hq=2, hkv=2, batch=(2,)), (2, 1, 17, 17), "bool",
+                 {"is_causal": True}, id="bool-batch-is_causal"),
+    pytest.param(Case(9, 40, 8, hq=4, hkv=2), (1, 4, 9, 40), "learned", {"enable_gqa": True},
+                 id="learned-heads-gqa-Lq<Lk"),
+    pytest.param(Case(40, 9, 8, hq=2, hkv=2, batch=(2,)), (40, 9), "float", {"is_causal": True},
+                 id="float-is_causal-Lq>Lk"),
+    pytest.param(Case(9, 40, 8, hq=2, hkv=2, batch=(2,)), (2, 1, 1, 40), "float",
+                 {"is_causal": True}, id="float-keys-is_causal-Lq<Lk"),
+    pytest.param(Case(9, 40, 8, hq=2, hkv=2, batch=(2,)), (2, 1, 1, 40), "learned", {},
+                 id="learned-keys-Lq<Lk"),
+    pytest.param(Case(130, 130, 16, hq=2, hkv=1, batch=(2,), layout="transposed"),
+                 (130, 130), "learned", {"enable_gqa": True}, id="learned-L130-transposed"),
 ]
 
 
-@pytest.mark.parametrize("case,kwargs,named", REFUSED)
-def test_unserved_calls_raise_not_implemented(case, kwargs, named):
-    q, k, v = case.inputs(torch.float32)
-    with pytest.raises(NotImplementedError, match=named) as info:
-        causal_attention.scaled_dot_product_attention(q, k, v, **kwargs)
-    assert "causal_attention.scaled_dot_product_attention" in str(info.value)
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("case,shape,kind,kwargs", MASKED)
+def test_masked_calls_match_sdpa_within_twice_its_error(case, shape, kind, kwargs, dtype):
+    inputs = case.inputs(dtype)
+    grad_out = make_tensor(case.out_shape, dtype)
+    mask = _mask(shape, kind, dtype)
+    results = []
+    for function, tensors, m in (
+        (causal_attention.scaled_dot_product_attention, inputs, mask),
+        (F.scaled_dot_product_attention, inputs, mask),
+        (F.scaled_dot_product_attention, [to64(t) for t in inputs],
+         to64(mask).requires_grad_(mask.requires_grad) if mask.is_floating_point() else mask),
+    ):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        m = m.detach().requires_grad_() if m.requires_grad else m
+        out = function(*leaves, attn_mask=m, **kwargs)
+        wanted = leaves + ([m] if m.requires_grad else [])
+        results.append((out,) + torch.autograd.grad(out, wanted, grad_out.to(out.dtype)))
+    names = RESULT_NAMES + ("dmask",)
+    failures = twice_sdpa_error_failures(names, *results)
+    assert not failures, "; ".join(failures)
+
+
+# SDPA's broadcasting: leading dims of 1, a 3-D query against 4-D keys, heads of 1, value heads
+# of 1 against key heads of 2 (with and without enable_gqa), and E = 0.
+BROADCAST = [
+    pytest.param((1, 2, 9, 8), (2, 2, 12, 8), (2, 2, 12, 8), {}, id="batch-1-vs-2"),
+    pytest.param((2, 9, 8), (3, 2, 12, 8), (3, 2, 12, 8), {}, id="3d-query-4d-keys"),
+    pytest.param((2, 1, 9, 8), (2, 3, 12, 8), (2, 3, 12, 8), {}, id="query-heads-1"),
+    pytest.param((2, 4, 9, 8), (2, 1, 12, 8), (2, 1, 12, 6), {}, id="kv-heads-1"),
+    pytest.param((2, 2, 9, 8), (2, 2, 12, 8), (2, 1, 12, 6), {}, id="value-heads-1"),
+    pytest.param((2, 4, 9, 8), (2, 2, 12, 8), (2, 1, 12, 6), {"enable_gqa": True},
+                 id="gqa-value-heads-1"),
+    pytest.param((2, 8, 9, 8), (2, 2, 12, 8), (2, 4, 12, 6), {"enable_gqa": True},
+                 id="gqa-key-heads-2-value-heads-4"),
+    pytest.param((2, 2, 9, 0), (2, 2, 12, 0), (2, 2, 12, 6), {}, id="E0"),
+    pytest.param((2, 2, 9, 0), (2, 2, 12, 0), (2, 2, 12, 6), {"is_causal": True},
+                 id="E0-causal"),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,kwargs", BROADCAST)
+def test_broadcast_calls_match_sdpa(q_shape, k_shape, v_shape, kwargs, is_causal):
+    kwargs = {"is_causal": is_causal, **kwargs}
+    inputs = [make_tensor(shape, torch.float64) for shape in (q_shape, k_shape, v_shape)]
+    want = F.scaled_dot_product_attention(*inputs, **kwargs)
+    grad_out = make_tensor(want.shape, torch.float64)
+    ours = forward_and_grads(causal_attention.scaled_dot_product_attention, inputs, grad_out,
+                             **kwargs)
+    ref = forward_and_grads(F.scaled_dot_product_attention, inputs, grad_out, **kwargs)
+    for name, a, b in zip(RESULT_NAMES, ours, ref):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_dropout_1_is_zeros_as_in_sdpa():
+    q, k, v = Case(8, 8, 4, hq=2, hkv=2).inputs(torch.float32, requires_grad=True)
+    out = causal_attention.scaled_dot_product_attention(q, k, v, dropout_p=1.0, is_causal=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, dropout_p=1.0), torch.zeros_like(out))
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(dq, torch.zeros_like(dq))
+
+
+def _meta(t):
+    return t.to("meta")
+
+
+# Bad calls past SDPA's argument parser, each raising what SDPA raises (checked against SDPA
+# itself): id -> (q, k, v shapes and dtypes, what changes, keyword arguments).
+def _bad_call(name):
+    f32 = torch.float32
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    kwargs = {}
+    if name == "mixed-dtypes":
+        k = k.double()
+    elif name == "int-dtype":
+        q, k, v = (t.to(torch.int64) for t in (q, k, v))
+    elif name == "1d":
+        q, k, v = (torch.randn(16) for _ in range(3))
+    elif name == "0d":
+        q, k, v = (torch.randn(()) for _ in range(3))
+    elif name == "head-dims-differ":
+        k = torch.randn(2, 4, 8, 12)
+    elif name == "meta-key":
+        k = _meta(k)
+    elif name == "heads-no-gqa":
+        k, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    elif name == "gqa-not-a-multiple":
+        k, v = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16)
+        kwargs["enable_gqa"] = True
+    elif name == "batch-mismatch":
+        k, v = torch.randn(3, 4, 8, 16), torch.randn(3, 4, 8, 16)
+    elif name == "key-value-lengths-differ":
+        v = torch.randn(2, 4, 9, 16)
+    elif name == "mask-int":
+        kwargs["attn_mask"] = torch.zeros(8, 8, dtype=torch.int64)
+    elif name == "mask-float64-for-float32":
+        kwargs["attn_mask"] = torch.zeros(8, 8, dtype=torch.float64)
+    elif name == "mask-not-broadcastable":
+        kwargs["attn_mask"] = torch.zeros(8, 9, dtype=f32)
+    elif name == "mask-meta":
+        kwargs["attn_mask"] = torch.zeros(8, 8, dtype=torch.bool, device="meta")
+    elif name.startswith("dropout"):
+        kwargs["dropout_p"] = {"dropout-negative": -0.1, "dropout-1.5": 1.5,
+                               "dropout-nan": math.nan}[name]
+    elif name == "causal-bias-with-is_causal":
+        kwargs.update(attn_mask=causal_upper_left(8, 8), is_causal=True)
+    elif name == "learned-mask-is_causal":
+        kwargs.update(attn_mask=torch.zeros(8, 8, requires_grad=True), is_causal=True)
+    return (q, k, v), kwargs
+
+
+BAD_CALLS = ["mixed-dtypes", "int-dtype", "1d", "0d", "head-dims-differ", "meta-key",
+             "heads-no-gqa", "gqa-not-a-multiple", "batch-mismatch", "mask-int",
+             "mask-float64-for-float32", "mask-not-broadcastable", "dropout-negative",
+             "dropout-1.5", "dropout-nan", "causal-bias-with-is_causal", "learned-mask-is_causal"]
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_calls_raise_the_exception_type_sdpa_raises(name):
+    inputs, kwargs = _bad_call(name)
+    with pytest.raises(Exception) as sdpa:
+        F.scaled_dot_product_attention(*inputs, **kwargs)
+    with pytest.raises(Exception) as ours:
+        causal_attention.scaled_dot_product_attention(*inputs, **kwargs)
+    assert type(ours.value) is type(sdpa.value), (ours.value, sdpa.value)
 
 
 @pytest.mark.parametrize("dropout_p", [-0.1, 1.5, math.nan])
-def test_dropout_outside_0_1_is_a_value_error(dropout_p):
-    # SDPA raises RuntimeError for these (or computes with NaN); ours names the argument.
+def test_dropout_outside_0_1_is_sdpa_s_runtime_error_naming_it(dropout_p):
     q, k, v = Case(8, 8, 4, hq=2, hkv=2).inputs(torch.float32)
-    with pytest.raises(ValueError, match="dropout_p must be in"):
+    with pytest.raises(RuntimeError, match="scaled_dot_product_attention: dropout_p must be in"):
         causal_attention.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("name", ["key-value-lengths-differ", "mask-meta"])
+def test_calls_sdpa_answers_wrongly_are_refused_with_its_error_type(name):
+    """SDPA's CPU kernel runs these without a word (value rows past key's count unread, a mask on
+    another device ignored): a wrong answer, which the drop-in refuses with SDPA's error type."""
+    inputs, kwargs = _bad_call(name)
+    with pytest.raises(RuntimeError, match="causal_attention.attention: (k and v|attn_mask)"):
+        causal_attention.scaled_dot_product_attention(*inputs, **kwargs)
 
 
 # Arguments of a type SDPA's argument parser refuses. The drop-in refuses each with SDPA's
