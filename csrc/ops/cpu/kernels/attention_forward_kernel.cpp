@@ -50,9 +50,10 @@ class ForwardKernel {
     KeySplits<scalar_t, acc_t> splits(
         dims_, key_splits(dims_, num_heads * num_tiles, sizeof(scalar_t)), output_);
     const Packed packed(dims_, k_, v_, blocks_.keys);
-    // An item's cost: its visible pairs, plus one per row for finishing it; zero only for the
-    // items past the end of a packed sequence, which have no rows (every row is written, even
-    // one that sees no key).
+    // An item's cost: its visible pairs (under attn_mask, those of the block pairs it
+    // computes, whose tiles say what it hides), plus one per row for finishing it; zero only
+    // for the items past the end of a packed sequence, which have no rows (every row is
+    // written, even one that sees no key).
     const auto cost = [&](int64_t bh, int64_t item) -> int64_t {
       const int64_t b = bh / dims_.heads_q, t0 = item / splits.count() * tile_rows_;
       const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
@@ -60,7 +61,14 @@ class ForwardKernel {
         return 0;
       }
       const auto [key_begin, key_end] = tile_keys(b, t0, rows, item % splits.count(), splits);
-      return rows + dims_.visible_pairs(b, t0, t0 + rows, key_begin, key_end);
+      if (dims_.attn_mask.absent()) {
+        return rows + dims_.visible_pairs(b, t0, t0 + rows, key_begin, key_end);
+      }
+      int64_t pairs = rows;
+      for_each_block_pair(
+          b, bh % dims_.heads_q, t0, rows, key_begin, key_end,
+          [&](int64_t, int64_t block_rows, int64_t, int64_t cols) { pairs += block_rows * cols; });
+      return pairs;
     };
     schedule_head_blocks(
         dims_, num_heads, num_tiles * splits.count(), cost,
@@ -101,6 +109,28 @@ class ForwardKernel {
     return splits.key_range(split, first_block, dims_.key_end(b, t0 + rows - 1));
   }
 
+  // Calls fn(q0, rows, k0, cols) for the block pairs of query rows [t0, t0 + rows) of (b, h)
+  // against keys [key_begin, key_end) that are computed, key block after key block, each
+  // serving the tile's query blocks in turn while it is in cache. Blocks outside the window of
+  // every row of the query block, or that the key mask or attn_mask hides entirely, are
+  // skipped, and the rows that attn_mask hides from every key of a block are left out of it.
+  template <typename Fn>
+  void for_each_block_pair(int64_t b, int64_t h, int64_t t0, int64_t rows, int64_t key_begin,
+                           int64_t key_end, const Fn& fn) const {
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += blocks_.keys) {
+      for (int64_t q0 = t0; q0 < t0 + rows; q0 += blocks_.query_rows) {
+        const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
+        const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
+        const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
+        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0 &&
+            !dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
+          const KeyRange seen = dims_.rows_not_hidden(b, h, q0, block_rows, k0, cols);
+          fn(q0 + seen.begin, seen.end - seen.begin, k0, cols);
+        }
+      }
+    }
+  }
+
   // Query rows [t0, t0 + tile_rows_) of head bh against the keys of chunk `split`.
   void query_tile(int64_t bh, int64_t t0, int64_t split, const Packed& packed,
                   KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
@@ -110,20 +140,12 @@ class ForwardKernel {
     s.state.reset(rows);
     const Operand<gemm_t> q_rows =
         Pack::a(q_.row(b, h, t0), rows, dims_.head_dim, q_.row_stride, s.q_tile.data());
-    for (int64_t k0 = key_begin; k0 < key_end; k0 += blocks_.keys) {
-      for (int64_t q0 = t0; q0 < t0 + rows; q0 += blocks_.query_rows) {
-        const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
-        const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
-        const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
-        // Blocks outside the window of every row of the query block, or that the key mask or
-        // attn_mask hides entirely, are skipped.
-        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0 &&
-            !dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
-          const Operand<gemm_t> q_block{q_rows.data + (q0 - t0) * q_rows.ld, q_rows.ld};
-          key_block(b, h, q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
-        }
-      }
-    }
+    for_each_block_pair(b, h, t0, rows, key_begin, key_end,
+                        [&](int64_t q0, int64_t block_rows, int64_t k0, int64_t cols) {
+                          const Operand<gemm_t> q_block{q_rows.data + (q0 - t0) * q_rows.ld,
+                                                        q_rows.ld};
+                          key_block(b, h, q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
+                        });
     for (int64_t r = 0; r < rows; ++r) {
       splits.emit(s.state, r, bh, t0 + r, split);
     }

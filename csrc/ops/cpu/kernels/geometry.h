@@ -226,6 +226,36 @@ struct AttentionDims {
   bool mask_hides(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
     return !attn_mask.absent() && attn_mask.block(b, h, q0, rows, k0, cols) == kTileHidden;
   }
+  // The rows [begin, end) of rows [q0, q0 + rows) left when attn_mask's tiles that hide every
+  // key of [k0, k0 + cols) from their rows are cut from either end, relative to q0: all of them
+  // without a mask.
+  KeyRange rows_not_hidden(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
+                           int64_t cols) const {
+    if (attn_mask.absent()) {
+      return {0, rows};
+    }
+    constexpr int64_t kTile = KernelAttentionMask::kTileRows;
+    // The tile of row r, within the rows: [first, last) relative to q0.
+    const auto tile_hidden = [&](int64_t first, int64_t last) {
+      return attn_mask.block(b, h, q0 + first, last - first, k0, cols) == kTileHidden;
+    };
+    int64_t begin = 0, end = rows;
+    while (begin < end) {
+      const int64_t next = std::min(end, ((q0 + begin) / kTile + 1) * kTile - q0);
+      if (!tile_hidden(begin, next)) {
+        break;
+      }
+      begin = next;
+    }
+    while (end > begin) {
+      const int64_t previous = std::max(begin, (q0 + end - 1) / kTile * kTile - q0);
+      if (!tile_hidden(previous, end)) {
+        break;
+      }
+      end = previous;
+    }
+    return {begin, end};
+  }
   // The masks of a block pair that is not skipped.
   BlockMasks block_masks(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols) const {
