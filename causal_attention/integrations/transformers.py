@@ -30,13 +30,17 @@ included), and
   only; as with SDPA it is applied whenever it is not 0, its seed drawn from torch's default
   generator, so the same generator state gives the same result).
 
-Every mask is verified to be exactly one of these before it is used. Anything else — a
-bidirectional, chunked or custom mask, a bias in a float mask, non-causal or cross-attention,
-position biases — raises an error naming it, so a model is never silently computed otherwise
-than with ``"sdpa"`` or ``"eager"`` (or, for packed sequences that transformers does not mask,
-``"flash_attention_2"``).
+- non-causal layers (encoders, cross-attention): full attention, with the per-key mask a
+  bidirectional padding mask shows.
+
+Every mask is verified to be exactly one of these before it is used. Any other mask — a custom
+4-D one, bidirectional with more than padding, prefix-LM, chunked, a bias in a float mask — and
+the ``position_bias`` a model adds go to the op as ``attn_mask`` (a learned one gets its
+gradient), the blocks they hide skipped: the results are those of ``"sdpa"`` and ``"eager"``
+but for query rows that see no key, zeros here.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -100,39 +104,16 @@ def attention_forward(
 ) -> Tuple[Tensor, None]:
     """transformers' attention-function contract: ``query (B, Hq, Lq, D)``, ``key (B, Hkv, Lk,
     D)``, ``value (B, Hkv, Lk, Dv)`` -> ``(output (B, Lq, Hq, Dv), None)``; no weights, as SDPA."""
-    check_supported(module, is_causal, kwargs)
     options = score_options(dropout, kwargs)
-    batch, lq, lk = query.size(0), query.size(2), key.size(2)
-    explicit = sequences_from_kwargs(kwargs, batch, lq, lk, query.device)
-    if attention_mask is not None:
-        layout = read_mask(as_boolean_mask(attention_mask, batch, lq, lk), lq, lk)
-        if is_whole_rows(layout, lq, lk):
-            # Causality (or a sliding window) over whole rows, nothing hidden: what transformers
-            # builds when it does not see the packing (while a cache is in use; gpt-oss always,
-            # giving its masks no position_ids). Packing is the same for every layer of a
-            # forward: the layers given no mask run packed, so this one does too, its window
-            # applying within each sequence.
-            sequences = explicit or sequences_from_position_ids(
-                kwargs.get("position_ids"), batch, lq, lk
-            )
-            if sequences is not None:
-                layout = MaskLayout(lk, sequences=sequences, window=layout.window)
-        elif explicit is not None:
-            check_same_sequences(layout, explicit)
-    else:
-        # A mask would show a sliding window; without one only the kwarg says it.
-        window = window_of(kwargs.get("sliding_window"))
-        position_ids = kwargs.get("position_ids")
-        sequences = explicit or sequences_from_position_ids(position_ids, batch, lq, lk)
-        if sequences is not None:
-            layout = MaskLayout(lk, sequences=sequences, window=window)
-        elif 1 < lq < lk:
-            # No mask means SDPA's is_causal, top-left aligned: transformers passes this only for
-            # the prefill of an empty static cache, whose keys past Lq are unused slots. Our op
-            # aligns bottom-right, so the slots are cut off, as transformers' SDPA backend does.
-            layout = MaskLayout(lq, window=window)
-        else:
-            layout = MaskLayout(lk, window=window)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    bias = kwargs.get("position_bias")
+    layout = None
+    if bias is None:
+        read = causal_layout if causal else bidirectional_layout
+        layout = read(query, key, attention_mask, kwargs)
+    if layout is None:
+        out = masked_attention(query, key, value, attention_mask, bias, causal, scaling, options)
+        return out, None
     if layout.sequences is not None:
         return packed_attention(query, key, value, layout, scaling, options), None
     key, value = key[:, :, : layout.key_length], value[:, :, : layout.key_length]
@@ -143,19 +124,107 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def check_supported(module: nn.Module, is_causal: Optional[bool], kwargs: Dict[str, Any]) -> None:
-    """Raises ``NotImplementedError`` for what the op does not compute."""
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not is_causal:
-        raise NotImplementedError(
-            f"{NAME}: non-causal attention (is_causal=False, e.g. an encoder or cross-attention "
-            f"in {type(module).__name__}) is not supported; use attn_implementation='sdpa'"
+def causal_layout(
+    query: Tensor, key: Tensor, attention_mask: Optional[Tensor], kwargs: Dict[str, Any]
+) -> Optional[MaskLayout]:
+    """The fast layout of a causal layer's call (a per-key mask, a sliding window, packed
+    sequences), or ``None`` for any other mask, which the op then takes as ``attn_mask``."""
+    batch, lq, lk = query.size(0), query.size(2), key.size(2)
+    explicit = sequences_from_kwargs(kwargs, batch, lq, lk, query.device)
+    if attention_mask is None:
+        # A mask would show a sliding window; without one only the kwarg says it.
+        window = window_of(kwargs.get("sliding_window"))
+        position_ids = kwargs.get("position_ids")
+        sequences = explicit or sequences_from_position_ids(position_ids, batch, lq, lk)
+        if sequences is not None:
+            return MaskLayout(lk, sequences=sequences, window=window)
+        if 1 < lq < lk:
+            # No mask means SDPA's is_causal, top-left aligned: transformers passes this only for
+            # the prefill of an empty static cache, whose keys past Lq are unused slots. Our op
+            # aligns bottom-right, so the slots are cut off, as transformers' SDPA backend does.
+            return MaskLayout(lq, window=window)
+        return MaskLayout(lk, window=window)
+    boolean = as_boolean_mask(attention_mask, batch, lq, lk)
+    layout = None if boolean is None else read_mask(boolean, lq, lk)
+    if layout is None:
+        if explicit is not None:
+            raise ValueError(
+                f"{NAME}: attention_mask and cu_seq_lens_q/cu_seq_lens_k describe different "
+                f"sequences (cu_seq_lens_q={explicit.cu_seqlens_q.tolist()}); pass one of them, "
+                "or both for the same packing"
+            )
+        return None
+    if is_whole_rows(layout, lq, lk):
+        # Causality (or a sliding window) over whole rows, nothing hidden: what transformers
+        # builds when it does not see the packing (while a cache is in use; gpt-oss always,
+        # giving its masks no position_ids). Packing is the same for every layer of a forward:
+        # the layers given no mask run packed, so this one does too, its window applying within
+        # each sequence.
+        sequences = explicit or sequences_from_position_ids(
+            kwargs.get("position_ids"), batch, lq, lk
         )
-    if kwargs.get("position_bias") is not None:
+        if sequences is not None:
+            layout = MaskLayout(lk, sequences=sequences, window=layout.window)
+    elif explicit is not None:
+        check_same_sequences(layout, explicit)
+    return layout
+
+
+def bidirectional_layout(
+    query: Tensor, key: Tensor, attention_mask: Optional[Tensor], kwargs: Dict[str, Any]
+) -> Optional[MaskLayout]:
+    """The fast layout of a non-causal layer's call (an encoder's, cross-attention): every key,
+    or those a per-key mask keeps (padding), as the bidirectional masks transformers builds
+    are; ``None`` for any other mask."""
+    batch, lq, lk = query.size(0), query.size(2), key.size(2)
+    if sequences_from_kwargs(kwargs, batch, lq, lk, query.device) is not None:
         raise NotImplementedError(
-            f"{NAME}: position_bias (a learned bias added to the scores) is not supported; use "
-            "attn_implementation='sdpa'"
+            f"{NAME}: packed sequences (cu_seq_lens_q/cu_seq_lens_k) in a non-causal layer are "
+            "not supported; pass the block-diagonal attention_mask instead"
         )
+    if attention_mask is None:
+        return MaskLayout(lk, window=(-1, -1))
+    boolean = as_boolean_mask(attention_mask, batch, lq, lk)
+    if boolean is None or boolean.size(1) != 1 or lq == 0:
+        return None
+    keep = boolean[:, 0, 0]
+    if not torch.equal(boolean[:, 0], keep[:, None, :].expand(-1, lq, -1)):
+        return None
+    return MaskLayout(lk, None if bool(keep.all()) else keep, window=(-1, -1))
+
+
+def masked_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    causal: bool,
+    scale: Optional[float],
+    options: Dict[str, Any],
+) -> Tensor:
+    """Any other mask (custom 4-D, bidirectional, prefix-LM, a bias in a float mask) and the
+    ``position_bias`` a model adds: the op's ``attn_mask``, which says by itself which keys a
+    query sees (transformers' masks include causality), over every key; without a mask, causal
+    or full attention as the layer is. Transformers hides a key with its dtype's lowest value,
+    the op with ``-inf``: the same probabilities (the exponential underflows to 0 either way),
+    and the op then skips the blocks a mask hides. A learned mask or bias gets its gradient."""
+    batch, lq, lk = query.size(0), query.size(2), key.size(2)
+    mask = attention_mask
+    if mask is not None:
+        check_mask_shape(mask, batch, lq, lk)
+        if mask.dtype != torch.bool:
+            mask = mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
+    if bias is not None:
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, -math.inf)
+        else:
+            mask = bias + mask
+    window = (-1, -1) if attention_mask is not None or not causal else (-1, 0)
+    out = attention(query, key, value, scale=scale, attn_mask=mask, window=window, **options)
+    return out.transpose(1, 2).contiguous()
 
 
 def score_options(dropout: float, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -206,21 +275,23 @@ def packed_attention(
     return out.view(batch, lq, out.size(1), out.size(2))
 
 
-def as_boolean_mask(mask: Tensor, batch: int, lq: int, lk: int) -> Tensor:
-    """``mask (B or 1, 1 or H, Lq, Lk)`` as a boolean ``(B, 1 or H, Lq, Lk)``, True where a key
-    is attended. A float mask must be additive 0 / very negative: anything else is a bias."""
+def check_mask_shape(mask: Tensor, batch: int, lq: int, lk: int) -> None:
     if mask.dim() != 4 or mask.shape[-2:] != (lq, lk) or mask.size(0) not in (1, batch):
         raise ValueError(
             f"{NAME}: attention_mask must be (B, 1 or H, Lq, Lk) = ({batch}, *, {lq}, {lk}), "
             f"got attention_mask.shape={list(mask.shape)}"
         )
+
+
+def as_boolean_mask(mask: Tensor, batch: int, lq: int, lk: int) -> Optional[Tensor]:
+    """``mask (B or 1, 1 or H, Lq, Lk)`` as a boolean ``(B, 1 or H, Lq, Lk)``, True where a key
+    is attended; ``None`` for a float mask that adds a bias (values other than 0 and a very
+    negative number), which only the op's attn_mask takes."""
+    check_mask_shape(mask, batch, lq, lk)
     if mask.dtype != torch.bool:
         attended = mask == 0
         if not bool((attended | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
-            raise ValueError(
-                f"{NAME}: attention_mask adds a bias to the scores (a float mask with values "
-                "other than 0 and a very negative number, e.g. ALiBi), which the op cannot add"
-            )
+            return None
         mask = attended
     return mask.expand(batch, -1, -1, -1)
 
@@ -241,30 +312,14 @@ def look_back(mask: Tensor, lk: int) -> int:
     return left if left < lk - 1 else -1
 
 
-def read_mask(mask: Tensor, lq: int, lk: int) -> MaskLayout:
+def read_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:
     """The layout of a boolean ``mask (B, 1 or H, Lq, Lk)``: causal or a sliding window, with a
     per-key mask (padding, a static cache's unused slots), or block-diagonal, causal or a
-    sliding window within each block (packed sequences). Raises ``ValueError``, saying how the
-    mask differs, when it is none of them."""
+    sliding window within each block (packed sequences); ``None`` for any other mask."""
     if lq == 0:
         return MaskLayout(lk)
     layout = read_key_mask(mask, lq, lk)
-    if layout is None:
-        layout = read_packed_sequences(mask, lq, lk)
-    if layout is not None:
-        return layout
-    if bool((mask & ~visible_keys(lq, lk, device=mask.device)).any()):
-        how = "lets a query see keys after it (a bidirectional, prefix or custom mask)"
-    else:
-        how = (
-            "hides more than padding, sliding windows and packed sequences do (e.g. chunked "
-            "attention, or a custom mask)"
-        )
-    raise ValueError(
-        f"{NAME}: attention_mask {how}; the op computes causal or sliding-window attention "
-        "with a per-key mask or over packed sequences only, so this mask cannot be honoured. "
-        "Use attn_implementation='sdpa' for it"
-    )
+    return layout if layout is not None else read_packed_sequences(mask, lq, lk)
 
 
 def read_key_mask(mask: Tensor, lq: int, lk: int) -> Optional[MaskLayout]:

@@ -6,16 +6,21 @@ cache — and packed sequences give what each sequence gives alone; so do Mistra
 sliding windows shorter than the sequences, and Gemma 2 (softcapping, local and global layers)
 and gpt-oss (learned sinks, sliding layers) against "eager", which is all transformers runs them
 with; GPT-2 trained with attention dropout gives what the op's attention_weights give under the
-same generator state; masks it cannot honour (chunked, bidirectional, biases) are refused by
-name."""
+same generator state; every other mask transformers builds or a user passes (custom 4-D,
+prefix-LM, chunked, dilated, a bias in a float mask, a position bias) goes to the op's attn_mask
+with SDPA's results and gradients, learned biases' included; non-causal layers (BERT's
+bidirectional padding, cross-attention) run too."""
 
 import copy
+import math
 
 import pytest
 import torch
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    BertConfig,
     DataCollatorWithFlattening,
     DynamicCache,
     Gemma2Config,
@@ -514,38 +519,74 @@ def test_read_mask_takes_apart_sliding_windows_with_padding_slots_and_packing():
     assert layout.window == (1, 0) and layout.sequences.cu_seqlens_q.tolist() == [0, 4, 7]
 
 
-HIDES_MORE = "hides more than padding, sliding windows and packed sequences do"
+def prefix_lm(length, prefix):
+    """Causal, but the first ``prefix`` tokens see each other (a prefix-LM's mask)."""
+    rows = torch.arange(length)
+    return visible_keys(length, length) | ((rows[:, None] < prefix) & (rows[None, :] < prefix))
 
 
-@pytest.mark.parametrize(
-    "mask, match",
-    [
-        # Chunks of 2 for 2 queries after 3 cached keys: query 3 sees keys 2-3, query 4 key 4.
-        # (Without a cache, chunks are packed sequences, and served as such.)
-        (
-            sdpa_mask(
-                batch_size=1, q_length=2, kv_length=5, q_offset=3, allow_is_causal_skip=False,
-                mask_function=chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)),
-            )[0, 0],
-            HIDES_MORE,
-        ),
-        (visible_keys(5, 5) & ((torch.arange(5)[:, None] - torch.arange(5)) % 2 == 0),
-         HIDES_MORE),
-        (torch.ones(5, 5, dtype=torch.bool), "lets a query see keys after it"),
-    ],
-    ids=["chunked-after-cache", "dilated", "bidirectional"],
-)
-def test_read_mask_names_what_it_cannot_honour(mask, match):
+OTHER_MASKS = {
+    # Chunks of 2 for 2 queries after 3 cached keys: query 3 sees keys 2-3, query 4 key 4.
+    # (Without a cache, chunks are packed sequences, and served as such.)
+    "chunked-after-cache": sdpa_mask(
+        batch_size=1, q_length=2, kv_length=5, q_offset=3, allow_is_causal_skip=False,
+        mask_function=chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)),
+    )[0, 0],
+    "dilated": visible_keys(5, 5) & ((torch.arange(5)[:, None] - torch.arange(5)) % 2 == 0),
+    "bidirectional": torch.ones(5, 5, dtype=torch.bool),
+    "prefix-lm": prefix_lm(7, 3),
+    "float-bias": torch.zeros(6, 6).masked_fill(~visible_keys(6, 6), torch.finfo(torch.float32).min)
+    + torch.randn(6, 6),
+}
+
+
+@pytest.mark.parametrize("mask", OTHER_MASKS.values(), ids=OTHER_MASKS.keys())
+def test_other_masks_go_to_the_op_as_attn_mask_as_sdpa_computes_them(mask, op_calls):
+    """Masks that are no per-key mask, window or packing (read_mask gives None for them) are
+    the op's attn_mask over every key, forward and gradients as transformers' SDPA function."""
     lq, lk = mask.shape
-    with pytest.raises(ValueError, match=f"attention_mask {match}"):
-        backend.read_mask(mask.expand(2, 1, lq, lk), lq, lk)
+    mask = mask.expand(2, 1, lq, lk)
+    if not mask.is_floating_point():
+        assert backend.read_mask(mask, lq, lk) is None
+    inputs = [torch.randn(2, 4, lq, 8), *torch.randn(2, 2, 2, lk, 8).unbind(0)]
+    grad_out = torch.randn(2, lq, 4, 8)
+    results = []
+    for function in (backend.attention_forward, sdpa_attention_forward):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out, _ = function(Attention(), *leaves, mask, scaling=0.3)
+        results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    assert op_calls[-1]["window"] == (-1, -1) and "attn_mask" in op_calls[-1]["options"]
 
 
-def test_biases_and_bad_shapes_are_refused():
+def test_a_learned_bias_and_position_bias_get_their_gradients_as_in_sdpa():
+    lq, lk = 6, 9
+    causal = visible_keys(lq, lk).expand(2, 1, lq, lk)
+    inputs = [torch.randn(2, 4, lq, 8), *torch.randn(2, 2, 2, lk, 8).unbind(0)]
+    bias = torch.randn(1, 4, lq, lk)
+    grad_out = torch.randn(2, lq, 4, 8)
+    for kwargs_of in (
+        lambda b: dict(attention_mask=b.masked_fill(~causal, torch.finfo(torch.float32).min)),
+        lambda b: dict(attention_mask=causal, position_bias=b),
+    ):
+        results = []
+        for function in (backend.attention_forward, sdpa_attention_forward):
+            leaves = [t.clone().requires_grad_() for t in inputs + [bias]]
+            kwargs = kwargs_of(leaves[3])
+            if function is sdpa_attention_forward and "position_bias" in kwargs:
+                mask = kwargs.pop("position_bias").masked_fill(~causal, -math.inf)
+                kwargs["attention_mask"] = mask
+            out, _ = function(Attention(), *leaves[:3], scaling=0.3, **kwargs)
+            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+        for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), *results):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_biases_and_bad_shapes():
     causal = visible_keys(3, 5).expand(2, 1, 3, 5)
     biased = torch.zeros(2, 1, 3, 5).masked_fill(~causal, torch.finfo(torch.float32).min) + 0.5
-    with pytest.raises(ValueError, match="attention_mask adds a bias"):
-        backend.as_boolean_mask(biased, 2, 3, 5)
+    assert backend.as_boolean_mask(biased, 2, 3, 5) is None
     with pytest.raises(ValueError, match=r"attention_mask.shape=\[2, 1, 3, 5\]"):
         backend.as_boolean_mask(causal, 2, 3, 6)
 
@@ -666,10 +707,69 @@ def test_inconsistent_or_bad_packing_kwargs_are_refused():
         backend.attention_forward(Attention(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 5]))
 
 
-def test_non_causal_attention_is_refused():
-    class Encoder(torch.nn.Module):
-        is_causal = False
+class Encoder(torch.nn.Module):
+    is_causal = False
+    num_key_value_groups = 1
 
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="is_causal=False"):
-        backend.attention_forward(Encoder(), q, q, q, None)
+
+@pytest.mark.parametrize(
+    "lq, lk, mask, passed_as",
+    [
+        (5, 5, None, None),
+        (5, 5, torch.tensor([[True] * 5, [True] * 3 + [False] * 2])[:, None, None, :]
+         .expand(2, 1, 5, 5), "key_mask"),
+        (3, 7, torch.tensor([[True] * 7, [False] + [True] * 6])[:, None, None, :]
+         .expand(2, 1, 3, 7), "key_mask"),
+        (5, 5, prefix_lm(5, 2).expand(2, 1, 5, 5), "attn_mask"),
+    ],
+    ids=["full", "padding", "cross-attention-padding", "custom"],
+)
+def test_non_causal_layers_match_transformers_sdpa_function(lq, lk, mask, passed_as, op_calls):
+    q = torch.randn(2, 2, lq, 8)
+    k, v = torch.randn(2, 2, 2, lk, 8).unbind(0)
+    out, _ = backend.attention_forward(Encoder(), q, k, v, mask, scaling=0.3)
+    expected, _ = sdpa_attention_forward(Encoder(), q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    call = op_calls[-1]
+    assert call["window"] == (-1, -1)
+    # Padding is the op's key_mask, any other mask its attn_mask.
+    assert (call["key_mask"] is not None) == (passed_as == "key_mask")
+    assert ("attn_mask" in call["options"]) == (passed_as == "attn_mask")
+
+
+def test_a_custom_4d_mask_runs_a_model_as_sdpa_does(op_calls):
+    """A prefix-LM's mask passed to the model itself (transformers hands a 4-D mask to every
+    layer as it is): logits and every gradient as with "sdpa"."""
+    ours, ref = model_pair("llama-gqa")
+    ids = tokens(length=10)
+    mask = prefix_lm(10, 4).expand(2, 1, 10, 10)
+    out = ours(ids, attention_mask=mask, labels=ids)
+    ref_out = ref(ids, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    ref_out.loss.backward()
+    assert_same_gradients(ours, ref)
+    assert op_calls and all(c["window"] == (-1, -1) for c in op_calls)
+
+
+def test_a_bidirectional_encoder_with_padding_matches_sdpa():
+    """BERT (non-causal layers, transformers' bidirectional padding mask): logits and every
+    gradient at the real tokens as with "sdpa"."""
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    ref = AutoModelForMaskedLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = AutoModelForMaskedLM.from_config(copy.deepcopy(config),
+                                            attn_implementation="causal_attention")
+    ours.load_state_dict(ref.state_dict())
+    ids = tokens(length=9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for model in (ours.eval(), ref.eval()):
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append(out.logits[mask.bool()])
+    torch.testing.assert_close(*results, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(ours, ref)
