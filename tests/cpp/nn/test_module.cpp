@@ -701,6 +701,39 @@ TEST(KVCache, LeftPaddedPromptsDecodeLikeEachPromptAlone) {
   }
 }
 
+// A document mask over one packed row is each document through the module alone, and a learned
+// bias trains through it: its gradient is the one the same module with the bias given as a
+// float mask to the op directly gets.
+TEST(CausalSelfAttention, AttnMaskIsEachDocumentAloneAndALearnedBiasGetsItsGradient) {
+  torch::manual_seed(0);
+  CausalSelfAttention module(CausalSelfAttentionOptions(32, 4).num_kv_heads(2));
+  module->to(torch::kDouble);
+  const std::vector<int64_t> lengths{5, 11, 8};
+  const at::Tensor x = torch::randn({1, 24, 32}, torch::kDouble);
+  const at::Tensor document =
+      torch::repeat_interleave(torch::arange(3), torch::tensor(lengths, torch::kLong));
+  const at::Tensor packed =
+      module(x, nullptr, std::nullopt, document.unsqueeze(1).eq(document.unsqueeze(0)));
+  std::vector<at::Tensor> alone;
+  for (const at::Tensor& part : x.split_with_sizes(lengths, 1)) {
+    alone.push_back(module(part));
+  }
+  EXPECT_LE(max_abs_diff(packed, torch::cat(alone, 1)), 1e-12);
+
+  const at::Tensor bias = torch::randn({1, 4, 6, 6}, torch::kDouble).requires_grad_();
+  const at::Tensor y = torch::randn({2, 6, 32}, torch::kDouble);
+  const at::Tensor out = module(y, nullptr, std::nullopt, bias);
+  const at::Tensor grad = torch::autograd::grad({out.square().sum()}, {bias})[0];
+  EXPECT_EQ(grad.sizes(), bias.sizes());
+  EXPECT_GT(grad.abs().sum().item<double>(), 0.0);
+  // The bias shifts scores: a constant over every key of a row changes nothing.
+  const at::Tensor shifted = module(y, nullptr, std::nullopt, bias.detach() + 3.0);
+  EXPECT_LE(max_abs_diff(shifted, out.detach()), 1e-12);
+  const auto [weights_out, weights] = module->forward_with_weights(y, nullptr, std::nullopt, bias);
+  EXPECT_LE(max_abs_diff(weights_out, out.detach()), 1e-12);
+  EXPECT_LE(max_abs_diff(weights.sum(-1), torch::ones({2, 4, 6}, torch::kDouble)), 1e-12);
+}
+
 TEST(KVCache, ResetForgetsTheKeyMask) {
   CausalSelfAttention module(32, 4);
   const at::Tensor x = torch::randn({2, 6, 32});
