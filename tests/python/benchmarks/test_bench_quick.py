@@ -120,7 +120,10 @@ def test_documented_grid_comparison_is_the_saved_runs():
 
 @pytest.mark.parametrize(
     "module, sections",
-    [("ragged", ("mask", "leftpad", "packed")), ("options", ("window", "modifiers"))],
+    [
+        ("ragged", ("mask", "leftpad", "packed", "attn_mask", "documents", "bias")),
+        ("options", ("window", "modifiers")),
+    ],
 )
 def test_bench_sections_quick_writes_every_section(tmp_path, module, sections):
     """python -m benchmarks.ragged --quick and python -m benchmarks.options --quick time every
