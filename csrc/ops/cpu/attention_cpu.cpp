@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -132,34 +133,83 @@ at::Tensor mask_as_kernel_dims(const at::Tensor& mask, const at::Tensor& q) {
   return m.expand(sizes).reshape({batch, inner[0], inner[1], inner[2]});
 }
 
-// The entries of keys [0, n) of one mask row (key stride `stride`) that hide their key (false,
-// -inf) and that leave the score as it is (true, 0), added to *hidden and *left: simple counting
-// loops over unit-stride rows, which the compiler vectorizes, since this reads the whole mask.
+// Whether some of keys [0, n) of one mask row (key stride `stride`) do not hide their key (true,
+// not -inf), and whether some do not leave the score as it is (false, not 0), or-ed into
+// *shows and *changes; without branches, so that the compiler vectorizes this pass over the
+// whole mask. Unit-stride bools go eight at a time, as words.
 template <typename T>
-void count_entries(const T* row, int64_t n, int64_t stride, int64_t* hidden, int64_t* left) {
-  int64_t h = 0, l = 0;
+void flag_entries(const T* row, int64_t n, int64_t stride, uint8_t* shows, uint8_t* changes) {
+  uint8_t shown = 0, changed = 0;
+  int64_t c = 0;
   if constexpr (std::is_same_v<T, bool>) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(row);
     if (stride == 1) {
-      for (int64_t c = 0; c < n; ++c) {
-        l += bytes[c];
-      }
-    } else {
-      for (int64_t c = 0; c < n; ++c) {
-        l += bytes[c * stride];
+      constexpr uint64_t kAllTrue = 0x0101010101010101ULL;
+      for (; c + 8 <= n; c += 8) {
+        uint64_t word;
+        std::memcpy(&word, bytes + c, sizeof(word));
+        shown |= uint8_t(word != 0);
+        changed |= uint8_t(word != kAllTrue);
       }
     }
-    h = n - l;
+    for (; c < n; ++c) {
+      const uint8_t x = bytes[c * stride];
+      shown |= x;
+      changed |= x ^ 1;
+    }
   } else {
     constexpr T lowest = -std::numeric_limits<T>::infinity();
-    for (int64_t c = 0; c < n; ++c) {
+    for (; c < n; ++c) {
       const T x = row[c * stride];
-      h += x == lowest;
-      l += x == T(0);
+      shown |= uint8_t(x != lowest);
+      changed |= uint8_t(x != T(0));
     }
   }
-  *hidden += h;
-  *left += l;
+  *shows |= shown;
+  *changes |= changed;
+}
+
+// flag_entries for the rows [first_row, last_row) of (b, h) of a bool mask with unit stride along
+// keys and whole tiles of keys, every tile at once: the rows' words (eight bools each) or-ed and
+// and-ed together first, then two words a tile. Returns false (and does nothing) for any other
+// mask.
+template <typename T>
+bool bool_words(const at::Tensor& mask, const T* data, int64_t b, int64_t h, int64_t first_row,
+                int64_t last_row, uint8_t* shows, uint8_t* changes, std::vector<uint64_t>& any,
+                std::vector<uint64_t>& all) {
+  constexpr int64_t kKeys = KernelAttentionMask::kTileKeys, kWordsPerTile = kKeys / 8;
+  const int64_t keys = mask.size(3);
+  if constexpr (!std::is_same_v<T, bool>) {
+    return false;
+  } else {
+    if (mask.stride(3) != 1 || keys % kKeys != 0) {
+      return false;
+    }
+    constexpr uint64_t kAllTrue = 0x0101010101010101ULL;
+    const int64_t words = keys / 8;
+    any.assign(words, 0);
+    all.assign(words, ~uint64_t(0));
+    for (int64_t r = first_row; r < last_row; ++r) {
+      const auto* row = reinterpret_cast<const uint8_t*>(data + b * mask.stride(0) +
+                                                         h * mask.stride(1) + r * mask.stride(2));
+      for (int64_t w = 0; w < words; ++w) {
+        uint64_t word;
+        std::memcpy(&word, row + 8 * w, sizeof(word));
+        any[w] |= word;
+        all[w] &= word;
+      }
+    }
+    for (int64_t j = 0; j < keys / kKeys; ++j) {
+      uint64_t any_tile = 0, all_tile = ~uint64_t(0);
+      for (int64_t w = j * kWordsPerTile; w < (j + 1) * kWordsPerTile; ++w) {
+        any_tile |= any[w];
+        all_tile &= all[w];
+      }
+      shows[j] = uint8_t(any_tile != 0);
+      changes[j] = uint8_t(all_tile != kAllTrue);
+    }
+    return true;
+  }
 }
 
 // One MaskTile per KernelAttentionMask::kTileRows x kTileKeys entries of a mask in its own dims:
@@ -177,25 +227,28 @@ at::Tensor mask_tiles(const at::Tensor& mask) {
   uint8_t* out = tiles.data_ptr<uint8_t>();
   const T* data = mask.data_ptr<T>();
   at::parallel_for(0, batch * heads * row_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> hidden(key_tiles), left(key_tiles);
+    std::vector<uint8_t> shows(key_tiles), changes(key_tiles);
+    std::vector<uint64_t> any, all;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (heads * row_tiles), h = item / row_tiles % heads,
                     row_tile = item % row_tiles;
       const int64_t first_row = row_tile * kRows, last_row = std::min(rows, first_row + kRows);
-      std::fill(hidden.begin(), hidden.end(), 0);
-      std::fill(left.begin(), left.end(), 0);
-      for (int64_t r = first_row; r < last_row; ++r) {
-        const T* row = data + b * mask.stride(0) + h * mask.stride(1) + r * mask.stride(2);
-        for (int64_t j = 0; j < key_tiles; ++j) {
-          count_entries(row + j * kKeys * mask.stride(3), std::min(kKeys, keys - j * kKeys),
-                        mask.stride(3), &hidden[j], &left[j]);
+      std::fill(shows.begin(), shows.end(), 0);
+      std::fill(changes.begin(), changes.end(), 0);
+      if (!bool_words(mask, data, b, h, first_row, last_row, shows.data(), changes.data(), any,
+                      all)) {
+        for (int64_t r = first_row; r < last_row; ++r) {
+          const T* row = data + b * mask.stride(0) + h * mask.stride(1) + r * mask.stride(2);
+          for (int64_t j = 0; j < key_tiles; ++j) {
+            flag_entries(row + j * kKeys * mask.stride(3), std::min(kKeys, keys - j * kKeys),
+                         mask.stride(3), &shows[j], &changes[j]);
+          }
         }
       }
       for (int64_t j = 0; j < key_tiles; ++j) {
-        const int64_t entries = (last_row - first_row) * std::min(kKeys, keys - j * kKeys);
-        out[item * key_tiles + j] = hidden[j] == entries ? kTileHidden
-                                    : left[j] == entries ? kTileVisible
-                                                         : kTileMixed;
+        out[item * key_tiles + j] = !shows[j]     ? kTileHidden
+                                    : !changes[j] ? kTileVisible
+                                                  : kTileMixed;
       }
     }
   });

@@ -63,8 +63,7 @@ class BackwardKernel {
         delta_(padded_query_rows(AttentionDims(t))),
         normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
-        pair_(t, block_sizes(t.q.size(3), t.v.size(3), t.attn_mask.defined()), delta_.data(),
-              normalizers_.data()),
+        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data(), normalizers_.data()),
         dims_(pair_.dims),
         blocks_(pair_.blocks) {}
 
@@ -106,9 +105,11 @@ class BackwardKernel {
       acc_t* normalizer = normalizers_.data() + bh * dims_.len_q + q0;
       std::fill_n(delta, rows, acc_t(0));
       std::fill_n(normalizer, rows, acc_t(0));
-      for_each_visible_key_block(b, h, q0, rows, [&](int64_t k0, int64_t cols) {
-        const auto ko = pair_.key_operands(b, h / dims_.group(), k0);
-        pair_.add_row_shares(bh, qo, ko, q0, rows, k0, cols, normalizer, delta, s);
+      for_each_visible_key_block(b, h, q0, rows, [&](const PairPart& part) {
+        const int64_t r = part.q0 - q0;
+        pair_.add_row_shares(bh, Pair::rows_from(qo, r),
+                             pair_.key_operands(b, h / dims_.group(), part.k0), part.q0, part.rows,
+                             part.k0, part.cols, normalizer + r, delta + r, s);
       });
       const acc_t* lse = pair_.lse.row(b, h, q0);
       const bool sinks = pair_.modifiers.has_sinks();
@@ -172,9 +173,21 @@ class BackwardKernel {
         [&](int64_t bh, int64_t block, Scratch& s) { fn(bh, block * blocks_.query_rows, s); });
   }
 
-  // Calls fn(k0, cols) for each key block that a row of query rows [q0, q0 + rows) of batch item
-  // b, query head h, sees, in order (blocks the key mask or attn_mask hides entirely are
-  // skipped).
+  // The part of a block pair that attn_mask leaves: its rows and keys, cut by whole tiles from
+  // either end (geometry.h); the whole pair without a mask.
+  struct PairPart {
+    int64_t q0, rows, k0, cols;
+  };
+  PairPart part_of(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    const KeyRange seen = dims_.rows_not_hidden(b, h, q0, rows, k0, cols);
+    const int64_t first = q0 + seen.begin, rows_seen = seen.end - seen.begin;
+    const KeyRange keys = dims_.keys_not_hidden(b, h, first, rows_seen, k0, cols);
+    return {first, rows_seen, k0 + keys.begin, keys.end - keys.begin};
+  }
+
+  // Calls fn(part) for the part of each key block that a row of query rows [q0, q0 + rows) of
+  // batch item b, query head h, sees, in order (blocks the key mask or attn_mask hides entirely
+  // are skipped).
   template <typename Fn>
   void for_each_visible_key_block(int64_t b, int64_t h, int64_t q0, int64_t rows,
                                   const Fn& fn) const {
@@ -183,7 +196,7 @@ class BackwardKernel {
     for (int64_t k0 = first_block; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
       if (dims_.kept_keys(b, k0, cols) > 0 && !dims_.mask_hides(b, h, q0, rows, k0, cols)) {
-        fn(k0, cols);
+        fn(part_of(b, h, q0, rows, k0, cols));
       }
     }
   }
@@ -280,7 +293,12 @@ class BackwardKernel {
           // zeros.
           if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0 &&
               !dims_.mask_hides(b, h, q0, rows, kj, cols)) {
-            pair_gradients(b, h, q0, rows, kj, cols, qo, ko[t], t, dq, s);
+            const PairPart part = part_of(b, h, q0, rows, kj, cols);
+            const int64_t c = part.k0 - kj;
+            pair_gradients(b, h, part, Pair::rows_from(qo, part.q0 - q0),
+                           c == 0 ? ko[t] : pair_.key_operands(b, h_kv, part.k0),
+                           s.key_gradient(t, dims_) + c * dims_.head_dim,
+                           s.value_gradient(t, dims_) + c * dims_.value_dim, dq, s);
           }
         }
       }
@@ -296,14 +314,16 @@ class BackwardKernel {
     }
   }
 
-  // One block pair: dV_j, dK_j into the tile's accumulators t, and with dq dQ_i into it.
-  void pair_gradients(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+  // One block pair (its part): dV_j and dK_j into the accumulators of its keys, and with dq
+  // dQ_i into it.
+  void pair_gradients(int64_t b, int64_t h, const PairPart& part,
                       const typename Pair::QueryOperands& qo, const typename Pair::KeyOperands& ko,
-                      int64_t t, const QuerySums* dq, Scratch& s) const {
+                      acc_t* dk_acc, acc_t* dv_acc, const QuerySums* dq, Scratch& s) const {
+    const auto [q0, rows, k0, cols] = part;
     pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols,
                                       /*record_mask_gradient=*/true, s);
-    pair_.add_value_gradient(b, h, q0, rows, k0, cols, s.value_gradient(t, dims_), s);
-    pair_.add_key_gradient(b, h, q0, rows, k0, cols, s.key_gradient(t, dims_), s);
+    pair_.add_value_gradient(b, h, q0, rows, k0, cols, dv_acc, s);
+    pair_.add_key_gradient(b, h, q0, rows, k0, cols, dk_acc, s);
     if (dq != nullptr) {
       pair_.add_query_product(b, h / dims_.group(), q0, rows, k0, cols,
                               dq->row(h % dims_.group(), q0), dq->row_stride, s);
@@ -318,12 +338,15 @@ class BackwardKernel {
     const auto qo = pair_.query_operands(b, h, q0, rows, s);
     acc_t* dq = s.grad_a.data();  // sum_j dS_ij K_j
     std::fill_n(dq, rows * D, acc_t(0));
-    for_each_visible_key_block(b, h, q0, rows, [&](int64_t k0, int64_t cols) {
-      const auto ko = pair_.key_operands(b, h / dims_.group(), k0);
+    for_each_visible_key_block(b, h, q0, rows, [&](const PairPart& part) {
+      const int64_t r = part.q0 - q0;
       // Pass 1 recorded attn_mask's gradient of this pair.
-      pair_.probabilities_and_gradients(bh, qo, ko, q0, rows, k0, cols,
+      pair_.probabilities_and_gradients(bh, Pair::rows_from(qo, r),
+                                        pair_.key_operands(b, h / dims_.group(), part.k0), part.q0,
+                                        part.rows, part.k0, part.cols,
                                         /*record_mask_gradient=*/false, s);
-      pair_.add_query_product(b, h / dims_.group(), q0, rows, k0, cols, dq, D, s);
+      pair_.add_query_product(b, h / dims_.group(), part.q0, part.rows, part.k0, part.cols,
+                              dq + r * D, D, s);
     });
     for (int64_t r = 0; r < rows; ++r) {
       store_scaled_row(dq + r * D, D, pair_.scale, pair_.dq.row(b, h, q0 + r));

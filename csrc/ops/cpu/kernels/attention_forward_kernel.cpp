@@ -31,7 +31,7 @@ class ForwardKernel {
  public:
   explicit ForwardKernel(const ForwardTensors& t)
       : dims_(t),
-        blocks_(block_sizes(dims_.head_dim, dims_.value_dim, t.attn_mask.defined())),
+        blocks_(block_sizes(dims_.head_dim, dims_.value_dim)),
         tile_rows_(forward_tile_rows(dims_, blocks_)),
         q_(t.q, dims_.cu_q),
         k_(t.k, dims_.cu_k),
@@ -109,11 +109,16 @@ class ForwardKernel {
     return splits.key_range(split, first_block, dims_.key_end(b, t0 + rows - 1));
   }
 
+  // Keys of the parts of a block pair whose attn_mask is read: at most a block, a multiple of
+  // the mask's tiles.
+  static constexpr int64_t kMaskedKeys = 64;
+
   // Calls fn(q0, rows, k0, cols) for the block pairs of query rows [t0, t0 + rows) of (b, h)
   // against keys [key_begin, key_end) that are computed, key block after key block, each
   // serving the tile's query blocks in turn while it is in cache. Blocks outside the window of
   // every row of the query block, or that the key mask or attn_mask hides entirely, are
-  // skipped, and the rows that attn_mask hides from every key of a block are left out of it.
+  // skipped, and the rows (keys) that attn_mask hides from every key (row) of a block are left
+  // out of it, by whole tiles from either end.
   template <typename Fn>
   void for_each_block_pair(int64_t b, int64_t h, int64_t t0, int64_t rows, int64_t key_begin,
                            int64_t key_end, const Fn& fn) const {
@@ -122,10 +127,24 @@ class ForwardKernel {
         const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
         const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
         const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
-        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0 &&
-            !dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
-          const KeyRange seen = dims_.rows_not_hidden(b, h, q0, block_rows, k0, cols);
-          fn(q0 + seen.begin, seen.end - seen.begin, k0, cols);
+        if (cols <= 0 || k0 + cols <= dims_.key_begin(b, q0) || dims_.kept_keys(b, k0, cols) == 0 ||
+            dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
+          continue;
+        }
+        // A block whose attn_mask must be read goes in parts of kMaskedKeys keys, each skipped
+        // or cut on its own: where documents meet inside a block, each part serves the rows of
+        // one of them.
+        const int64_t part_keys =
+            dims_.block_masks(b, h, q0, block_rows, k0, cols).attn_mask ? kMaskedKeys : cols;
+        for (int64_t p0 = k0; p0 < k0 + cols; p0 += part_keys) {
+          const int64_t part = std::min(part_keys, k0 + cols - p0);
+          if (part_keys < cols && dims_.mask_hides(b, h, q0, block_rows, p0, part)) {
+            continue;
+          }
+          const KeyRange seen = dims_.rows_not_hidden(b, h, q0, block_rows, p0, part);
+          const int64_t first = q0 + seen.begin, rows_seen = seen.end - seen.begin;
+          const KeyRange keys = dims_.keys_not_hidden(b, h, first, rows_seen, p0, part);
+          fn(first, rows_seen, p0 + keys.begin, keys.end - keys.begin);
         }
       }
     }

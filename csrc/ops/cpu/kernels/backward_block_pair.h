@@ -116,7 +116,14 @@ class BlockPairGradients {
                     s.do_tile.data())};
   }
 
-  // K_j^T and V_j^T of the key block from k0, packed once per call (packed_kv.h).
+  // The operands of a query block from its row r on.
+  static QueryOperands rows_from(const QueryOperands& qo, int64_t r) {
+    return {{qo.q.data + r * qo.q.ld, qo.q.ld},
+            {qo.grad_out.data + r * qo.grad_out.ld, qo.grad_out.ld}};
+  }
+
+  // K_j^T and V_j^T of the key block from k0 (or of its keys from k0), packed once per call
+  // (packed_kv.h).
   KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0) const {
     return {packed.keys_t(b, h_kv, k0), packed.values_t(b, h_kv, k0)};
   }

@@ -227,34 +227,20 @@ struct AttentionDims {
     return !attn_mask.absent() && attn_mask.block(b, h, q0, rows, k0, cols) == kTileHidden;
   }
   // The rows [begin, end) of rows [q0, q0 + rows) left when attn_mask's tiles that hide every
-  // key of [k0, k0 + cols) from their rows are cut from either end, relative to q0: all of them
-  // without a mask.
+  // key of [k0, k0 + cols) from their rows are cut from either end, relative to q0; likewise
+  // the keys of [k0, k0 + cols) left, relative to k0, for those rows: the others can be left out
+  // of the block pair's products. All of them without a mask.
   KeyRange rows_not_hidden(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
                            int64_t cols) const {
-    if (attn_mask.absent()) {
-      return {0, rows};
-    }
-    constexpr int64_t kTile = KernelAttentionMask::kTileRows;
-    // The tile of row r, within the rows: [first, last) relative to q0.
-    const auto tile_hidden = [&](int64_t first, int64_t last) {
-      return attn_mask.block(b, h, q0 + first, last - first, k0, cols) == kTileHidden;
-    };
-    int64_t begin = 0, end = rows;
-    while (begin < end) {
-      const int64_t next = std::min(end, ((q0 + begin) / kTile + 1) * kTile - q0);
-      if (!tile_hidden(begin, next)) {
-        break;
-      }
-      begin = next;
-    }
-    while (end > begin) {
-      const int64_t previous = std::max(begin, (q0 + end - 1) / kTile * kTile - q0);
-      if (!tile_hidden(previous, end)) {
-        break;
-      }
-      end = previous;
-    }
-    return {begin, end};
+    return trimmed(q0, rows, KernelAttentionMask::kTileRows, [&](int64_t first, int64_t count) {
+      return attn_mask.block(b, h, first, count, k0, cols) == kTileHidden;
+    });
+  }
+  KeyRange keys_not_hidden(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
+                           int64_t cols) const {
+    return trimmed(k0, cols, KernelAttentionMask::kTileKeys, [&](int64_t first, int64_t count) {
+      return attn_mask.block(b, h, q0, rows, first, count) == kTileHidden;
+    });
   }
   // The masks of a block pair that is not skipped.
   BlockMasks block_masks(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
@@ -270,6 +256,32 @@ struct AttentionDims {
     return visible_in_block(b, q0, k0, cols).end < cols ||
            visible_in_block(b, q0 + rows - 1, k0, cols).begin > 0 || masks.kept != nullptr ||
            masks.attn_mask;
+  }
+
+  // [begin, end) relative to `first` of the `count` indices from `first`, less the whole tiles
+  // of `tile` indices (aligned to multiples of it) at either end that hidden(first, count) says
+  // attn_mask hides.
+  template <typename Hidden>
+  KeyRange trimmed(int64_t first, int64_t count, int64_t tile, const Hidden& hidden) const {
+    if (attn_mask.absent()) {
+      return {0, count};
+    }
+    int64_t begin = 0, end = count;
+    while (begin < end) {
+      const int64_t next = std::min(end, ((first + begin) / tile + 1) * tile - first);
+      if (!hidden(first + begin, next - begin)) {
+        break;
+      }
+      begin = next;
+    }
+    while (end > begin) {
+      const int64_t previous = std::max(begin, (first + end - 1) / tile * tile - first);
+      if (!hidden(first + previous, end - previous)) {
+        break;
+      }
+      end = previous;
+    }
+    return {begin, end};
   }
 };
 

@@ -41,12 +41,13 @@ struct KernelScoreOptions {
 // the mask is broadcast along and stride 0 or 1 along keys. tiles: uint8 (batch, heads, query
 // tiles, key tiles) over the mask's own dims (size 1 where it is broadcast), one MaskTile per
 // kTileRows x kTileKeys entries, which says in O(1) per block whether the mask hides it (skipped),
-// leaves it as it is (nothing to read) or must be read entry by entry. Tiles of a few rows let a
-// block pair leave out the rows a tile hides (where a document ends inside a query block).
+// leaves it as it is (nothing to read) or must be read entry by entry. Tiles smaller than a
+// block let a block pair leave out the rows and keys its tiles hide (where a document ends or
+// starts inside a block).
 // Undefined without a mask.
 enum MaskTile : uint8_t { kTileHidden = 0, kTileVisible = 1, kTileMixed = 2 };
 struct KernelAttentionMask {
-  static constexpr int64_t kTileRows = 4, kTileKeys = 64;
+  static constexpr int64_t kTileRows = 4, kTileKeys = 16;
   at::Tensor values, tiles;
   bool defined() const { return values.defined(); }
 };

@@ -70,6 +70,11 @@ struct Packing {
       std::is_same_v<gemm_t, c10::BFloat16> || std::is_same_v<gemm_t, c10::Half>;
 
   static int64_t padded_k(int64_t k) { return kVnni ? k + (k & 1) : k; }
+  // The columns from `first` of a B operand: row-major and VNNI alike (VNNI holds each column's
+  // pair of k together), with the same leading dimension.
+  static Operand<gemm_t> b_columns_from(Operand<gemm_t> b, int64_t first) {
+    return {b.data + (kVnni ? 2 : 1) * first, b.ld};
+  }
   // Scratch elements that any operand of at most `rows` x `cols` (either orientation) needs.
   static int64_t scratch_size(int64_t rows, int64_t cols) {
     return padded_k(rows + 1) * padded_k(cols + 1);

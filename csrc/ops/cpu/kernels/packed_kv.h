@@ -80,23 +80,32 @@ class PackedKeyValues {
     });
   }
 
-  // K_j^T for the key block starting at k0; a product may use its first columns only.
+  // K_j^T from key k0 of its block (a product may use its first columns only).
   Operand<gemm_t> keys_t(int64_t b, int64_t h_kv, int64_t k0) const {
-    return {keys_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * key_slot_, block_width(b, k0)};
+    const int64_t start = k0 / key_block_ * key_block_;
+    return Pack::b_columns_from(
+        {keys_.data_ptr<gemm_t>() + slot(b, h_kv, start) * key_slot_, block_width(b, start)},
+        k0 - start);
   }
 
-  // V_j^T for the key block starting at k0 (kTransposed); a product may use its first columns.
+  // V_j^T from key k0 of its block (kTransposed); a product may use its first columns only.
   Operand<gemm_t> values_t(int64_t b, int64_t h_kv, int64_t k0) const {
     static_assert(kTransposedValues, "values_t() is the backward's operand");
-    return {values_.data_ptr<gemm_t>() + slot(b, h_kv, k0) * value_slot_, block_width(b, k0)};
+    const int64_t start = k0 / key_block_ * key_block_;
+    return Pack::b_columns_from(
+        {values_.data_ptr<gemm_t>() + slot(b, h_kv, start) * value_slot_, block_width(b, start)},
+        k0 - start);
   }
 
-  // The first `cols` rows of V_j as the B operand of O += P V_j (kRows): packed, or the value
-  // rows themselves.
+  // The rows of V_j from key k0 of its block as the B operand of O += P V_j (kRows): packed, or
+  // the value rows themselves.
   Operand<acc_t> values(int64_t b, int64_t h_kv, int64_t k0) const {
     static_assert(!kTransposedValues, "values() is the forward's operand");
     if constexpr (kPacksValues) {
-      return {values_.data_ptr<acc_t>() + slot(b, h_kv, k0) * value_slot_, dims_.value_dim};
+      const int64_t start = k0 / key_block_ * key_block_;
+      return {values_.data_ptr<acc_t>() + slot(b, h_kv, start) * value_slot_ +
+                  (k0 - start) * dims_.value_dim,
+              dims_.value_dim};
     } else {
       return {v_.row(b, h_kv, k0), v_.row_stride};
     }

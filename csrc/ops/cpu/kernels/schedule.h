@@ -34,13 +34,10 @@ inline int64_t cache_bytes(int name, int64_t fallback) {
   return reported > 0 ? int64_t(reported) : fallback;
 }
 
-// Under an attn_mask, key blocks of 64 keys, its tiles' width: a block then starts at the first
-// tile a query block sees, where 128 keys would compute up to 64 hidden ones more per row (a
-// document mask's documents start anywhere).
-inline BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, bool attn_mask) {
+inline BlockSizes block_sizes(int64_t head_dim, int64_t value_dim) {
   static const int64_t l1d_bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32 * 1024);
   const int64_t bytes_of_128_keys = 128 * (head_dim + value_dim) * int64_t(sizeof(float));
-  return {64, bytes_of_128_keys <= 2 * l1d_bytes && !attn_mask ? 128 : 64};
+  return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
 }
 
 // Query rows of a forward task: several query blocks, which take each key block in turn while
