@@ -57,22 +57,29 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& c) 
                  p.max_seqlen_k, c.attn_mask);
 }
 
-Gradients call_attention_gradients(const BackwardCall& c) {
-  static auto op = operator_handle<GradientsSignature>("causal_attention::attention_gradients");
+namespace {
+
+// attention_gradients and attention_backward through their handle: the call's flat arguments,
+// then the ones the op has beyond attention_backward's.
+template <typename Op, typename... Extra>
+auto call_backward_op(const Op& op, const BackwardCall& c, Extra... extra) {
   const ScoreOptions& o = c.options;
   const PackedLengths& p = c.packed;
   return op.call(c.grad_out, c.q, c.k, c.v, c.out, c.lse, c.scale, c.key_mask, o.window, o.softcap,
                  o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed, p.cu_seqlens_q,
-                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, c.attn_mask, c.attn_mask_grad);
+                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, c.attn_mask, extra...);
+}
+
+}  // namespace
+
+Gradients call_attention_gradients(const BackwardCall& c) {
+  static auto op = operator_handle<GradientsSignature>("causal_attention::attention_gradients");
+  return call_backward_op(op, c, c.attn_mask_grad);
 }
 
 BackwardGradients call_attention_backward(const BackwardCall& c) {
   static auto op = operator_handle<BackwardSignature>("causal_attention::attention_backward");
-  const ScoreOptions& o = c.options;
-  const PackedLengths& p = c.packed;
-  return op.call(c.grad_out, c.q, c.k, c.v, c.out, c.lse, c.scale, c.key_mask, o.window, o.softcap,
-                 o.alibi_slopes, o.sinks, o.dropout_p, o.dropout_seed, p.cu_seqlens_q,
-                 p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, c.attn_mask);
+  return call_backward_op(op, c);
 }
 
 }  // namespace detail

@@ -546,26 +546,22 @@ std::vector<BadCall> table() {
                         a.grad_out, a.q, a.k, a.v, a.out, a.lse, 0.5,
                         AttentionOptions().generator(at::make_generator<at::CPUGeneratorImpl>(1)));
                   }});
+  // Masks are for dense calls.
+  const auto varlen_with = [a](const AttentionOptions& options) {
+    return [a, options] {
+      const at::Tensor cu = torch::tensor({0, 5, 10}, torch::kInt);
+      const at::Tensor q = a.q.transpose(1, 2).flatten(0, 1);
+      causal_attention::varlen_attention(q, q, q, cu, cu, 5, 5, options);
+    };
+  };
   rows.push_back({"varlen options key_mask",
                   E::kValueError,
                   {"varlen_attention: key_mask and attn_mask are for dense calls"},
-                  [a] {
-                    const at::Tensor cu = torch::tensor({0, 5, 10}, torch::kInt);
-                    const at::Tensor q = a.q.transpose(1, 2).flatten(0, 1);
-                    causal_attention::varlen_attention(
-                        q, q, q, cu, cu, 5, 5,
-                        AttentionOptions().key_mask(torch::ones({10}, torch::kBool)));
-                  }});
+                  varlen_with(AttentionOptions().key_mask(torch::ones({10}, torch::kBool)))});
   rows.push_back({"varlen options attn_mask",
                   E::kValueError,
                   {"varlen_attention: key_mask and attn_mask are for dense calls"},
-                  [a] {
-                    const at::Tensor cu = torch::tensor({0, 5, 10}, torch::kInt);
-                    const at::Tensor q = a.q.transpose(1, 2).flatten(0, 1);
-                    causal_attention::varlen_attention(
-                        q, q, q, cu, cu, 5, 5,
-                        AttentionOptions().attn_mask(torch::ones({5, 5}, torch::kBool)));
-                  }});
+                  varlen_with(AttentionOptions().attn_mask(torch::ones({5, 5}, torch::kBool)))});
   rows.push_back({"attn_mask int dtype",
                   E::kTypeError,
                   {"attention: attn_mask must be bool", "attn_mask.dtype=Long"},
