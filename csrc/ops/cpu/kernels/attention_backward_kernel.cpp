@@ -173,19 +173,12 @@ class BackwardKernel {
         [&](int64_t bh, int64_t block, Scratch& s) { fn(bh, block * blocks_.query_rows, s); });
   }
 
-  // The part of a block pair that attn_mask leaves: its rows and keys, cut by whole tiles from
-  // either end (geometry.h); the whole pair without a mask.
+  // A part of a block pair (AttentionDims::for_each_part).
   struct PairPart {
     int64_t q0, rows, k0, cols;
   };
-  PairPart part_of(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
-    const KeyRange seen = dims_.rows_not_hidden(b, h, q0, rows, k0, cols);
-    const int64_t first = q0 + seen.begin, rows_seen = seen.end - seen.begin;
-    const KeyRange keys = dims_.keys_not_hidden(b, h, first, rows_seen, k0, cols);
-    return {first, rows_seen, k0 + keys.begin, keys.end - keys.begin};
-  }
 
-  // Calls fn(part) for the part of each key block that a row of query rows [q0, q0 + rows) of
+  // Calls fn(part) for the parts of each key block that a row of query rows [q0, q0 + rows) of
   // batch item b, query head h, sees, in order (blocks the key mask or attn_mask hides entirely
   // are skipped).
   template <typename Fn>
@@ -196,7 +189,9 @@ class BackwardKernel {
     for (int64_t k0 = first_block; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
       if (dims_.kept_keys(b, k0, cols) > 0 && !dims_.mask_hides(b, h, q0, rows, k0, cols)) {
-        fn(part_of(b, h, q0, rows, k0, cols));
+        dims_.for_each_part(
+            b, h, q0, rows, k0, cols,
+            [&](int64_t q, int64_t r, int64_t k, int64_t c) { fn(PairPart{q, r, k, c}); });
       }
     }
   }
@@ -293,12 +288,14 @@ class BackwardKernel {
           // zeros.
           if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0 &&
               !dims_.mask_hides(b, h, q0, rows, kj, cols)) {
-            const PairPart part = part_of(b, h, q0, rows, kj, cols);
-            const int64_t c = part.k0 - kj;
-            pair_gradients(b, h, part, Pair::rows_from(qo, part.q0 - q0),
-                           c == 0 ? ko[t] : pair_.key_operands(b, h_kv, part.k0),
-                           s.key_gradient(t, dims_) + c * dims_.head_dim,
-                           s.value_gradient(t, dims_) + c * dims_.value_dim, dq, s);
+            dims_.for_each_part(
+                b, h, q0, rows, kj, cols, [&](int64_t q, int64_t r, int64_t k, int64_t c) {
+                  const int64_t first_key = k - kj;
+                  pair_gradients(b, h, PairPart{q, r, k, c}, Pair::rows_from(qo, q - q0),
+                                 first_key == 0 ? ko[t] : pair_.key_operands(b, h_kv, k),
+                                 s.key_gradient(t, dims_) + first_key * dims_.head_dim,
+                                 s.value_gradient(t, dims_) + first_key * dims_.value_dim, dq, s);
+                });
           }
         }
       }

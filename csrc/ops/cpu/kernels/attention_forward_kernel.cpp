@@ -109,10 +109,6 @@ class ForwardKernel {
     return splits.key_range(split, first_block, dims_.key_end(b, t0 + rows - 1));
   }
 
-  // Keys of the parts of a block pair whose attn_mask is read: at most a block, a multiple of
-  // the mask's tiles.
-  static constexpr int64_t kMaskedKeys = 64;
-
   // Calls fn(q0, rows, k0, cols) for the block pairs of query rows [t0, t0 + rows) of (b, h)
   // against keys [key_begin, key_end) that are computed, key block after key block, each
   // serving the tile's query blocks in turn while it is in cache. Blocks outside the window of
@@ -131,21 +127,7 @@ class ForwardKernel {
             dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
           continue;
         }
-        // A block whose attn_mask must be read goes in parts of kMaskedKeys keys, each skipped
-        // or cut on its own: where documents meet inside a block, each part serves the rows of
-        // one of them.
-        const int64_t part_keys =
-            dims_.block_masks(b, h, q0, block_rows, k0, cols).attn_mask ? kMaskedKeys : cols;
-        for (int64_t p0 = k0; p0 < k0 + cols; p0 += part_keys) {
-          const int64_t part = std::min(part_keys, k0 + cols - p0);
-          if (part_keys < cols && dims_.mask_hides(b, h, q0, block_rows, p0, part)) {
-            continue;
-          }
-          const KeyRange seen = dims_.rows_not_hidden(b, h, q0, block_rows, p0, part);
-          const int64_t first = q0 + seen.begin, rows_seen = seen.end - seen.begin;
-          const KeyRange keys = dims_.keys_not_hidden(b, h, first, rows_seen, p0, part);
-          fn(first, rows_seen, p0 + keys.begin, keys.end - keys.begin);
-        }
+        dims_.for_each_part(b, h, q0, block_rows, k0, cols, fn);
       }
     }
   }

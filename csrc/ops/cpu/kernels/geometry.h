@@ -242,6 +242,36 @@ struct AttentionDims {
       return attn_mask.block(b, h, q0, rows, first, count) == kTileHidden;
     });
   }
+  // Keys of the parts of a block pair whose attn_mask is read: at most a block, a multiple of
+  // the mask's tiles.
+  static constexpr int64_t kMaskedPartKeys = 64;
+
+  // Calls fn(q0, rows, k0, cols) for what attn_mask leaves of a block pair that is not skipped:
+  // the pair itself without a mask; else, for a pair whose mask is read, its parts of
+  // kMaskedPartKeys keys (where documents meet inside a block, each part serves the rows of one
+  // of them), each left out where the mask hides it and cut to the rows and keys its tiles do
+  // not hide.
+  template <typename Fn>
+  void for_each_part(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                     const Fn& fn) const {
+    if (attn_mask.absent()) {
+      fn(q0, rows, k0, cols);
+      return;
+    }
+    const int64_t part_keys =
+        attn_mask.block(b, h, q0, rows, k0, cols) == kTileMixed ? kMaskedPartKeys : cols;
+    for (int64_t p0 = k0; p0 < k0 + cols; p0 += part_keys) {
+      const int64_t part = std::min(part_keys, k0 + cols - p0);
+      if (part_keys < cols && mask_hides(b, h, q0, rows, p0, part)) {
+        continue;
+      }
+      const KeyRange seen = rows_not_hidden(b, h, q0, rows, p0, part);
+      const int64_t first = q0 + seen.begin, rows_seen = seen.end - seen.begin;
+      const KeyRange keys = keys_not_hidden(b, h, first, rows_seen, p0, part);
+      fn(first, rows_seen, p0 + keys.begin, keys.end - keys.begin);
+    }
+  }
+
   // The masks of a block pair that is not skipped.
   BlockMasks block_masks(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols) const {
