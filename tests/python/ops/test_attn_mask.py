@@ -4,7 +4,7 @@ mask by FlashAttention's twice-SDPA's-error rule and against the float64 math; c
 window (intersection), the key mask and every score option; rows left without a visible key are
 zeros with lse = -inf; hidden keys cannot poison anything with inf or NaN; masks that change
 nothing are the unmasked call bitwise; results are bitwise the same at any thread count; the
-kernel ops, opcheck, torch.compile and bad input."""
+kernel ops, opcheck, torch.compile, torch.export and bad input."""
 
 import math
 
@@ -437,3 +437,27 @@ def test_compiles_fullgraph_with_a_learned_bias():
         results.append((out,) + torch.autograd.grad(out, leaves, grad_out))
     for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), *results):
         assert_bitwise_equal(a, b, name)
+
+
+class _Biased(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        return causal_attention.attention(q, k, v, attn_mask=bias, window=(-1, -1))
+
+
+def test_exports_and_runs_at_other_lengths():
+    """torch.export keeps the op whole with its mask, at dynamic lengths."""
+    from torch.export import Dim
+
+    length = Dim("length", min=2, max=64)
+    case = Case(10, 10, 8, hq=2, hkv=2)
+    q, k, v = case.inputs(torch.float32)
+    bias = make_mask((2, 10, 10), "bias")
+    exported = torch.export.export(
+        _Biased(), (q, k, v, bias),
+        dynamic_shapes=({2: length}, {2: length}, {2: length}, {1: length, 2: length}),
+    )
+    assert OPS.attention.default in [node.target for node in exported.graph.nodes]
+    for n in (10, 37):
+        q, k, v = Case(n, n, 8, hq=2, hkv=2).inputs(torch.float32)
+        bias = make_mask((2, n, n), "bias-inf", seed=n)
+        assert_bitwise_equal(exported.module()(q, k, v, bias), _Biased()(q, k, v, bias))
