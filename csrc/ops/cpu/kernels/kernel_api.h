@@ -40,11 +40,10 @@ struct KernelScoreOptions {
 // len_q, len_k), bool or floating in the accumulation dtype, a view with stride 0 along the dims
 // the mask is broadcast along and stride 0 or 1 along keys. tiles: uint8 (batch, heads, query
 // tiles, key tiles) over the mask's own dims (size 1 where it is broadcast), one MaskTile per
-// kTileRows x kTileKeys entries, which says in O(1) per block whether the mask hides it (skipped),
-// leaves it as it is (nothing to read) or must be read entry by entry. Tiles smaller than a
-// block let a block pair leave out the rows and keys its tiles hide (where a document ends or
-// starts inside a block).
-// Undefined without a mask.
+// kTileRows x kTileKeys entries, from whose bytes a block pair learns whether the mask hides it
+// (skipped), leaves it as it is (nothing to read) or must be read entry by entry, without
+// reading the mask. Tiles smaller than a block let a block pair leave out the rows and keys its
+// tiles hide (where a document ends or starts inside a block). Undefined without a mask.
 enum MaskTile : uint8_t { kTileHidden = 0, kTileVisible = 1, kTileMixed = 2 };
 struct KernelAttentionMask {
   static constexpr int64_t kTileRows = 4, kTileKeys = 16;
