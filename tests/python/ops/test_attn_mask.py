@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import causal_attention
 from attention_testing.inputs import Case, make_tensor
@@ -290,7 +291,7 @@ def test_a_mask_that_changes_nothing_is_the_unmasked_call_bitwise(mask, dtype):
     case = Case(130, 130, 32, hq=2, hkv=1, batch=(2,))
     inputs = case.inputs(dtype)
     grad_out = make_tensor(case.out_shape, dtype)
-    plain = ours_with(*inputs, torch.ones((), dtype=torch.bool), (-1, 0), grad_out, False)
+    plain = ours_with(*inputs, None, (-1, 0), grad_out, False)
     masked = ours_with(*inputs, mask.to(dtype) if mask.is_floating_point() else mask, (-1, 0),
                        grad_out, False)
     for name, a, b in zip(("out", "dq", "dk", "dv"), masked, plain):
@@ -324,7 +325,6 @@ def test_kernel_ops_take_the_mask_last_and_attention_gradients_returns_its_gradi
     grad_out = make_tensor(case.out_shape, torch.float64)
     out, lse = OPS.attention_forward(q, k, v, 0.5, None, [-1, 0], None, None, None, 0.0, None,
                                      None, None, None, None, mask)
-    ours = ours_with(q, k, v, mask, (-1, 0), grad_out, True)
     reference = causal_attention.attention(q, k, v, attn_mask=mask, scale=0.5)
     assert_bitwise_equal(out, reference, "out")
     dq, dk, dv, dsinks, dmask = OPS.attention_gradients(grad_out, q, k, v, out, lse, 0.5,
@@ -339,21 +339,38 @@ def test_kernel_ops_take_the_mask_last_and_attention_gradients_returns_its_gradi
     grads = torch.autograd.grad(out, leaves, grad_out)
     for a, b in zip(grads, (dq, dk, dv, dmask)):
         assert_bitwise_equal(a, b)
-    assert ours[0].shape == out.shape
     without = OPS.attention_gradients(grad_out, q, k, v, out.detach(), lse, 0.5, attn_mask=mask)
     assert without[4].numel() == 0
 
 
-def test_a_bool_mask_gets_no_gradient_and_a_mask_not_asked_for_is_not_computed():
+class _BackwardOps(TorchDispatchMode):
+    """Records the causal_attention ops dispatched while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "causal_attention":
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_mask_s_gradient_is_computed_only_when_autograd_asks_for_it():
+    """Autograd runs attention_backward unless the mask's gradient is asked for, and then
+    attention_gradients; a bool mask has no gradient to ask for."""
     case = Case(10, 10, 8, hq=2, hkv=2)
     q, k, v = case.inputs(torch.float32, requires_grad=True)
     bias = make_mask(mask_shape(case, "heads"), "bias").requires_grad_()
     out = causal_attention.attention(q, k, v, attn_mask=bias)
-    dq, = torch.autograd.grad(out.sum(), q)
-    assert bias.grad is None and dq.abs().sum() > 0
+    for wanted, op in (([q], "attention_backward"), ([q, bias], "attention_gradients")):
+        with _BackwardOps() as recorded:
+            grads = torch.autograd.grad(out.sum(), wanted, retain_graph=True)
+        assert recorded.ops == [op] and all(g.abs().sum() > 0 for g in grads)
     out = causal_attention.attention(q, k, v, attn_mask=make_mask((10, 10), "random"))
-    out.sum().backward()
-    assert q.grad is not None
+    with _BackwardOps() as recorded:
+        torch.autograd.grad(out.sum(), [q, k, v])
+    assert recorded.ops == ["attention_backward"]
 
 
 @pytest.mark.parametrize(
