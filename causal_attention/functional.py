@@ -151,6 +151,9 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
     rank = max(query.dim(), key.dim(), value.dim())
     if rank < 3 or query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         return query, key, value
+    if (enable_gqa and query.dim() == key.dim() == value.dim()
+            and query.shape[:-3] == key.shape[:-3] and key.shape[:-2] == value.shape[:-2]):
+        return query, key, value  # grouped-query attention as the op takes it: the common call
     query, key, value = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
                          for t in (query, key, value))
     batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
