@@ -188,7 +188,7 @@ class BackwardKernel {
     const int64_t first_block = dims_.key_begin(b, q0) / blocks_.keys * blocks_.keys;
     for (int64_t k0 = first_block; k0 < key_end; k0 += blocks_.keys) {
       const int64_t cols = std::min(blocks_.keys, key_end - k0);
-      if (dims_.kept_keys(b, k0, cols) > 0 && !dims_.mask_hides(b, h, q0, rows, k0, cols)) {
+      if (dims_.kept_keys(b, k0, cols) > 0) {
         dims_.for_each_part(
             b, h, q0, rows, k0, cols,
             [&](int64_t q, int64_t r, int64_t k, int64_t c) { fn(PairPart{q, r, k, c}); });
@@ -286,8 +286,7 @@ class BackwardKernel {
           const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
           // Blocks before the window of every row, or that the key mask or attn_mask hides, get
           // zeros.
-          if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0 &&
-              !dims_.mask_hides(b, h, q0, rows, kj, cols)) {
+          if (kj + cols > key_begin && dims_.kept_keys(b, kj, cols) > 0) {
             dims_.for_each_part(
                 b, h, q0, rows, kj, cols, [&](int64_t q, int64_t r, int64_t k, int64_t c) {
                   const int64_t first_key = k - kj;

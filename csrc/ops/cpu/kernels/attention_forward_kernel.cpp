@@ -123,11 +123,9 @@ class ForwardKernel {
         const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
         const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
         const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
-        if (cols <= 0 || k0 + cols <= dims_.key_begin(b, q0) || dims_.kept_keys(b, k0, cols) == 0 ||
-            dims_.mask_hides(b, h, q0, block_rows, k0, cols)) {
-          continue;
+        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0) {
+          dims_.for_each_part(b, h, q0, block_rows, k0, cols, fn);
         }
-        dims_.for_each_part(b, h, q0, block_rows, k0, cols, fn);
       }
     }
   }

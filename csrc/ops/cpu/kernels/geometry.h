@@ -246,11 +246,11 @@ struct AttentionDims {
   // the mask's tiles.
   static constexpr int64_t kMaskedPartKeys = 64;
 
-  // Calls fn(q0, rows, k0, cols) for what attn_mask leaves of a block pair that is not skipped:
-  // the pair itself without a mask; else, for a pair whose mask is read, its parts of
-  // kMaskedPartKeys keys (where documents meet inside a block, each part serves the rows of one
-  // of them), each left out where the mask hides it and cut to the rows and keys its tiles do
-  // not hide.
+  // Calls fn(q0, rows, k0, cols) for what attn_mask leaves of a block pair: the pair itself
+  // without a mask; nothing where the mask hides it entirely (skipped, as a block outside the
+  // window); else, for a pair whose mask is read, its parts of kMaskedPartKeys keys (where
+  // documents meet inside a block, each part serves the rows of one of them), each left out
+  // where the mask hides it and cut to the rows and keys its tiles do not hide.
   template <typename Fn>
   void for_each_part(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                      const Fn& fn) const {
@@ -258,8 +258,11 @@ struct AttentionDims {
       fn(q0, rows, k0, cols);
       return;
     }
-    const int64_t part_keys =
-        attn_mask.block(b, h, q0, rows, k0, cols) == kTileMixed ? kMaskedPartKeys : cols;
+    const MaskTile state = attn_mask.block(b, h, q0, rows, k0, cols);
+    if (state == kTileHidden) {
+      return;
+    }
+    const int64_t part_keys = state == kTileMixed ? kMaskedPartKeys : cols;
     for (int64_t p0 = k0; p0 < k0 + cols; p0 += part_keys) {
       const int64_t part = std::min(part_keys, k0 + cols - p0);
       if (part_keys < cols && mask_hides(b, h, q0, rows, p0, part)) {
