@@ -217,6 +217,9 @@ def train(args: argparse.Namespace) -> List[float]:
             (args.out / "sample.txt").write_text(text)
             print(f"--- sample ---\n{text}\n--------------")
     if args.ddp:
+        # Rank 0 writes the log, checkpoint and plot first: a rank that destroyed the group
+        # meanwhile was seen to hang in it after rank 0 had exited (gloo on loopback).
+        dist.barrier()
         dist.destroy_process_group()
     return losses
 

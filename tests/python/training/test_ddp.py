@@ -80,7 +80,8 @@ def test_torchrun_ddp_training_matches_one_process(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
     launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     script = ["-m", "training.train", "--ddp", "--out", str(tmp_path / "ddp"), *flags]
-    done = subprocess.run(launcher + script, env=env, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(launcher + script, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     single = train.main([*flags, "--out", str(tmp_path / "single")])
     ddp = [row["loss"] for row in train.read_log(tmp_path / "ddp" / "log.csv")]
