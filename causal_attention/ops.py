@@ -13,6 +13,13 @@ backward raises. Both take ``attn_mask`` last (after the packed lengths), and
 ``attention_gradients(<attention_backward's arguments>, attn_mask_grad=False) -> (dq, dk, dv,
 dsinks, dattn_mask)`` also returns a floating ``attn_mask``'s gradient (``(0,)`` without
 ``attn_mask_grad``); ``attention_backward`` is it without that result.
+All three take ``query_offset=None`` after them (dense calls): the key position of query row 0,
+so that row ``i`` sits at key position ``i + query_offset`` for the window and ALiBi (default
+``Lk - Lq``, bottom-right): a call that holds one chunk of a sequence's keys, as a ring step of
+:mod:`causal_attention.distributed` does, keeps the sequence's positions. The backward ops then
+take ``delta=None``: each row's ``rowsum(dO o O)`` over every key it sees (lse's shape and dtype),
+with ``lse`` over every key too; given, the backward uses both as they are instead of deriving
+its rows' statistics from the call's own keys.
 ``varlen_attention_forward`` and ``varlen_attention_backward`` are the packed
 calls under their former names (lengths after ``v`` resp. ``lse``), kept for saved programs.
 """

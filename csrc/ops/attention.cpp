@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& c) 
   const PackedLengths& p = c.packed;
   return op.call(c.q, c.k, c.v, c.scale, c.key_mask, o.window, o.softcap, o.alibi_slopes, o.sinks,
                  o.dropout_p, o.dropout_seed, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q,
-                 p.max_seqlen_k, c.attn_mask);
+                 p.max_seqlen_k, c.attn_mask, c.query_offset);
 }
 
 namespace {
@@ -74,12 +74,12 @@ auto call_backward_op(const Op& op, const BackwardCall& c, Extra... extra) {
 
 Gradients call_attention_gradients(const BackwardCall& c) {
   static auto op = operator_handle<GradientsSignature>("causal_attention::attention_gradients");
-  return call_backward_op(op, c, c.attn_mask_grad);
+  return call_backward_op(op, c, c.attn_mask_grad, c.query_offset, c.delta);
 }
 
 BackwardGradients call_attention_backward(const BackwardCall& c) {
   static auto op = operator_handle<BackwardSignature>("causal_attention::attention_backward");
-  return call_backward_op(op, c);
+  return call_backward_op(op, c, c.query_offset, c.delta);
 }
 
 }  // namespace detail
@@ -226,7 +226,8 @@ std::tuple<at::Tensor, at::Tensor> packed_forward_alias(
     double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   return detail::forward_from_schema<detail::call_attention_forward>(
       q, k, v, scale, std::nullopt, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
-      cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k), std::nullopt);
+      cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k), std::nullopt,
+      std::nullopt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> packed_backward_alias(
@@ -240,7 +241,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> packed_backward_alias
       detail::operator_handle<detail::BackwardSignature>("causal_attention::attention_backward");
   return op.call(grad_out, q, k, v, out, lse, scale, std::nullopt, window, softcap, alibi_slopes,
                  sinks, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                 std::move(max_seqlen_q), std::move(max_seqlen_k), std::nullopt);
+                 std::move(max_seqlen_q), std::move(max_seqlen_k), std::nullopt, std::nullopt,
+                 std::nullopt);
 }
 
 }  // namespace
@@ -252,8 +254,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> packed_backward_alias
   "float dropout_p=0.0, "
 #define CAUSAL_ATTENTION_DRAWN_SEED "Generator? generator=None"
 #define CAUSAL_ATTENTION_GIVEN_SEED "Tensor? dropout_seed=None"
-// The kernel ops take attn_mask last, after the arguments they had before it, so that programs
-// saved with positional calls keep their meaning.
+// The kernel ops take attn_mask, then query_offset (and the backward ops delta) last, after the
+// arguments they had before them, so that programs saved with positional calls keep their meaning.
 #define CAUSAL_ATTENTION_PACKED_SEQUENCES                                               \
   ", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, " \
   "SymInt? max_seqlen_k=None, Tensor? attn_mask=None"
@@ -267,17 +269,19 @@ TORCH_LIBRARY(causal_attention, m) {
       "attention_forward(Tensor q, Tensor k, Tensor v, float scale, Tensor? "
       "key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
           CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
-      ") -> (Tensor out, Tensor lse)");
+      ", SymInt? query_offset=None) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float scale, Tensor? key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
           CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
-      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+      ", SymInt? query_offset=None, Tensor? delta=None) -> (Tensor dq, Tensor dk, Tensor dv, "
+      "Tensor dsinks)");
   m.def(
       "attention_gradients(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float scale, Tensor? key_mask=None, " CAUSAL_ATTENTION_SCORE_OPTIONS
           CAUSAL_ATTENTION_GIVEN_SEED CAUSAL_ATTENTION_PACKED_SEQUENCES
-      ", bool attn_mask_grad=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, "
+      ", bool attn_mask_grad=False, SymInt? query_offset=None, Tensor? delta=None) -> (Tensor dq, "
+      "Tensor dk, Tensor dv, Tensor dsinks, "
       "Tensor dattn_mask)");
   m.def(
       "attention_weights(Tensor q, Tensor k, Tensor v, *, float? scale=None, "

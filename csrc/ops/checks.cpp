@@ -176,9 +176,19 @@ ForwardCall resolve_attention_call(const AttentionCall& call) {
   return forward;
 }
 
+// A kernel op's query_offset: for dense calls only (a packed sequence's rows end where its keys
+// do).
+void check_query_offset(const char* op, const ForwardCall& call) {
+  TORCH_CHECK_VALUE(!call.query_offset.has_value() || !call.packed.any(), op,
+                    ": query_offset is for dense calls; packed sequences (cu_seqlens) are aligned "
+                    "bottom-right each, got query_offset=",
+                    *call.query_offset);
+}
+
 void check_forward_call(const ForwardCall& call) {
   constexpr const char* op = "causal_attention.attention_forward";
   check_inputs_and_options(op, call);
+  check_query_offset(op, call);
   check_scale(op, call.scale, call.q.scalar_type());
   check_given_dropout_seed(op, call.q, call.options);
 }
@@ -207,6 +217,17 @@ void check_backward_call(const BackwardCall& call, const char* op) {
                     ": lse must have shape ", packed ? "(Hq, total_q)" : "(..., Hq, Lq)", "=",
                     c10::SymIntArrayRef(expected_lse), ", got lse.shape=", call.lse.sym_sizes());
   check_saved_forward(op, q, call.grad_out, call.out, call.lse);
+  check_query_offset(op, call);
+  if (call.delta.has_value()) {
+    const at::Tensor& delta = *call.delta;
+    check_dense_tensor(op, "delta", delta);
+    TORCH_CHECK_TYPE(delta.scalar_type() == call.lse.scalar_type(), op,
+                     ": delta must have lse's dtype ", call.lse.scalar_type(),
+                     ", got delta.dtype=", delta.scalar_type());
+    TORCH_CHECK_VALUE(delta.sym_sizes() == call.lse.sym_sizes() && delta.device() == q.device(), op,
+                      ": delta must have lse's shape ", call.lse.sym_sizes(), " on ", q.device(),
+                      ", got delta.shape=", delta.sym_sizes(), " on ", delta.device());
+  }
   TORCH_CHECK_VALUE(
       !call.attn_mask_grad ||
           (call.attn_mask.has_value() && at::isFloatingType(call.attn_mask->scalar_type())),

@@ -31,13 +31,14 @@ double check_attention_call(const char* op, const AttentionCall& call);
 // name, at the resolved scale, with dropout's seed drawn from call.generator.
 ForwardCall resolve_attention_call(const AttentionCall& call);
 
-// Everything attention_forward checks: the above at the given scale, and the dropout seed:
-// int64 (2,) (seed, offset) on the CPU (or the Meta device for a Meta call), when dropout_p > 0.
+// Everything attention_forward checks: the above at the given scale, the dropout seed: int64 (2,)
+// (seed, offset) on the CPU (or the Meta device for a Meta call), when dropout_p > 0, and
+// query_offset only for a dense call.
 void check_forward_call(const ForwardCall& call);
 
 // Everything attention_gradients (or, under `op`, attention_backward) checks: the forward's call,
 // plus grad_out and out shaped like the forward's out in q's dtype, lse like its lse in the
-// accumulation dtype, and with attn_mask_grad a floating attn_mask.
+// accumulation dtype, delta (when given) like lse, and with attn_mask_grad a floating attn_mask.
 void check_backward_call(const BackwardCall& call,
                          const char* op = "causal_attention.attention_gradients");
 

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 
 #include <optional>
 #include <utility>
@@ -69,17 +70,24 @@ struct ForwardCall {
   AttentionMask attn_mask;
   ScoreOptions options;
   PackedLengths packed;
+  // The key position of query row 0 (dense calls): row i sits at key position i + query_offset
+  // for the window and ALiBi. None: Lk - Lq, bottom-right. A ring step (distributed.py) gives
+  // its shards' global offset, so that the caller's window and ALiBi apply unchanged.
+  std::optional<c10::SymInt> query_offset;
 };
 
 // A call of attention_gradients (attention_backward is it without the mask's gradient): the
 // forward's call, its out and lse, and out's gradient; attn_mask_grad asks for a floating
-// attn_mask's gradient.
+// attn_mask's gradient. delta, when given (lse's shape and dtype), is rowsum(dO o O) of each query
+// row over all the keys it sees, of which the call holds only some (a ring step): the backward
+// then takes lse and delta as they are instead of recomputing row statistics from its own keys.
 struct BackwardCall : ForwardCall {
   BackwardCall() = default;
   explicit BackwardCall(ForwardCall forward) : ForwardCall(std::move(forward)) {}
 
   at::Tensor grad_out, out, lse;
   bool attn_mask_grad = false;
+  std::optional<at::Tensor> delta;
 };
 
 }  // namespace causal_attention::detail

@@ -72,13 +72,15 @@ std::tuple<at::Tensor, at::Tensor> forward_from_schema(
     const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask) {
+    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask,
+    std::optional<c10::SymInt> query_offset) {
   ForwardCall call{q, k, v};
   call.scale = scale;
   call.key_mask = key_mask;
   call.attn_mask = attn_mask;
   call.options = score_options(window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed);
   call.packed = {cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k)};
+  call.query_offset = std::move(query_offset);
   return kernel(call);
 }
 
@@ -91,7 +93,8 @@ Gradients gradients_from_schema(
     const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask, bool attn_mask_grad) {
+    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask, bool attn_mask_grad,
+    std::optional<c10::SymInt> query_offset, const std::optional<at::Tensor>& delta) {
   BackwardCall call(ForwardCall{q, k, v});
   call.scale = scale;
   call.key_mask = key_mask;
@@ -102,11 +105,13 @@ Gradients gradients_from_schema(
   call.grad_out = grad_out;
   call.out = out;
   call.lse = lse;
+  call.query_offset = std::move(query_offset);
+  call.delta = delta;
   return kernel(call);
 }
 
-// attention_backward: attention_gradients' flat arguments but attn_mask_grad (false), and its
-// results but dattn_mask.
+// attention_backward: attention_gradients' flat arguments but attn_mask_grad (false, and so
+// attn_mask_grad's place), and its results but dattn_mask.
 using BackwardGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 template <Gradients (*kernel)(const BackwardCall&)>
 BackwardGradients backward_from_schema(
@@ -117,11 +122,12 @@ BackwardGradients backward_from_schema(
     const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask) {
+    std::optional<c10::SymInt> max_seqlen_k, const AttentionMask& attn_mask,
+    std::optional<c10::SymInt> query_offset, const std::optional<at::Tensor>& delta) {
   auto [dq, dk, dv, dsinks, dattn_mask] = gradients_from_schema<kernel>(
       grad_out, q, k, v, out, lse, scale, key_mask, window, softcap, alibi_slopes, sinks, dropout_p,
       dropout_seed, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
-      attn_mask, /*attn_mask_grad=*/false);
+      attn_mask, /*attn_mask_grad=*/false, std::move(query_offset), delta);
   return {dq, dk, dv, dsinks};
 }
 

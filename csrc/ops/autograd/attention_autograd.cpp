@@ -38,6 +38,7 @@ void save_call(AutogradContext* ctx, const ForwardCall& call, const at::Tensor& 
   d["cu_seqlens_k"] = call.packed.cu_seqlens_k;
   d["max_seqlen_q"] = call.packed.max_seqlen_q;
   d["max_seqlen_k"] = call.packed.max_seqlen_k;
+  d["query_offset"] = call.query_offset;
 }
 
 BackwardCall load_call(AutogradContext* ctx, const at::Tensor& grad_out) {
@@ -63,6 +64,7 @@ BackwardCall load_call(AutogradContext* ctx, const at::Tensor& grad_out) {
   call.packed.cu_seqlens_k = d["cu_seqlens_k"].toOptional<at::Tensor>();
   call.packed.max_seqlen_q = d["max_seqlen_q"].toOptional<c10::SymInt>();
   call.packed.max_seqlen_k = d["max_seqlen_k"].toOptional<c10::SymInt>();
+  call.query_offset = d["query_offset"].toOptional<c10::SymInt>();
   return call;
 }
 

@@ -337,6 +337,9 @@ ForwardTensors kernel_inputs(const char* op, const detail::ForwardCall& call,
     }
   }
   t.options = kernel_options(t, call.options);
+  if (call.query_offset.has_value()) {
+    t.query_offset = call.query_offset->guard_int(__FILE__, __LINE__);
+  }
   return t;
 }
 
@@ -367,6 +370,9 @@ detail::Gradients gradients_cpu(const char* op, const detail::BackwardCall& call
   t.grad_out = layout.rows(call.grad_out);
   t.out = layout.rows(call.out);
   t.lse = layout.lse_rows(call.lse, t.q);
+  if (call.delta.has_value()) {
+    t.delta = layout.lse_rows(*call.delta, t.q);
+  }
   // The sinks' gradient is accumulated in the accumulation dtype and returned in the sinks'
   // dtype; (0,) without sinks.
   const std::optional<at::Tensor>& sinks = call.options.sinks;

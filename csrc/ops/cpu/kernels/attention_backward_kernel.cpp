@@ -22,6 +22,10 @@
 //   and delta = sum_j P_ij dP'_ij / l, so that dS is exact to float32 rounding, and a row that
 //   sees one key gets dS = 0 exactly (SDPA's rowsum(dO o O) over a rounded O keeps its error).
 //   For bfloat16 it measured dq's error at 0.016 against SDPA's 0.136 with values of mean 3.
+// - Any dtype, when the caller gives delta: a ring step (causal_attention/distributed.py) holds
+//   some of its rows' keys, and its lse and delta are over all of them, so both are taken as they
+//   are (normalizer 1): statistics recomputed from the step's own keys would be a softmax of those
+//   keys alone.
 //
 // The gradients step, two schedules, chosen from the shapes:
 // - One pass (enough (batch, KV head) items to share between threads): a task owns a (batch, KV
@@ -58,8 +62,10 @@ class BackwardKernel {
 
  public:
   explicit BackwardKernel(const BackwardTensors& t)
-      : recomputed_statistics_(kReducedPrecision || forward_decodes(AttentionDims(t)) ||
-                               t.dattn_mask.defined()),
+      : given_delta_(t.delta),
+        recomputed_statistics_(
+            !given_delta_.defined() &&
+            (kReducedPrecision || forward_decodes(AttentionDims(t)) || t.dattn_mask.defined())),
         delta_(padded_query_rows(AttentionDims(t))),
         normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
@@ -68,7 +74,9 @@ class BackwardKernel {
         blocks_(pair_.blocks) {}
 
   void run() {
-    if (recomputed_statistics_) {
+    if (given_delta_.defined()) {
+      delta_as_given();
+    } else if (recomputed_statistics_) {
       row_statistics_from_probabilities();
     } else {
       delta_from_output();
@@ -80,17 +88,32 @@ class BackwardKernel {
   }
 
  private:
-  // delta = rowsum(dO o O) in acc_t, one value per query row: O(Lq) memory.
-  void delta_from_output() {
+  // delta_[row] = row_delta(b, h, r) for every query row, one task per (batch, query head): O(Lq)
+  // memory.
+  template <typename RowDelta>
+  void set_delta(const RowDelta& row_delta) {
     at::parallel_for(0, dims_.batch * dims_.heads_q, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
         for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
-          delta_[bh * dims_.len_q + r] =
-              dot_row(pair_.out.row(b, h, r), pair_.grad_out.row(b, h, r), dims_.value_dim);
+          delta_[bh * dims_.len_q + r] = row_delta(b, h, r);
         }
       }
     });
+  }
+
+  // delta = rowsum(dO o O) in acc_t.
+  void delta_from_output() {
+    set_delta([&](int64_t b, int64_t h, int64_t r) {
+      return dot_row(pair_.out.row(b, h, r), pair_.grad_out.row(b, h, r), dims_.value_dim);
+    });
+  }
+
+  // The caller's delta, over every key its rows see, of which this call holds some (a ring
+  // step: lse too is over all of them, so the normalizers stay 1).
+  void delta_as_given() {
+    const HeadRows<const acc_t> given(given_delta_, dims_.cu_q);
+    set_delta([&](int64_t b, int64_t h, int64_t r) { return *given.row(b, h, r); });
   }
 
   // Each row's normalizer 1 / l, with l = sum_j P_ij (+ the sink's P) over the P = exp(x - lse)
@@ -351,6 +374,7 @@ class BackwardKernel {
 
   // Whether the row statistics come from the probabilities (see the file comment); else every
   // normalizer stays 1.
+  const at::Tensor given_delta_;
   const bool recomputed_statistics_;
   std::vector<acc_t> delta_, normalizers_;
   const at::Tensor dsinks_;

@@ -144,7 +144,8 @@ struct AttentionDims {
         value_dim(t.v.size(3)),
         window_left(t.options.window_left),
         window_right(t.options.window_right),
-        attn_mask(t.attn_mask) {
+        attn_mask(t.attn_mask),
+        dense_offset_(t.query_offset.value_or(len_k - len_q)) {
     if (t.sequences.packed()) {
       cu_q = t.sequences.cu_q.template data_ptr<int32_t>();
       cu_k = t.sequences.cu_k.template data_ptr<int32_t>();
@@ -161,34 +162,30 @@ struct AttentionDims {
   // The query rows and keys of batch item b.
   int64_t rows_q(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : len_q; }
   int64_t rows_k(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : len_k; }
+  // The key position of query row 0 of batch item b: rows_k - rows_q (bottom-right), or the
+  // dense call's query_offset where it gave one.
+  int64_t off(int64_t b) const { return cu_q ? rows_k(b) - rows_q(b) : dense_offset_; }
 
   // Visibility, bottom-right aligned within batch item b: query row `row` sees keys
   // [key_begin(b, row), key_end(b, row)), i.e. key j iff
-  // row + off - window_left <= j <= row + off + window_right with off = rows_k - rows_q (-1:
-  // unbounded on that side), less the keys the key mask hides (see hidden_keys). Both bounds
+  // row + off - window_left <= j <= row + off + window_right with off(b) (-1: unbounded on that
+  // side), less the keys the key mask hides (see hidden_keys). Both bounds
   // never decrease from one row to the next, which the block skipping below relies on.
   int64_t key_begin(int64_t b, int64_t row) const {
-    return window_left < 0
-               ? 0
-               : std::clamp<int64_t>(row + (rows_k(b) - rows_q(b)) - window_left, 0, rows_k(b));
+    return window_left < 0 ? 0 : std::clamp<int64_t>(row + off(b) - window_left, 0, rows_k(b));
   }
   int64_t key_end(int64_t b, int64_t row) const {
     return window_right < 0 ? rows_k(b)
-                            : std::clamp<int64_t>(row + (rows_k(b) - rows_q(b)) + window_right + 1,
-                                                  0, rows_k(b));
+                            : std::clamp<int64_t>(row + off(b) + window_right + 1, 0, rows_k(b));
   }
   // The first query row that sees key `key` (or a later key).
   int64_t first_row_seeing(int64_t b, int64_t key) const {
-    return window_right < 0
-               ? 0
-               : std::clamp<int64_t>(key - (rows_k(b) - rows_q(b)) - window_right, 0, rows_q(b));
+    return window_right < 0 ? 0 : std::clamp<int64_t>(key - off(b) - window_right, 0, rows_q(b));
   }
   // One past the last query row that sees a key before `key_end_excl`.
   int64_t rows_seeing_before(int64_t b, int64_t key_end_excl) const {
-    return window_left < 0
-               ? rows_q(b)
-               : std::clamp<int64_t>(key_end_excl - (rows_k(b) - rows_q(b)) + window_left, 0,
-                                     rows_q(b));
+    return window_left < 0 ? rows_q(b)
+                           : std::clamp<int64_t>(key_end_excl - off(b) + window_left, 0, rows_q(b));
   }
   // The keys of the `cols` from k0 that row `row` reaches, relative to k0 (the key mask may
   // hide some of them).
@@ -316,6 +313,9 @@ struct AttentionDims {
     }
     return {begin, end};
   }
+
+ private:
+  int64_t dense_offset_;  // off() of a dense call
 };
 
 // Row pointers into a (batch, head, row, col) tensor with unit stride along col; for packed

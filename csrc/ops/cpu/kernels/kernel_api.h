@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 namespace causal_attention::cpu {
@@ -23,11 +24,11 @@ struct PackedSequences {
 // The score options as the kernels read them, resolved from the op's (op_arguments.h) by
 // attention_cpu.cpp, applied in FlashAttention's order: scale -> softcap -> ALiBi -> visibility
 // -> softmax with sinks -> dropout. Query row i sees key j iff
-// i + off - window_left <= j <= i + off + window_right (off = len_k - len_q of its sequence), -1
-// meaning unbounded on that side. softcap 0 is off. alibi_slopes: contiguous float32
-// (batch, heads_q), sinks: contiguous (heads_q,) in the accumulation dtype, each undefined when
-// not used. dropout_p 0 is off; else the counter-based mask of dropout_hash.h keyed by
-// (dropout_seed, dropout_offset, batch, head, row, key).
+// i + off - window_left <= j <= i + off + window_right (off = len_k - len_q of its sequence, or
+// ForwardTensors::query_offset), -1 meaning unbounded on that side. softcap 0 is off. alibi_slopes:
+// contiguous float32 (batch, heads_q), sinks: contiguous (heads_q,) in the accumulation dtype, each
+// undefined when not used. dropout_p 0 is off; else the counter-based mask of dropout_hash.h keyed
+// by (dropout_seed, dropout_offset, batch, head, row, key).
 struct KernelScoreOptions {
   int64_t window_left = -1, window_right = 0;
   double softcap = 0;
@@ -63,6 +64,9 @@ struct ForwardTensors {
   KernelAttentionMask attn_mask;
   PackedSequences sequences;
   KernelScoreOptions options;
+  // A dense call's key position of query row 0 where the call gave it (op_arguments.h), else
+  // len_k - len_q.
+  std::optional<int64_t> query_offset;
   // bfloat16/float16: whether the block products are native (block_gemm.h), decided once per
   // call at the op boundary so that every product of the call agrees.
   bool native_products = false;
@@ -82,8 +86,10 @@ struct ForwardTensors {
 // dsinks (heads_q,) in the accumulation dtype, and where a floating attn_mask's gradient is asked
 // for dattn_mask: zeros (batch, heads_q, len_q, len_k) in the accumulation dtype, contiguous, into
 // which the kernel writes dS at every pair it computes (the caller sums it over broadcast dims).
+// delta, where the call gives it, is rowsum(dO o O) laid out as lse: the rows' statistics over
+// keys of which the call holds only some, taken as they are (attention_backward_kernel.cpp).
 struct BackwardTensors : ForwardTensors {
-  at::Tensor grad_out, dq, dk, dv, dsinks, dattn_mask;
+  at::Tensor grad_out, dq, dk, dv, dsinks, dattn_mask, delta;
 
   explicit BackwardTensors(ForwardTensors forward) : ForwardTensors(std::move(forward)) {}
 };

@@ -223,7 +223,7 @@ class ScoreModifiers {
     return {scale_,
             softcap_,
             slopes_ ? acc_t(slopes_[b * heads_q_ + h]) : acc_t(0),
-            row + (d.rows_k(b) - d.rows_q(b)) - k0,
+            row + d.off(b) - k0,
             masks.kept,
             masks.attn_mask ? d.attn_mask.row<acc_t>(b, h, row, k0) : MaskRow<acc_t>{},
             dropout_.active() ? &dropout_ : nullptr,
