@@ -1,0 +1,239 @@
+"""Context parallelism on real processes (gloo on 127.0.0.1): ring attention (zigzag and
+contiguous) and Ulysses on 2 and 4 ranks, outputs and every gradient against the single-process
+op on the unsharded tensors (float64 within 1e-10; float32 and bfloat16 within twice the
+single-process op's own error against float64), bitwise the same on a second run at another
+thread count; the zigzag layout's balance and the ring's skipped steps; and bad calls raising
+the same typed error on every rank, a peer that never calls included."""
+
+import datetime
+from typing import Dict, List
+
+import pytest
+import torch
+
+import causal_attention as ca
+from attention_testing.ranks import run_ranks, whole_sequence
+from causal_attention import distributed as cp
+
+B, HQ, HKV, D, DV = 1, 4, 2, 16, 8
+
+# name -> (function, layout, dtype, sequence length, options)
+CASES = {
+    "ring-zigzag-causal-f64": ("ring", "zigzag", torch.float64, 64, {}),
+    "ring-contiguous-causal-f64": ("ring", "contiguous", torch.float64, 64, {}),
+    "ring-zigzag-window-alibi-f64": (
+        "ring", "zigzag", torch.float64, 64, {"window": (11, 0), "alibi": True}),
+    "ring-contiguous-window-f64": ("ring", "contiguous", torch.float64, 64, {"window": (5, 0)}),
+    "ring-zigzag-softcap-sinks-f64": (
+        "ring", "zigzag", torch.float64, 64, {"softcap": 2.0, "sinks": True}),
+    "ring-contiguous-full-f64": ("ring", "contiguous", torch.float64, 64, {"window": (-1, -1)}),
+    "ring-zigzag-f32": ("ring", "zigzag", torch.float32, 128, {"alibi": True, "sinks": True}),
+    "ring-zigzag-bf16": ("ring", "zigzag", torch.bfloat16, 128, {}),
+    "ulysses-zigzag-f64": (
+        "ulysses", "zigzag", torch.float64, 64, {"alibi": True, "sinks": True, "key_mask": True}),
+    "ulysses-contiguous-window-f64": (
+        "ulysses", "contiguous", torch.float64, 64, {"window": (9, 0), "softcap": 3.0}),
+    "ulysses-zigzag-bf16": ("ulysses", "zigzag", torch.bfloat16, 128, {}),
+}
+CASES_4 = {
+    "ring-zigzag-window-alibi-sinks-f64": (
+        "ring", "zigzag", torch.float64, 64, {"window": (13, 0), "alibi": True, "sinks": True}),
+    "ring-contiguous-f64": ("ring", "contiguous", torch.float64, 64, {"softcap": 2.0}),
+    "ring-zigzag-f32": ("ring", "zigzag", torch.float32, 128, {}),
+    "ulysses-zigzag-f64": ("ulysses", "zigzag", torch.float64, 64, {"sinks": True}),
+}
+
+
+def inputs(dtype: torch.dtype, length: int, options: dict, seed: int = 0) -> Dict[str, object]:
+    """The whole sequence's tensors and options of a case, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "q": torch.randn(B, HQ, length, D, generator=g, dtype=torch.float64).to(dtype),
+        "k": torch.randn(B, HKV, length, D, generator=g, dtype=torch.float64).to(dtype),
+        "v": torch.randn(B, HKV, length, DV, generator=g, dtype=torch.float64).to(dtype),
+        "grad_out": torch.randn(B, HQ, length, DV, generator=g, dtype=torch.float64).to(dtype),
+    }
+    kwargs = {"window": options.get("window", (-1, 0)), "softcap": options.get("softcap")}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = torch.tensor([0.5 / 2**h for h in range(HQ)])
+    if options.get("sinks"):
+        t["sinks"] = torch.randn(HQ, generator=g, dtype=torch.float64).to(dtype)
+    if options.get("key_mask"):
+        kwargs["key_mask"] = torch.rand(B, length, generator=g) > 0.3
+    return {"tensors": t, "kwargs": kwargs}
+
+
+def run_case(function: str, layout: str, dtype, length: int, options: dict) -> dict:
+    """On one rank: the case's shard through ring or Ulysses attention, forward and backward."""
+    case = inputs(dtype, length, options)
+    t, kwargs = case["tensors"], dict(case["kwargs"])
+    shard = {name: cp.shard_sequence(x, dim=2, layout=layout)
+             for name, x in t.items() if name != "sinks"}
+    if "key_mask" in kwargs:
+        kwargs["key_mask"] = cp.shard_sequence(kwargs["key_mask"], dim=1, layout=layout)
+    leaves = {name: shard[name].clone().requires_grad_() for name in ("q", "k", "v")}
+    if "sinks" in t:
+        leaves["sinks"] = t["sinks"].clone().requires_grad_()
+    attend = cp.ring_attention if function == "ring" else cp.ulysses_attention
+    out = attend(leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
+                 layout=layout, **kwargs)
+    out.backward(shard["grad_out"])
+    result = {"out": out.detach()}
+    result.update({"d" + name: leaf.grad for name, leaf in leaves.items()})
+    return result
+
+
+def cases_worker(rank: int, world: int, cases: dict) -> dict:
+    results = {}
+    for name, case in cases.items():
+        first = run_case(*case)
+        torch.set_num_threads(2)
+        second = run_case(*case)
+        torch.set_num_threads(1)
+        results[name] = {"result": first,
+                         "bitwise": all(torch.equal(first[k], second[k]) for k in first)}
+    return results
+
+
+def reference(dtype, length: int, options: dict, as_dtype) -> dict:
+    """The single-process op on the whole sequence, in ``as_dtype``."""
+    case = inputs(dtype, length, options)
+    t = {name: x.to(as_dtype) for name, x in case["tensors"].items()}
+    leaves = {name: t[name].clone().requires_grad_() for name in ("q", "k", "v")}
+    if "sinks" in t:
+        leaves["sinks"] = t["sinks"].clone().requires_grad_()
+    out = ca.attention(leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
+                       **case["kwargs"])
+    out.backward(t["grad_out"])
+    result = {"out": out.detach()}
+    result.update({"d" + name: leaf.grad for name, leaf in leaves.items()})
+    return result
+
+
+def unsharded(per_rank: List[dict], name: str, layout: str) -> torch.Tensor:
+    """A result's whole sequence from the ranks' shards (the sinks' gradient: their sum)."""
+    if name == "dsinks":
+        return sum(r[name].double() for r in per_rank)
+    return whole_sequence([r[name] for r in per_rank], layout, dim=2)
+
+
+def check_cases(cases: dict, per_rank: List[dict]) -> None:
+    for name, (function, layout, dtype, length, options) in cases.items():
+        assert all(r[name]["bitwise"] for r in per_rank), f"{name}: a second run differs"
+        results = [r[name]["result"] for r in per_rank]
+        exact = reference(dtype, length, options, torch.float64)
+        single = reference(dtype, length, options, dtype) if dtype != torch.float64 else None
+        for key in exact:
+            got = unsharded(results, key, layout).double()
+            error = (got - exact[key]).abs().max().item()
+            assert exact[key].abs().max() > 0, f"{name} {key}: all zero"
+            if dtype == torch.float64:
+                assert error <= 1e-10, f"{name} {key}: {error}"
+            else:
+                own = (single[key].double() - exact[key]).abs().max().item()
+                floor = 2.0**-24 * exact[key].abs().max().item()
+                assert error <= 2 * own + 8 * floor, f"{name} {key}: {error} vs the op's {own}"
+
+
+@pytest.mark.parametrize("world, cases", [(2, CASES), (4, CASES_4)], ids=["2-ranks", "4-ranks"])
+def test_context_parallel_equals_the_single_process_op(tmp_path, world, cases):
+    check_cases(cases, run_ranks(world, cases_worker, cases, out_dir=tmp_path))
+
+
+# --- the layout and the ring's steps --------------------------------------------------------
+
+
+def visible_pairs(seq_len: int, world: int, layout: str, left: int = -1) -> List[int]:
+    """Each rank's (query, key) pairs under a causal window of ``left`` keys back."""
+    per_rank = []
+    for rank in range(world):
+        pairs = 0
+        for c in cp.shard_chunks(seq_len // world, rank, world, layout):
+            for i in range(c.position, c.position + c.length):
+                pairs += i + 1 if left < 0 else min(i + 1, left + 1)
+        per_rank.append(pairs)
+    return per_rank
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work():
+    zigzag = visible_pairs(4096, 4, "zigzag")
+    assert max(zigzag) <= 1.05 * min(zigzag)
+    assert max(zigzag) == min(zigzag)  # exactly: chunks r and 2N-1-r sum to the same
+    contiguous = visible_pairs(4096, 4, "contiguous")
+    assert max(contiguous) > 5 * min(contiguous)  # what the layout is for
+
+
+def test_ring_steps_whose_shards_no_row_sees_are_not_run():
+    """A sliding window of 16 keys over shards of 64: contiguous rank r needs only shards r and
+    r - 1, so 2 of 4 steps run (their shards travel once); causal attention runs all 4."""
+    assert cp._Ring.steps_needed(64, 4, "contiguous", (15, 0)) == 2
+    assert cp._Ring.steps_needed(64, 4, "contiguous", (-1, 0)) == 4
+    assert cp._Ring.steps_needed(64, 4, "zigzag", (-1, 0)) == 4
+    # A window back 64 keys reaches one shard back.
+    assert cp._Ring.steps_needed(64, 4, "contiguous", (64, 0)) == 2
+    assert cp._Ring.steps_needed(64, 4, "contiguous", (65, 0)) == 3
+
+
+# --- bad calls ------------------------------------------------------------------------------
+
+
+def bad_calls_worker(rank: int, world: int) -> dict:
+    def q(length=16, heads=4, dtype=torch.float32):
+        return torch.randn(1, heads, length, 8, dtype=dtype)
+
+    kv = lambda length=16: torch.randn(1, 2, length, 8)  # noqa: E731
+    calls = {
+        "unequal shards": lambda: cp.ring_attention(q(16 if rank == 0 else 12), kv(), kv()),
+        "odd zigzag shard": lambda: cp.ring_attention(q(15), kv(15), kv(15)),
+        "dtypes": lambda: cp.ring_attention(
+            q(dtype=torch.float64 if rank else torch.float32), kv(), kv()),
+        "heads": lambda: cp.ulysses_attention(q(heads=4 if rank == 0 else 2), kv(), kv()),
+        "window": lambda: cp.ring_attention(q(), kv(), kv(), window=(-1, 0) if rank else (7, 0)),
+        "ulysses heads": lambda: cp.ulysses_attention(q(heads=3), kv()[:, :1], kv()[:, :1]),
+        "layout": lambda: cp.ring_attention(q(), kv(), kv(), layout="spiral"),
+        "lengths of q and k": lambda: cp.ring_attention(q(16), kv(8), kv(8)),
+    }
+    not_member = torch.distributed.new_group([0])
+    calls["not a member"] = lambda: cp.ring_attention(q(), kv(), kv(), group=not_member)
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+            errors[name] = (type(error).__name__, str(error))
+    # A peer that never calls: the caller gives up after the handshake's timeout.
+    cp.HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=2)
+    if rank == 0:
+        try:
+            cp.ring_attention(q(), kv(), kv())
+            errors["peer never calls"] = None
+        except RuntimeError as error:
+            errors["peer never calls"] = (type(error).__name__, str(error))
+    return errors
+
+
+BAD_CALLS = {
+    "unequal shards": ("ValueError", "q must have the same shape on every rank"),
+    "odd zigzag shard": ("ValueError", "shard length must be even"),
+    "dtypes": ("TypeError", "q must have the same dtype on every rank"),
+    "heads": ("ValueError", "q must have the same shape on every rank"),
+    "window": ("ValueError", "window, softcap and layout must be the same on every rank"),
+    "ulysses heads": ("ValueError", "Hq must be a multiple of N"),
+    "layout": ("ValueError", "layout must be one of"),
+    "lengths of q and k": ("ValueError", "q and k must hold the same tokens"),
+}
+
+
+def test_bad_calls_raise_the_same_typed_error_on_every_rank(tmp_path):
+    per_rank = run_ranks(2, bad_calls_worker, out_dir=tmp_path, barrier=False)
+    for name, (kind, words) in BAD_CALLS.items():
+        for rank, errors in enumerate(per_rank):
+            assert errors[name] is not None, f"{name}: rank {rank} raised nothing"
+            assert errors[name][0] == kind and words in errors[name][1], (name, errors[name])
+        assert per_rank[0][name] == per_rank[1][name], name
+    # Only rank 1 is outside the group of rank 0.
+    assert per_rank[1]["not a member"][0] == "ValueError"
+    assert "not a member of group" in per_rank[1]["not a member"][1]
+    assert per_rank[0]["peer never calls"][0] == "RuntimeError"
+    assert "not every rank of the group called" in per_rank[0]["peer never calls"][1]
