@@ -79,6 +79,8 @@ class CausalSelfAttention(nn.Module):
 
     # For TorchScript, which would otherwise type a None attribute as NoneType.
     softcap: Optional[float]
+    # Whether forward takes a shard of a sequence sharded over a process group (eager only).
+    context_parallel_on: bool
 
     def __init__(
         self,
@@ -163,6 +165,31 @@ class CausalSelfAttention(nn.Module):
             self.register_parameter("sinks", None)
         slopes = alibi_slopes(num_heads).to(device=device) if alibi else None
         self.register_buffer("alibi_slopes", slopes)
+        self.context_parallel_on = False
+        self._context_parallel = None
+
+    @torch.jit.unused
+    def set_context_parallel(
+        self, group, *, method: str = "ring", layout: str = "zigzag"
+    ) -> "CausalSelfAttention":
+        """From now on ``forward`` takes this rank's shard ``(B, L/N, E)`` of a sequence sharded
+        over the ranks of ``group`` (a ProcessGroup or a 1-D DeviceMesh; ``None`` turns it off)
+        in ``layout`` (``"zigzag"`` or ``"contiguous"``, see :mod:`causal_attention.distributed`)
+        and returns this rank's rows of the output, attending the whole sequence by ``method``:
+        ``"ring"`` or ``"ulysses"`` (which also serves ``key_mask``, this rank's shard of it).
+        Windows, softcap, sinks and ALiBi apply to global positions. Training and inference
+        without a cache, attn_mask or attention dropout. Returns the module. Eager only (a
+        scripted module attends unsharded)."""
+        from .distributed import ContextParallel
+
+        if group is None:
+            self._context_parallel, self.context_parallel_on = None, False
+        else:
+            self._context_parallel = ContextParallel.of(
+                "CausalSelfAttention.set_context_parallel", group, method, layout
+            )
+            self.context_parallel_on = True
+        return self
 
     def forward(
         self,
@@ -321,6 +348,8 @@ class CausalSelfAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
         attn_mask: Optional[Tensor] = None,
     ) -> Tensor:
+        if self.context_parallel_on:
+            return self._attend_sharded(q, k, v, key_mask, attn_mask)
         return _attention(
             q,
             k,
@@ -332,6 +361,21 @@ class CausalSelfAttention(nn.Module):
             alibi_slopes=self.alibi_slopes,
             sinks=self.sinks,
             dropout_p=self._attention_dropout_p(),
+        )
+
+    @torch.jit.unused
+    def _attend_sharded(
+        self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+        attn_mask: Optional[Tensor],
+    ) -> Tensor:
+        if attn_mask is not None or self._attention_dropout_p() > 0 or k.size(2) != q.size(2):
+            raise ValueError(
+                "CausalSelfAttention: under context parallelism (set_context_parallel) forward "
+                "takes no cache, attn_mask or attention dropout in training"
+            )
+        return self._context_parallel.attend(
+            q, k, v, key_mask, window=self.window, softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
         )
 
     def _project_output(self, attended: Tensor) -> Tensor:

@@ -5,12 +5,17 @@ library, with our attention op or, for comparison, torch's SDPA in the attention
     python -m training.train --attention sdpa --out runs/sdpa     # the same run on SDPA
     python -m training.train --out runs/ours --resume --steps 400 --sample
     torchrun --nproc-per-node 2 -m training.train --ddp --out runs/ddp
+    torchrun --nproc-per-node 2 -m training.train --context-parallel 2 --out runs/cp
+    torchrun --nproc-per-node 4 -m training.train --ddp --context-parallel 2 --out runs/dp_cp
 
 Writes into --out: log.csv (step, loss, lr, tokens/s, elapsed), loss.png, checkpoint.pt (every
 --checkpoint-every steps and at the end) and, with --sample, sample.txt. --resume continues from
 checkpoint.pt: model, optimizer, RNG and data position are restored, so the resumed run's losses
 equal an uninterrupted run's bit for bit. --batch-size is the global batch: with --ddp each of the
 N processes takes 1/N of every batch, and the averaged gradients are the whole batch's.
+--context-parallel C shards every sequence over C ranks (causal_attention.distributed: ring or
+Ulysses attention, zigzag or contiguous shards), which train as one process does on the same
+data; with --ddp the N processes form a 2-D mesh of N/C data-parallel groups of C.
 """
 
 import argparse
@@ -18,14 +23,16 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
+from causal_attention.distributed import shard_sequence
 from causal_attention.models import GPT
 from causal_attention.models.gpt import ATTENTION_MODULES
 
@@ -67,9 +74,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample", action="store_true", help="after training, generate text")
     p.add_argument("--prompt", default="def ", help="what --sample continues")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel (gloo); torchrun")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="shard each sequence over C ranks (torchrun); with --ddp, N/C groups")
+    p.add_argument("--context-parallel-method", choices=["ring", "ulysses"], default="ring")
+    p.add_argument("--context-parallel-layout", choices=["zigzag", "contiguous"],
+                   default="zigzag")
     args = p.parse_args(argv)
     if args.steps < 0 or args.batch_size <= 0 or args.seq_len <= 0:
         p.error("--steps must be >= 0, --batch-size and --seq-len positive")
+    if args.context_parallel < 1:
+        p.error("--context-parallel must be >= 1")
+    if args.context_parallel > 1 and args.compile:
+        p.error("--compile traces no context-parallel attention (its ring runs in eager Python)")
     return args
 
 
@@ -87,17 +103,61 @@ def build_model(args: argparse.Namespace) -> GPT:
     )
 
 
+def distributed(args: argparse.Namespace) -> bool:
+    return args.ddp or args.context_parallel > 1
+
+
 def init_distributed(args: argparse.Namespace) -> Tuple[int, int]:
-    """``(rank, world_size)``; with --ddp, joins the gloo process group torchrun describes."""
-    if not args.ddp:
+    """``(rank, world_size)``; with --ddp or --context-parallel, joins the gloo process group
+    torchrun describes."""
+    if not distributed(args):
         return 0, 1
     if "RANK" not in os.environ:
-        raise SystemExit("--ddp needs torchrun's environment: torchrun --nproc-per-node N ...")
+        raise SystemExit("--ddp and --context-parallel need torchrun's environment: "
+                         "torchrun --nproc-per-node N ...")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of {world} processes")
+    cp = args.context_parallel
+    if world % cp or (cp != world and not args.ddp):
+        raise SystemExit(f"{world} processes: --context-parallel {cp} alone needs exactly {cp} "
+                         f"processes, and with --ddp a multiple of {cp}")
+    if args.batch_size % (world // cp):
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the "
+                         f"{world // cp} data-parallel groups")
     return rank, world
+
+
+class DataParallel(NamedTuple):
+    """Where this rank's data comes from: its data-parallel group's share of the batch, and the
+    shard of each sequence its context-parallel group gives it (mesh None without one)."""
+
+    rank: int
+    size: int
+    mesh: Optional[Any] = None
+    layout: str = "zigzag"
+
+    def local(self, batch: Tensor) -> Tensor:
+        batch = shard(batch, self.rank, self.size)
+        if self.mesh is None:
+            return batch
+        return shard_sequence(batch, self.mesh["cp"], dim=1, layout=self.layout)
+
+
+def context_parallel(args: argparse.Namespace, model: GPT, rank: int, world: int) -> DataParallel:
+    """With --context-parallel, the (dp, cp) mesh, the model attending sharded sequences over its
+    cp groups; else this rank's share of the batch."""
+    cp = args.context_parallel
+    if cp == 1:
+        return DataParallel(rank, world)
+    parts = 2 * cp if args.context_parallel_layout == "zigzag" else cp
+    if args.seq_len % parts:
+        raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of {parts} for "
+                         f"--context-parallel {cp} with {args.context_parallel_layout} shards")
+    mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    model.set_context_parallel(mesh["cp"], method=args.context_parallel_method,
+                               layout=args.context_parallel_layout)
+    return DataParallel(mesh["dp"].get_local_rank(), world // cp, mesh,
+                        args.context_parallel_layout)
 
 
 def shard(batch: Tensor, rank: int, world: int) -> Tensor:
@@ -163,8 +223,12 @@ def train(args: argparse.Namespace) -> List[float]:
     step_model: nn.Module = model
     if args.compile:
         step_model = torch.compile(step_model, fullgraph=True)
-    if args.ddp:
+    data = context_parallel(args, model, rank, world)
+    if distributed(args):
         # DDP's hooks sit on the parameters, so wrapping the compiled module keeps fullgraph.
+        # Over every rank: each one's loss is the mean over its tokens (equal shards), and the
+        # mean of their gradients is the whole batch's, context-parallel ranks included (their
+        # backward already sent each shard's dK/dV home).
         step_model = nn.parallel.DistributedDataParallel(step_model)
 
     log = None
@@ -184,7 +248,7 @@ def train(args: argparse.Namespace) -> List[float]:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         inputs, targets = batches.next()
-        loss = loss_on(step_model, shard(inputs, rank, world), shard(targets, rank, world), dtype)
+        loss = loss_on(step_model, data.local(inputs), data.local(targets), dtype)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -213,10 +277,11 @@ def train(args: argparse.Namespace) -> List[float]:
         title = f"byte-level GPT on the Python stdlib ({args.attention})"
         plot_losses({args.attention: read_log(args.out / "log.csv")}, args.out / "loss.png", title)
         if args.sample:
+            model.set_context_parallel(None)
             text = sample(model, args)
             (args.out / "sample.txt").write_text(text)
             print(f"--- sample ---\n{text}\n--------------")
-    if args.ddp:
+    if distributed(args):
         # Rank 0 writes the log, checkpoint and plot first: a rank that destroyed the group
         # meanwhile was seen to hang in it after rank 0 had exited (gloo on loopback).
         dist.barrier()

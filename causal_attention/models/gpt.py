@@ -54,6 +54,9 @@ class GPT(nn.Module):
         attention: ``"causal_attention"`` (our op) or ``"sdpa"`` (torch's, same parameters).
     """
 
+    # Whether forward takes a shard of sequences sharded over a process group (eager only).
+    context_parallel_on: bool
+
     def __init__(
         self,
         vocab_size: int,
@@ -83,12 +86,34 @@ class GPT(nn.Module):
         )
         self.ln_f = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, vocab_size)
+        self.context_parallel_on = False
+
+    @torch.jit.unused
+    def set_context_parallel(self, group, *, method: str = "ring", layout: str = "zigzag"):
+        """From now on ``forward`` takes this rank's shard ``(B, L/N)`` of token sequences
+        sharded over ``group`` in ``layout`` (:mod:`causal_attention.distributed`), with its
+        global positions, and returns its logits; every block attends the whole sequence by
+        ``method``. ``None`` turns it off. Our attention only (not ``attention="sdpa"``)."""
+        for block in self.blocks:
+            if type(block.attn) is not CausalSelfAttention:
+                raise ValueError("GPT.set_context_parallel: context parallelism needs "
+                                 "attention='causal_attention'")
+            block.attn.set_context_parallel(group, method=method, layout=layout)
+        self.context_parallel_on = group is not None
+        return self
+
+    @torch.jit.unused
+    def _shard_positions(self, tokens: Tensor) -> Tensor:
+        return self.blocks[0].attn._context_parallel.positions(tokens.size(1), tokens.device)
 
     def forward(self, tokens: Tensor, caches: Optional[List[KVCache]] = None) -> Tensor:
         """Logits for ``tokens``. With ``caches`` (from :meth:`make_caches`), ``tokens`` are the
         positions after the cached ones, and their keys and values are appended to the caches."""
         start = 0 if caches is None else caches[0].length
-        positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
+        if self.context_parallel_on:
+            positions = self._shard_positions(tokens)
+        else:
+            positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])
