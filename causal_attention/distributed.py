@@ -265,17 +265,15 @@ def _check_local(caller: str, q: Tensor, k: Tensor, v: Tensor) -> None:
 # --- merging partial results ----------------------------------------------------------------
 
 
-def _merge(out: Optional[Tensor], lse: Optional[Tensor], part_out: Tensor, part_lse: Tensor):
-    """The output and lse over the union of two disjoint key sets, from each one's (out in the
-    accumulation dtype, lse); rows that see neither stay zero with lse -inf."""
-    part_out = part_out.to(part_lse.dtype)
-    if out is None:
-        return part_out, part_lse
+def _merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """``out`` and ``lse`` (in the accumulation dtype) over the union of their keys and a
+    disjoint set's (``part_out``, ``part_lse``), in place; rows that see neither stay zero with
+    lse -inf."""
     merged = torch.logaddexp(lse, part_lse)
-    finite = torch.where(torch.isneginf(merged), torch.zeros_like(merged), merged)
-    out = (out * torch.exp(lse - finite).unsqueeze(-1)
-           + part_out * torch.exp(part_lse - finite).unsqueeze(-1))
-    return out, merged
+    finite = merged.masked_fill(torch.isneginf(merged), 0)
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1))
+    out.addcmul_(part_out, torch.exp(part_lse - finite).unsqueeze(-1))
+    lse.copy_(merged)
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]):
@@ -316,20 +314,62 @@ def _pairs(q_chunks: List[Chunk], k_chunks: List[Chunk], window) -> List[_Pair]:
     return pairs
 
 
-class _Ring:
-    """The ring of one call: this rank's chunks and those of the shard it holds at each step,
-    the steps that compute something on some rank, and the peers."""
+# In the backward a ring step's K/V shard travels in parts of at least MIN_PART_KEYS keys (at
+# most MAX_PARTS of them): a rank holds the parts of one step in flight beside the part it
+# computes, never two whole shards and two shards of dK/dV sums, and every kernel call keeps all
+# the heads (so the backward keeps its one-pass schedule). The forward, which holds no sums,
+# sends whole chunks: fewer calls, fewer merges.
+MIN_PART_KEYS = 512
+MAX_PARTS = 16
+# And its calls take query rows in parts of at least this many, so that their dQ shares and
+# scratch are small too.
+MIN_PART_ROWS = 1024
 
-    def __init__(self, group, rank: int, world: int, shard_length: int, layout: str, window):
+
+def _part_bounds(chunks: List[Chunk], min_part_keys: Optional[int]) -> List[Tuple[int, int]]:
+    """The shard rows ``[begin, end)`` of each part: every chunk cut into equal parts of at least
+    ``min_part_keys`` (None: whole chunks)."""
+    per_chunk = 1 if min_part_keys is None else max(
+        1, min(MAX_PARTS // len(chunks), chunks[0].length // min_part_keys))
+    bounds = []
+    for c in chunks:
+        cuts = [c.start + c.length * i // per_chunk for i in range(per_chunk + 1)]
+        bounds += list(zip(cuts[:-1], cuts[1:]))
+    return bounds
+
+
+class _Unit(NamedTuple):
+    """What travels at once: part ``part`` of the K/V shard held at ring step ``step``."""
+
+    step: int
+    part: int
+
+
+class _Ring:
+    """The ring of one call: this rank's chunks, the parts of the shard it holds at each step and
+    the (query chunk, key chunk) pairs each part computes, the steps that compute something on
+    some rank, and the peers. Messages are tagged by the unit they belong to, so that each
+    receive matches its send."""
+
+    def __init__(self, group, rank: int, world: int, shard_length: int, layout: str, window,
+                 min_part_keys: Optional[int]):
         self.group, self.rank, self.world = group, rank, world
         self.q_chunks = shard_chunks(shard_length, rank, world, layout)
-        self.global_next = dist.get_global_rank(group, (rank + 1) % world)
-        self.global_prev = dist.get_global_rank(group, (rank - 1) % world)
         self.steps = self.steps_needed(shard_length, world, layout, window)
-        self.step_pairs = [
-            _pairs(self.q_chunks, shard_chunks(shard_length, (rank - t) % world, world, layout),
-                   window) for t in range(self.steps)
-        ]
+        self.bounds = _part_bounds(self.q_chunks, min_part_keys)
+        self.parts = len(self.bounds)
+        self.units = [_Unit(t, p) for t in range(self.steps) for p in range(self.parts)]
+        self.unit_pairs = []
+        for unit in self.units:
+            source = shard_chunks(shard_length, (rank - unit.step) % world, world, layout)
+            begin, end = self.bounds[unit.part]
+            chunk = next(c for c in source if c.start <= begin < c.start + c.length)
+            keys = Chunk(0, end - begin, chunk.position + begin - chunk.start)
+            self.unit_pairs.append(_pairs(self.q_chunks, [keys], window))
+        self.next, self.prev = self.global_rank(1), self.global_rank(-1)
+        # After the last step each part's dK/dV sums go home: steps - 1 ranks back.
+        self.home_to = self.global_rank(1 - self.steps)
+        self.home_from = self.global_rank(self.steps - 1)
 
     @staticmethod
     def steps_needed(shard_length: int, world: int, layout: str, window) -> int:
@@ -347,64 +387,140 @@ class _Ring:
     def global_rank(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.world)
 
-    def exchange(self, send: Sequence[Tensor], receive: Sequence[Tensor], to: int, source: int,
-                 tag: int):
-        """Starts sending ``send`` to global rank ``to`` and receiving ``receive`` from
-        ``source``; returns the requests to wait on."""
-        if not send and not receive:
-            return []
-        p2p = [dist.P2POp(dist.isend, t, to, self.group, tag + i) for i, t in enumerate(send)]
-        p2p += [dist.P2POp(dist.irecv, t, source, self.group, tag + i)
-                for i, t in enumerate(receive)]
-        return dist.batch_isend_irecv(p2p)
+    def own_part(self, t: Tensor, part: int) -> Tensor:
+        begin, end = self.bounds[part]
+        return t.narrow(-2, begin, end - begin)
+
+    def tag(self, stream: int, unit: _Unit, piece: int) -> int:
+        """The tag of piece ``piece`` (K or V, dK or dV) of ``unit`` in ``stream``: 0 K/V, 1
+        dK/dV along the ring, 2 dK/dV home."""
+        index = unit.step * self.parts + unit.part
+        return (stream * (self.steps + 1) * self.parts + index) * 2 + piece
+
+    def send(self, tensors: Sequence[Tensor], to: int, stream: int, unit: _Unit):
+        """Starts sending ``tensors`` (copied where they are not contiguous); returns the
+        requests and the tensors they read."""
+        tensors = [t.contiguous() for t in tensors]
+        return [dist.isend(t, to, self.group, self.tag(stream, unit, i))
+                for i, t in enumerate(tensors)], tensors
+
+    def receive(self, like: Sequence[Tensor], source: int, stream: int, unit: _Unit,
+                dtype: Optional[torch.dtype] = None):
+        """Posts the receives of a unit into new tensors shaped like ``like`` (in ``dtype``).
+        Returns the tensors and the requests."""
+        buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
+        return buffers, [dist.irecv(b, source, self.group, self.tag(stream, unit, i))
+                         for i, b in enumerate(buffers)]
 
 
-def _wait(requests) -> None:
-    for request in requests:
-        request.wait()
+def _row_parts(pairs: List[_Pair]) -> List[_Pair]:
+    """The pairs with their query chunks cut as the key parts are: the backward's dQ share of a
+    call (and its scratch) is then a part's size, not a chunk's."""
+    parts = []
+    for pair in pairs:
+        rows = pair.rows
+        count = max(1, min(MAX_PARTS, rows.length // MIN_PART_ROWS))
+        cuts = [rows.length * i // count for i in range(count + 1)]
+        for begin, end in zip(cuts[:-1], cuts[1:]):
+            part = Chunk(rows.start + begin, end - begin, rows.position + begin)
+            parts.append(_Pair(part, pair.keys, pair.query_offset + begin))
+    return parts
 
 
-def _rows(t: Tensor, chunk: Chunk) -> Tensor:
-    return t.narrow(-2, chunk.start, chunk.length)
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
 
 
-def _lse_rows(t: Tensor, chunk: Chunk) -> Tensor:
-    return t.narrow(-1, chunk.start, chunk.length)
+class _Inbox:
+    """The receives of one stream from one peer, posted a step ahead: the receive of unit i + P
+    (the same part, next step) when unit i is taken, so that it is posted when the peer sends it
+    (a large message waits for its receive). Units of step 0 are this rank's own."""
+
+    def __init__(self, ring: _Ring, stream: int, source: int, like, dtype=None):
+        self.ring, self.stream, self.source = ring, stream, source
+        self.like, self.dtype = like, dtype
+        self.pending = {}
+        for i in range(ring.parts):
+            self.post(i + ring.parts)
+
+    def post(self, i: int) -> None:
+        units = self.ring.units
+        if i < len(units) and units[i].step > 0 and i not in self.pending:
+            self.pending[i] = self.ring.receive(self.like(units[i].part), self.source,
+                                                self.stream, units[i], self.dtype)
+
+    def take(self, i: int) -> List[Tensor]:
+        """Unit i's tensors, once here; posts the receive of unit i + P."""
+        self.post(i + self.ring.parts)
+        buffers, works = self.pending.pop(i)
+        _wait(works)
+        return buffers
+
+
+class _Outbox:
+    """The send in flight, with the tensors it reads: waited for when the next one starts (the
+    peer posted its receive a step ahead), so one unit's tensors outlive its computation."""
+
+    def __init__(self):
+        self.in_flight = None
+
+    def send(self, works_and_tensors) -> None:
+        self.finish()
+        self.in_flight = works_and_tensors
+
+    def finish(self) -> None:
+        if self.in_flight is not None:
+            _wait(self.in_flight[0])
+            self.in_flight = None
+
+
+class _KVStream:
+    """The K/V parts of a pass along the ring, in unit order: this rank's own at step 0, then
+    each received from the previous rank, and passed on to the next rank as soon as it is here."""
+
+    def __init__(self, ring: _Ring, k: Tensor, v: Tensor):
+        self.ring = ring
+        self.own = [(ring.own_part(k, p), ring.own_part(v, p)) for p in range(ring.parts)]
+        self.inbox = _Inbox(ring, 0, ring.prev, lambda p: self.own[p])
+        self.outbox = _Outbox()
+
+    def get(self, i: int) -> Sequence[Tensor]:
+        """Unit i's K and V, passed on to the next rank."""
+        ring, unit = self.ring, self.ring.units[i]
+        kv = self.own[unit.part] if unit.step == 0 else self.inbox.take(i)
+        if unit.step + 1 < ring.steps:
+            self.outbox.send(ring.send(kv, ring.next, 0, _Unit(unit.step + 1, unit.part)))
+        return kv
+
+    def finish(self) -> None:
+        self.outbox.finish()
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, ring: _Ring, scale: float, window, softcap, alibi_slopes):
-        k, v = k.contiguous(), v.contiguous()
+    def forward(ctx, q, k, v, sinks, rings: List[_Ring], scale: float, window, softcap,
+                alibi_slopes):
+        ring = rings[0]  # the forward's, whole chunks; rings[1] is the backward's
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        outs: List[Optional[Tensor]] = [None] * len(ring.q_chunks)
-        lses: List[Optional[Tensor]] = [None] * len(ring.q_chunks)
-        held = (k, v)
-        for t in range(ring.steps):
-            incoming = (torch.empty_like(k), torch.empty_like(v)) if t + 1 < ring.steps else ()
-            requests = ring.exchange(held if incoming else (), incoming, ring.global_next,
-                                     ring.global_prev, tag=0)
-            for pair in ring.step_pairs[t]:
-                a = ring.q_chunks.index(pair.rows)
+        out_acc = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
+        lse = q.new_full(q.shape[:-1], -math.inf, dtype=acc)
+        kv = _KVStream(ring, k, v)
+        for i in range(len(ring.units)):
+            held_k, held_v = kv.get(i)
+            for pair in ring.unit_pairs[i]:
+                rows, keys = pair.rows, pair.keys
                 part_out, part_lse = ops.attention_forward(
-                    _rows(q, pair.rows), _rows(held[0], pair.keys), _rows(held[1], pair.keys),
-                    scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    _rows(q, rows), _rows(held_k, keys), _rows(held_v, keys), scale,
+                    window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     query_offset=pair.query_offset)
-                outs[a], lses[a] = _merge(outs[a], lses[a], part_out, part_lse)
-            _wait(requests)
-            if incoming:
-                held = incoming
-        # A chunk no step reached sees no key: zeros, lse -inf.
-        shape = q.shape[:-2]
-        for a, c in enumerate(ring.q_chunks):
-            if outs[a] is None:
-                outs[a] = q.new_zeros(*shape, c.length, v.shape[-1], dtype=acc)
-                lses[a] = q.new_full((*shape, c.length), -math.inf, dtype=acc)
-        out_acc, lse = torch.cat(outs, -2), torch.cat(lses, -1)
+                _merge_into(_rows(out_acc, rows), _lse_rows(lse, rows), part_out, part_lse)
+            del held_k, held_v  # held by the outbox while they are sent, else freed
+        kv.finish()
         out_acc, lse = _with_sinks(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out_acc, lse, sinks)
-        ctx.options = (ring, scale, window, softcap, alibi_slopes)
+        ctx.options = (rings[1], scale, window, softcap, alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -413,49 +529,63 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out_acc, lse, sinks = ctx.saved_tensors
         ring, scale, window, softcap, alibi_slopes = ctx.options
         acc = lse.dtype
-        grad_out = grad_out.contiguous()
         # delta = rowsum(dO o O) over every key a row sees, from the merged output in the
         # accumulation dtype: each step's kernel takes it as given, with the merged lse.
         delta = (grad_out.to(acc) * out_acc).sum(-1)
         out = out_acc.to(q.dtype)  # read only for its shape: the kernel takes delta as given
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        held = (k, v)
-        # dK, dV of the shard held, summed over the ranks it has visited, in ring order.
-        carried: Tuple[Tensor, ...] = ()
-        carried_requests: list = []
-        for t in range(ring.steps):
-            incoming = (torch.empty_like(k), torch.empty_like(v)) if t + 1 < ring.steps else ()
-            requests = ring.exchange(held if incoming else (), incoming, ring.global_next,
-                                     ring.global_prev, tag=0)
-            own = [torch.zeros(k.shape, dtype=acc, device=k.device),
-                   torch.zeros(v.shape, dtype=acc, device=v.device)]
-            for pair in ring.step_pairs[t]:
+        kv = _KVStream(ring, k, v)
+        # Each part's dK/dV sums travel with it: received from the previous rank (the sums of
+        # the ranks it has visited), this rank's share added in pair order, passed on; after the
+        # last step they go home. The same bits on every run.
+        sums_inbox = _Inbox(ring, 1, ring.prev, lambda p: kv.own[p], dtype=acc)
+        outbox, home = _Outbox(), {}
+
+        def sums_so_far(i: int, held_k: Tensor, held_v: Tensor) -> List[Tensor]:
+            """Unit i's sums from the ranks before this one (zeros at this rank's own shard)."""
+            if ring.units[i].step == 0:
+                return [torch.zeros(held_k.shape, dtype=acc, device=k.device),
+                        torch.zeros(held_v.shape, dtype=acc, device=v.device)]
+            return sums_inbox.take(i)
+
+        for i, unit in enumerate(ring.units):
+            held_k, held_v = kv.get(i)
+            if unit.step + 1 == ring.steps and ring.steps > 1:
+                home[unit.part] = ring.receive(kv.own[unit.part], ring.home_from, 2, unit,
+                                               dtype=acc)
+            sums = None
+            for pair in _row_parts(ring.unit_pairs[i]):
                 rows, keys = pair.rows, pair.keys
                 dq_part, dk_part, dv_part, _ = ops.attention_backward(
-                    _rows(grad_out, rows), _rows(q, rows), _rows(held[0], keys),
-                    _rows(held[1], keys), _rows(out, rows),
-                    _lse_rows(lse, rows).contiguous(), scale, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, query_offset=pair.query_offset,
+                    _rows(grad_out, rows), _rows(q, rows), _rows(held_k, keys),
+                    _rows(held_v, keys), _rows(out, rows), _lse_rows(lse, rows).contiguous(),
+                    scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    query_offset=pair.query_offset,
                     delta=_lse_rows(delta, rows).contiguous())
                 _rows(dq, rows).add_(dq_part)
-                _rows(own[0], keys).add_(dk_part)
-                _rows(own[1], keys).add_(dv_part)
-            _wait(carried_requests)
-            if carried:
-                own[0] = carried[0].add_(own[0])
-                own[1] = carried[1].add_(own[1])
-            # The last step sends each shard's sums home: the owner of the shard held then is
-            # steps - 1 ranks back (the next rank when every step runs).
-            last = t + 1 == ring.steps
-            to = ring.global_rank(-(ring.steps - 1)) if last else ring.global_next
-            source = ring.global_rank(ring.steps - 1) if last else ring.global_prev
-            carried = (torch.empty_like(own[0]), torch.empty_like(own[1]))
-            carried_requests = ring.exchange(own, carried, to, source, tag=2)
-            _wait(requests)
-            if incoming:
-                held = incoming
-        _wait(carried_requests)
-        dk, dv = carried
+                if sums is None:  # waited for after the first pair's products
+                    sums = sums_so_far(i, held_k, held_v)
+                _rows(sums[0], keys).add_(dk_part)
+                _rows(sums[1], keys).add_(dv_part)
+                del dq_part, dk_part, dv_part
+            if sums is None:  # no pair on this rank: the sums pass through
+                sums = sums_so_far(i, held_k, held_v)
+            if unit.step + 1 < ring.steps:
+                outbox.send(ring.send(sums, ring.next, 1, _Unit(unit.step + 1, unit.part)))
+            elif ring.steps > 1:
+                outbox.send(ring.send(sums, ring.home_to, 2, unit))
+            else:  # one step: the sums are home
+                home[unit.part] = (sums, [])
+            # What the outbox or the inbox does not hold is freed before the next unit.
+            del held_k, held_v, sums
+        kv.finish()
+        outbox.finish()
+        # The parts' sums, allocated as their last step comes, joined once the ring's buffers
+        # are gone.
+        for _, works in home.values():
+            _wait(works)
+        dk, dv = (torch.cat([home[p][0][piece] for p in range(ring.parts)], -2)
+                  if ring.parts > 1 else home[0][0][piece] for piece in (0, 1))
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d lse / d sink_h = P_sink, and d out / d sink_h = -P_sink out: this rank's rows'
@@ -465,6 +595,14 @@ class _RingAttention(torch.autograd.Function):
             dsinks = -(p_sink * delta).sum(-1).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None,
                 None)
+
+
+def _rows(t: Tensor, chunk: Chunk) -> Tensor:
+    return t.narrow(-2, chunk.start, chunk.length)
+
+
+def _lse_rows(t: Tensor, chunk: Chunk) -> Tensor:
+    return t.narrow(-1, chunk.start, chunk.length)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Optional[float] = None,
@@ -514,8 +652,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Option
     # same shapes, so each raises the same error.
     ops.attention_forward(q[..., :0, :], k[..., :0, :], v[..., :0, :], scale, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    ring = _Ring(group, rank, world, q.shape[-2], layout, window)
-    out, lse = _RingAttention.apply(q, k, v, sinks, ring, scale, window, softcap, alibi_slopes)
+    rings = [_Ring(group, rank, world, q.shape[-2], layout, window, part_keys)
+             for part_keys in (None, MIN_PART_KEYS)]
+    out, lse = _RingAttention.apply(q, k, v, sinks, rings, scale, window, softcap, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
