@@ -184,3 +184,24 @@ def test_breakdown_quick_reports_both_views():
     if "no sampling profile" not in out:
         for category in ("block products (oneDNN JIT)", "softmax pass", "packing and conversion"):
             assert category in out, category
+
+
+def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
+    """python -m benchmarks.context_parallel --quick runs every section on real processes and
+    writes them; the bytes it measures at the socket are the formula's, within the handshake."""
+    out = tmp_path / "cp.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.context_parallel", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    # At the quick sizes a call may add less than a page to the resident set.
+    assert report["memory"]["single_mib"] >= 0
+    for method in ("ring", "ulysses"):
+        assert len(report["memory"][method]["per_rank_mib"]) == 2, method
+        assert all(m >= 0 for m in report["memory"][method]["per_rank_mib"]), method
+        assert report["time"][method]["median_s"] > 0, method
+        assert 1.0 <= report["bytes"][method]["ratio_measured_to_formula"] < 1.05, method
+    assert report["balance"]["zigzag"]["busiest_over_least_pairs"] == 1.0
+    assert report["balance"]["contiguous"]["busiest_over_least_pairs"] > 2
