@@ -29,6 +29,7 @@ CASES = {
     "ring-contiguous-full-f64": ("ring", "contiguous", torch.float64, 64, {"window": (-1, -1)}),
     "ring-zigzag-f32": ("ring", "zigzag", torch.float32, 128, {"alibi": True, "sinks": True}),
     "ring-zigzag-bf16": ("ring", "zigzag", torch.bfloat16, 128, {}),
+    "ring-contiguous-f16": ("ring", "contiguous", torch.float16, 128, {"softcap": 5.0}),
     # Long enough that the backward's K/V shards travel in parts (distributed.MIN_PART_KEYS)
     # and its calls take query rows in parts (MIN_PART_ROWS).
     "ring-zigzag-parts-f64": ("ring", "zigzag", torch.float64, 4096, {"alibi": True}),
