@@ -19,7 +19,8 @@ so that row ``i`` sits at key position ``i + query_offset`` for the window and A
 :mod:`causal_attention.distributed` does, keeps the sequence's positions. The backward ops then
 take ``delta=None``: each row's ``rowsum(dO o O)`` over every key it sees (lse's shape and dtype),
 with ``lse`` over every key too; given, the backward uses both as they are instead of deriving
-its rows' statistics from the call's own keys.
+its rows' statistics from the call's own keys, and returns ``dq``, ``dk``, ``dv`` in the
+accumulation dtype: the call's shares, which its caller sums, unrounded.
 ``varlen_attention_forward`` and ``varlen_attention_backward`` are the packed
 calls under their former names (lengths after ``v`` resp. ``lse``), kept for saved programs.
 """

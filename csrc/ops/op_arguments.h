@@ -80,7 +80,8 @@ struct ForwardCall {
 // forward's call, its out and lse, and out's gradient; attn_mask_grad asks for a floating
 // attn_mask's gradient. delta, when given (lse's shape and dtype), is rowsum(dO o O) of each query
 // row over all the keys it sees, of which the call holds only some (a ring step): the backward
-// then takes lse and delta as they are instead of recomputing row statistics from its own keys.
+// then takes lse and delta as they are instead of recomputing row statistics from its own keys,
+// and returns dq, dk and dv in the accumulation dtype: shares its caller sums, unrounded.
 struct BackwardCall : ForwardCall {
   BackwardCall() = default;
   explicit BackwardCall(ForwardCall forward) : ForwardCall(std::move(forward)) {}

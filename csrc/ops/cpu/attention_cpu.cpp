@@ -380,9 +380,13 @@ detail::Gradients gradients_cpu(const char* op, const detail::BackwardCall& call
     t.dsinks = at::zeros({sinks->size(0)},
                          sinks->options().dtype(detail::accumulation_dtype(t.q.scalar_type())));
   }
-  at::Tensor dq = at::empty(call.q.sizes(), call.q.options());
-  at::Tensor dk = at::empty(call.k.sizes(), call.k.options());
-  at::Tensor dv = at::empty(call.v.sizes(), call.v.options());
+  // With delta the call is a step of a larger one, whose caller sums its gradients: they come
+  // in the accumulation dtype, unrounded.
+  const at::TensorOptions gradient_options =
+      call.delta.has_value() ? detail::lse_options(call.q) : call.q.options();
+  at::Tensor dq = at::empty(call.q.sizes(), gradient_options);
+  at::Tensor dk = at::empty(call.k.sizes(), gradient_options);
+  at::Tensor dv = at::empty(call.v.sizes(), gradient_options);
   t.dq = layout.rows(dq);
   t.dk = layout.rows(dk);
   t.dv = layout.rows(dv);

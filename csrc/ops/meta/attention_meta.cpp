@@ -23,17 +23,20 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const detail::ForwardC
                            detail::lse_options(q))};
 }
 
-// Gradients have the shapes and dtypes of the inputs they belong to; dsinks is (0,) without
-// sinks, dattn_mask without attn_mask_grad.
+// Gradients have the shapes and dtypes of the inputs they belong to (the accumulation dtype with
+// delta); dsinks is (0,) without sinks, dattn_mask without attn_mask_grad.
 detail::Gradients gradients_meta(const char* op, const detail::BackwardCall& call) {
   detail::check_backward_call(call, op);
   const auto like = [&](const std::optional<at::Tensor>& t, bool wanted) {
     return wanted ? at::empty_symint(t->sym_sizes(), t->options())
                   : at::empty({0}, call.q.options());
   };
-  return {at::empty_symint(call.q.sym_sizes(), call.q.options()),
-          at::empty_symint(call.k.sym_sizes(), call.k.options()),
-          at::empty_symint(call.v.sym_sizes(), call.v.options()),
+  // With delta, dq, dk and dv come in the accumulation dtype (op_arguments.h).
+  const at::TensorOptions gradients =
+      call.delta.has_value() ? detail::lse_options(call.q) : call.q.options();
+  return {at::empty_symint(call.q.sym_sizes(), gradients),
+          at::empty_symint(call.k.sym_sizes(), gradients),
+          at::empty_symint(call.v.sym_sizes(), gradients),
           like(call.options.sinks, call.options.sinks.has_value()),
           like(call.attn_mask, call.attn_mask_grad)};
 }

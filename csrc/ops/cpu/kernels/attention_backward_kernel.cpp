@@ -53,6 +53,33 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
+// Where dq, dk or dv is stored: in q's dtype, rounded once, or, where the call gave delta (a
+// step of a larger call, whose shares its caller sums), in acc_t as summed.
+template <typename scalar_t, typename acc_t>
+class GradientRows {
+ public:
+  GradientRows(const at::Tensor& t, const int32_t* offsets)
+      : rounded_(t.scalar_type() == c10::CppTypeToScalarType<scalar_t>::value),
+        rows_(t, offsets),
+        sums_(t, offsets) {}
+
+  // factor * src (n values) as row r of head h of batch item b.
+  void store(const acc_t* src, int64_t n, acc_t factor, int64_t b, int64_t h, int64_t r) const {
+    if (rounded_) {
+      store_scaled_row(src, n, factor, rows_.row(b, h, r));
+    } else {
+      store_scaled_row(src, n, factor, sums_.row(b, h, r));
+    }
+  }
+  // The rows in q's dtype, for float32/float64 (where acc_t is that dtype).
+  const HeadRows<scalar_t>& rows() const { return rows_; }
+
+ private:
+  bool rounded_;
+  HeadRows<scalar_t> rows_;
+  HeadRows<acc_t> sums_;
+};
+
 template <typename scalar_t, typename gemm_t>
 class BackwardKernel {
   using acc_t = at::opmath_type<scalar_t>;
@@ -70,6 +97,9 @@ class BackwardKernel {
         normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
         pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data(), normalizers_.data()),
+        dq_(t.dq, pair_.dims.cu_q),
+        dk_(t.dk, pair_.dims.cu_k),
+        dv_(t.dv, pair_.dims.cu_k),
         dims_(pair_.dims),
         blocks_(pair_.blocks) {}
 
@@ -263,7 +293,8 @@ class BackwardKernel {
     std::vector<acc_t> buffer(kReducedPrecision ? dims_.group() * rows * D : 0, acc_t(0));
     QuerySums dq{buffer.data(), rows * D, D};
     if constexpr (!kReducedPrecision) {
-      dq = {pair_.dq.row(b, first_head, 0), pair_.dq.head_stride, pair_.dq.row_stride};
+      const HeadRows<scalar_t>& out = dq_.rows();
+      dq = {out.row(b, first_head, 0), out.head_stride, out.row_stride};
       for (int64_t g = 0; g < dims_.group(); ++g) {
         for (int64_t r = 0; r < rows; ++r) {
           std::fill_n(dq.row(g, r), D, acc_t(0));
@@ -275,7 +306,7 @@ class BackwardKernel {
     }
     for (int64_t g = 0; g < dims_.group(); ++g) {
       for (int64_t r = 0; r < rows; ++r) {
-        store_scaled_row(dq.row(g, r), D, pair_.scale, pair_.dq.row(b, first_head + g, r));
+        dq_.store(dq.row(g, r), D, pair_.scale, b, first_head + g, r);
       }
     }
   }
@@ -325,10 +356,10 @@ class BackwardKernel {
     for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
       const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
       for (int64_t c = 0; c < cols; ++c) {
-        store_scaled_row(s.key_gradient(t, dims_) + c * dims_.head_dim, dims_.head_dim, pair_.scale,
-                         pair_.dk.row(b, h_kv, kj + c));
-        store_scaled_row(s.value_gradient(t, dims_) + c * dims_.value_dim, dims_.value_dim,
-                         acc_t(1), pair_.dv.row(b, h_kv, kj + c));
+        dk_.store(s.key_gradient(t, dims_) + c * dims_.head_dim, dims_.head_dim, pair_.scale, b,
+                  h_kv, kj + c);
+        dv_.store(s.value_gradient(t, dims_) + c * dims_.value_dim, dims_.value_dim, acc_t(1), b,
+                  h_kv, kj + c);
       }
     }
   }
@@ -368,7 +399,7 @@ class BackwardKernel {
                               dq + r * D, D, s);
     });
     for (int64_t r = 0; r < rows; ++r) {
-      store_scaled_row(dq + r * D, D, pair_.scale, pair_.dq.row(b, h, q0 + r));
+      dq_.store(dq + r * D, D, pair_.scale, b, h, q0 + r);
     }
   }
 
@@ -379,6 +410,7 @@ class BackwardKernel {
   std::vector<acc_t> delta_, normalizers_;
   const at::Tensor dsinks_;
   const Pair pair_;
+  const GradientRows<scalar_t, acc_t> dq_, dk_, dv_;
   const AttentionDims& dims_;
   const BlockSizes& blocks_;
 };

@@ -99,9 +99,6 @@ class BlockPairGradients {
         v(t.v, dims.cu_k),
         out(t.out, dims.cu_q),
         grad_out(t.grad_out, dims.cu_q),
-        dq(t.dq, dims.cu_q),
-        dk(t.dk, dims.cu_k),
-        dv(t.dv, dims.cu_k),
         lse(t.lse, dims.cu_q),
         delta(delta),
         normalizers(normalizers),
@@ -210,7 +207,6 @@ class BlockPairGradients {
   const AttentionDims dims;
   const BlockSizes blocks;
   const HeadRows<const scalar_t> q, k, v, out, grad_out;
-  const HeadRows<scalar_t> dq, dk, dv;
   const HeadRows<const acc_t> lse;
   const acc_t* const delta;        // (batch * heads_q, len_q)
   const acc_t* const normalizers;  // likewise
