@@ -252,6 +252,23 @@ def _settings(window, softcap, layout: Optional[str]) -> List[int]:
     return [window[0], window[1], cap, -1 if layout is None else LAYOUTS.index(layout)]
 
 
+def _begin_call(caller: str, group, layout: str, window, softcap, named):
+    """What every call checks first, on this rank and then among the ranks (the handshake over
+    ``named``, q, k and v first): returns the group, this rank, the world size and the window."""
+    _check_layout(caller, layout)
+    window = check_window(caller, window)
+    group, rank, world = resolve_group(caller, group)
+    q, k, v = (t for _, t in named[:3])
+    _check_local(caller, q, k, v)
+    handshake(caller, group, named, _settings(window, softcap, layout),
+              "window, softcap and layout")
+    if layout == "zigzag" and q.shape[-2] % 2:
+        raise ValueError(f"{caller}: a zigzag shard holds chunks r and 2N-1-r of equal length, so "
+                         f"the shard length must be even (the sequence a multiple of 2N="
+                         f"{2 * world}), got q.shape[-2]={q.shape[-2]}")
+    return group, rank, world, window
+
+
 def _check_local(caller: str, q: Tensor, k: Tensor, v: Tensor) -> None:
     """The checks the gathered shapes do not make: layout of the tensors (B, H, L, D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -632,20 +649,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Option
     dropout, key_mask and attn_mask are not taken (:func:`ulysses_attention` takes key_mask).
     """
     caller = "causal_attention.distributed.ring_attention"
-    _check_layout(caller, layout)
-    window = check_window(caller, window)
-    group, rank, world = resolve_group(caller, group)
-    _check_local(caller, q, k, v)
-    handshake(caller, group, [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-                              ("sinks", sinks)], _settings(window, softcap, layout),
-              "window, softcap and layout")
+    group, rank, world, window = _begin_call(
+        caller, group, layout, window, softcap,
+        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)])
     if k.shape[-2] != q.shape[-2]:
         raise ValueError(f"{caller}: q and k must hold the same tokens (the shards of one "
                          f"sequence), got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
-    if layout == "zigzag" and q.shape[-2] % 2:
-        raise ValueError(f"{caller}: a zigzag shard holds chunks r and 2N-1-r of equal length, so "
-                         f"the shard length must be even (the sequence a multiple of 2N="
-                         f"{2 * world}), got q.shape[-2]={q.shape[-2]}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     # The op's own checks (heads, dims, options) on this rank's call: every rank's call has the
@@ -704,13 +713,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
         ``(B, Hq, L/N, Dv)``, this rank's rows, differentiable in q, k, v and sinks.
     """
     caller = "causal_attention.distributed.ulysses_attention"
-    _check_layout(caller, layout)
-    window = check_window(caller, window)
-    group, rank, world = resolve_group(caller, group)
-    _check_local(caller, q, k, v)
-    handshake(caller, group, [("q", q), ("k", k), ("v", v), ("key_mask", key_mask),
-                              ("alibi_slopes", alibi_slopes), ("sinks", sinks)],
-              _settings(window, softcap, layout), "window, softcap and layout")
+    group, rank, world, window = _begin_call(
+        caller, group, layout, window, softcap,
+        [("q", q), ("k", k), ("v", v), ("key_mask", key_mask), ("alibi_slopes", alibi_slopes),
+         ("sinks", sinks)])
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_q % world:
         raise ValueError(f"{caller}: Ulysses gives each of the N={world} ranks Hq/N query heads, "
@@ -718,9 +724,6 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"{caller}: Hq must be a multiple of Hkv, got q.shape={tuple(q.shape)}, "
                          f"k.shape={tuple(k.shape)}")
-    if layout == "zigzag" and q.shape[-2] % 2:
-        raise ValueError(f"{caller}: a zigzag shard holds two equal chunks, so the shard length "
-                         f"must be even, got q.shape[-2]={q.shape[-2]}")
     if heads_kv % world:
         repeated = next(h for h in range(heads_kv, heads_q + 1, heads_kv)
                         if h % world == 0 and heads_q % h == 0)
