@@ -29,6 +29,7 @@ left waiting in a collective its peers never reach.
 """
 
 import datetime
+import functools
 import math
 import warnings
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -300,7 +301,7 @@ def _with_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]):
         return out, lse
     sink = sinks.to(lse.dtype).view(-1, 1).expand_as(lse)
     total = torch.logaddexp(lse, sink)
-    finite = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
+    finite = total.masked_fill(torch.isneginf(total), 0)
     return out * torch.exp(lse - finite).unsqueeze(-1), total
 
 
@@ -389,6 +390,7 @@ class _Ring:
         self.home_from = self.global_rank(self.steps - 1)
 
     @staticmethod
+    @functools.lru_cache(maxsize=256)  # O(N^2) pairs checked: once per shape and window
     def steps_needed(shard_length: int, world: int, layout: str, window) -> int:
         """The steps up to the last one in which some rank computes something: the later ones
         are not run, and their shards are never sent. Every rank derives the same count from the
