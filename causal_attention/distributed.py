@@ -246,14 +246,18 @@ def handshake(caller: str, group, named: Sequence[Tuple[str, Optional[Tensor]]],
         raise ValueError(f"{caller}: {setting_names} must be the same on every rank, got {seen}")
 
 
-def _settings(window, softcap, layout: Optional[str]) -> List[int]:
-    """The options as ints, for the handshake (softcap's bits, so that any difference shows)."""
-    cap = -1 if softcap is None else int(torch.tensor(float(softcap), dtype=torch.float64)
-                                         .view(torch.int64).item())
-    return [window[0], window[1], cap, -1 if layout is None else LAYOUTS.index(layout)]
+def _bits(value: Optional[float]) -> int:
+    """A float option as an int for the handshake (its bits, so that any difference shows)."""
+    if value is None:
+        return -1
+    return int(torch.tensor(float(value), dtype=torch.float64).view(torch.int64).item())
 
 
-def _begin_call(caller: str, group, layout: str, window, softcap, named):
+def _settings(window, softcap, dropout_p: float, layout: str) -> List[int]:
+    return [window[0], window[1], _bits(softcap), _bits(dropout_p), LAYOUTS.index(layout)]
+
+
+def _begin_call(caller: str, group, layout: str, window, softcap, named, dropout_p=0.0):
     """What every call checks first, on this rank and then among the ranks (the handshake over
     ``named``, q, k and v first): returns the group, this rank, the world size and the window."""
     _check_layout(caller, layout)
@@ -261,8 +265,8 @@ def _begin_call(caller: str, group, layout: str, window, softcap, named):
     group, rank, world = resolve_group(caller, group)
     q, k, v = (t for _, t in named[:3])
     _check_local(caller, q, k, v)
-    handshake(caller, group, named, _settings(window, softcap, layout),
-              "window, softcap and layout")
+    handshake(caller, group, named, _settings(window, softcap, dropout_p, layout),
+              "window, softcap, dropout_p and layout")
     if layout == "zigzag" and q.shape[-2] % 2:
         raise ValueError(f"{caller}: a zigzag shard holds chunks r and 2N-1-r of equal length, so "
                          f"the shard length must be even (the sequence a multiple of 2N="
@@ -696,6 +700,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
                       scale: Optional[float] = None, key_mask: Optional[Tensor] = None,
                       window: Sequence[int] = (-1, 0), softcap: Optional[float] = None,
                       alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                      dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
                       layout: str = "zigzag") -> Tensor:
     """Exact attention of the sharded sequence by all-to-all (DeepSpeed-Ulysses): each rank
     attends whole sequences for ``Hq / N`` of the query heads.
@@ -709,6 +714,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
             ``alibi_slopes`` and ``sinks`` are per query head (``(Hq,)`` or ``(B, Hq)``), each rank
             uses its heads'. ``sinks``' gradient on each rank is its heads' share (summed over
             the group by the gradient sync, as in :func:`ring_attention`).
+        dropout_p, generator: attention dropout as :func:`causal_attention.attention`'s. Each
+            rank draws one seed from ``generator`` (the default generator when None; seeded alike
+            on every rank, it gives every rank the same draw) and drops its heads' probabilities
+            with a generator seeded ``seed * N + rank``: the ranks' heads drop independently,
+            and the same generator state gives the same masks. The masks are not the ones the
+            unsharded call would draw (their heads are numbered per rank).
         layout: of the shards, ``"zigzag"`` or ``"contiguous"``.
 
     Returns:
@@ -718,7 +729,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
     group, rank, world, window = _begin_call(
         caller, group, layout, window, softcap,
         [("q", q), ("k", k), ("v", v), ("key_mask", key_mask), ("alibi_slopes", alibi_slopes),
-         ("sinks", sinks)])
+         ("sinks", sinks)], dropout_p)
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_q % world:
         raise ValueError(f"{caller}: Ulysses gives each of the N={world} ranks Hq/N query heads, "
@@ -745,8 +756,16 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
     out = ops.attention(q_heads, k_heads, v_heads, scale=scale, key_mask=whole_mask,
                         window=window, softcap=softcap,
                         alibi_slopes=None if alibi_slopes is None else alibi_slopes[..., local],
-                        sinks=None if sinks is None else sinks[local])
+                        sinks=None if sinks is None else sinks[local], dropout_p=dropout_p,
+                        generator=rank_generator(generator, rank, world) if dropout_p else None)
     return _heads_to_sequence(out, group, world, order)
+
+
+def rank_generator(generator: Optional[torch.Generator], rank: int, world: int):
+    """This rank's dropout generator for a Ulysses call: one seed drawn from ``generator``,
+    offset by the rank (see :func:`ulysses_attention`)."""
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+    return torch.Generator().manual_seed((seed * world + rank) % 2**64)
 
 
 # --- for modules ----------------------------------------------------------------------------
@@ -770,15 +789,16 @@ class ContextParallel(NamedTuple):
         resolve_group(caller, group)
         return ContextParallel(group, method, layout)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], **options):
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+               dropout_p: float = 0.0, **options):
         """This rank's rows of attention over the whole sequence."""
         if self.method == "ulysses":
             return ulysses_attention(q, k, v, self.group, key_mask=key_mask, layout=self.layout,
-                                     **options)
-        if key_mask is not None:
-            raise ValueError("causal_attention.distributed: a key_mask under context parallelism "
-                             "is served by method='ulysses' (each rank sees whole sequences); "
-                             "ring attention takes none")
+                                     dropout_p=dropout_p, **options)
+        if key_mask is not None or dropout_p > 0:
+            raise ValueError("causal_attention.distributed: a key_mask or attention dropout under "
+                             "context parallelism is served by method='ulysses' (each rank sees "
+                             "whole sequences); ring attention takes neither")
         return ring_attention(q, k, v, self.group, layout=self.layout, **options)
 
     def positions(self, shard_length: int, device=None) -> Tensor:

@@ -176,9 +176,9 @@ class CausalSelfAttention(nn.Module):
         over the ranks of ``group`` (a ProcessGroup or a 1-D DeviceMesh; ``None`` turns it off)
         in ``layout`` (``"zigzag"`` or ``"contiguous"``, see :mod:`causal_attention.distributed`)
         and returns this rank's rows of the output, attending the whole sequence by ``method``:
-        ``"ring"`` or ``"ulysses"`` (which also serves ``key_mask``, this rank's shard of it).
-        Windows, softcap, sinks and ALiBi apply to global positions. Training and inference
-        without a cache, attn_mask or attention dropout. Returns the module. Eager only (a
+        ``"ring"`` or ``"ulysses"`` (which also serves ``key_mask``, this rank's shard of it,
+        and ``attn_dropout``). Windows, softcap, sinks and ALiBi apply to global positions.
+        Training and inference without a cache or attn_mask. Returns the module. Eager only (a
         scripted module attends unsharded)."""
         from .distributed import ContextParallel
 
@@ -368,14 +368,14 @@ class CausalSelfAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
         attn_mask: Optional[Tensor],
     ) -> Tensor:
-        if attn_mask is not None or self._attention_dropout_p() > 0 or k.size(2) != q.size(2):
+        if attn_mask is not None or k.size(2) != q.size(2):
             raise ValueError(
                 "CausalSelfAttention: under context parallelism (set_context_parallel) forward "
-                "takes no cache, attn_mask or attention dropout in training"
+                "takes no cache or attn_mask"
             )
         return self._context_parallel.attend(
-            q, k, v, key_mask, window=self.window, softcap=self.softcap,
-            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+            q, k, v, key_mask, dropout_p=self._attention_dropout_p(), window=self.window,
+            softcap=self.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
         )
 
     def _project_output(self, attended: Tensor) -> Tensor:

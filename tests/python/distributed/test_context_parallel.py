@@ -146,6 +146,45 @@ def test_context_parallel_equals_the_single_process_op(tmp_path, world, cases):
     check_cases(cases, run_ranks(world, cases_worker, cases, out_dir=tmp_path))
 
 
+# --- Ulysses' dropout ----------------------------------------------------------------------
+
+
+def ulysses_dropout_worker(rank: int, world: int) -> dict:
+    t = inputs(torch.float64, 64, {})["tensors"]
+    shard = {name: cp.shard_sequence(x, dim=2) for name, x in t.items()}
+    leaves = {name: shard[name].clone().requires_grad_() for name in ("q", "k", "v")}
+    out = cp.ulysses_attention(leaves["q"], leaves["k"], leaves["v"], dropout_p=0.3,
+                               generator=torch.Generator().manual_seed(7))
+    out.backward(shard["grad_out"])
+    return {"out": out.detach(), **{"d" + name: leaf.grad for name, leaf in leaves.items()}}
+
+
+def test_ulysses_dropout_drops_each_ranks_heads_with_a_generator_of_its_own(tmp_path):
+    """Each rank's heads are the op on the whole sequence with its generator
+    (distributed.rank_generator), output and gradients bitwise; the ranks' masks differ."""
+    per_rank = run_ranks(2, ulysses_dropout_worker, out_dir=tmp_path)
+    t = inputs(torch.float64, 64, {})["tensors"]
+    whole = {name: whole_sequence([r[name] for r in per_rank], "zigzag", dim=2)
+             for name in ("out", "dq", "dk", "dv")}
+    for rank in range(2):
+        heads_q = slice(rank * HQ // 2, (rank + 1) * HQ // 2)
+        heads_kv = slice(rank * HKV // 2, (rank + 1) * HKV // 2)
+        q, k, v = (t[name][:, heads].clone().requires_grad_()
+                   for name, heads in (("q", heads_q), ("k", heads_kv), ("v", heads_kv)))
+        generator = cp.rank_generator(torch.Generator().manual_seed(7), rank, 2)
+        out = ca.attention(q, k, v, dropout_p=0.3, generator=generator)
+        out.backward(t["grad_out"][:, heads_q])
+        assert torch.equal(whole["out"][:, heads_q], out.detach())
+        assert torch.equal(whole["dq"][:, heads_q], q.grad)
+        assert torch.equal(whole["dk"][:, heads_kv], k.grad)
+        assert torch.equal(whole["dv"][:, heads_kv], v.grad)
+        assert (out - ca.attention(q, k, v)).abs().max() > 0.1  # it dropped
+        # The other rank's generator drops these very inputs otherwise: the ranks' heads do not
+        # share a mask.
+        other = cp.rank_generator(torch.Generator().manual_seed(7), 1 - rank, 2)
+        assert not torch.equal(ca.attention(q, k, v, dropout_p=0.3, generator=other), out)
+
+
 # --- the layout and the ring's steps --------------------------------------------------------
 
 
@@ -224,7 +263,8 @@ BAD_CALLS = {
     "odd zigzag shard": ("ValueError", "shard length must be even"),
     "dtypes": ("TypeError", "q must have the same dtype on every rank"),
     "heads": ("ValueError", "q must have the same shape on every rank"),
-    "window": ("ValueError", "window, softcap and layout must be the same on every rank"),
+    "window": ("ValueError",
+               "window, softcap, dropout_p and layout must be the same on every rank"),
     "ulysses heads": ("ValueError", "Hq must be a multiple of N"),
     "layout": ("ValueError", "layout must be one of"),
     "lengths of q and k": ("ValueError", "q and k must hold the same tokens"),
