@@ -195,18 +195,21 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _MAX_DIMS = 6
 
 
-def _describe(t: Optional[Tensor]) -> List[int]:
-    """A tensor as ints: dtype code (-1 absent, 99 other), dims, sizes padded to _MAX_DIMS."""
+def _describe(t) -> List[int]:
+    """A tensor as ints: dtype code (-1 absent, 98 not a tensor, 99 another dtype), dims, sizes
+    padded to _MAX_DIMS."""
     if t is None:
         return [-1, 0] + [0] * _MAX_DIMS
+    if not isinstance(t, Tensor):
+        return [98, 0] + [0] * _MAX_DIMS
     sizes = list(t.shape)[:_MAX_DIMS]
     dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
     return [dtype, t.dim()] + sizes + [0] * (_MAX_DIMS - len(sizes))
 
 
 def _shape_of(row: Sequence[int]) -> str:
-    if row[0] == -1:
-        return "None"
+    if row[0] in (-1, 98):
+        return "None" if row[0] == -1 else "not a tensor"
     dtype = _DTYPES[row[0]] if row[0] < len(_DTYPES) else "another dtype"
     return f"{tuple(row[2:2 + row[1]])} {dtype}"
 
@@ -219,9 +222,8 @@ def handshake(caller: str, group, named: Sequence[Tuple[str, Optional[Tensor]]],
     the peers, then raises RuntimeError (a peer that never called)."""
     rows = [_describe(t) for _, t in named]
     mine = torch.tensor([x for row in rows for x in row] + list(settings), dtype=torch.long)
-    device = named[0][1].device
     if dist.get_backend(group) != "gloo":
-        mine = mine.to(device)
+        mine = mine.to(next(t.device for _, t in named if isinstance(t, Tensor)))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     try:
@@ -263,10 +265,11 @@ def _begin_call(caller: str, group, layout: str, window, softcap, named, dropout
     _check_layout(caller, layout)
     window = check_window(caller, window)
     group, rank, world = resolve_group(caller, group)
-    q, k, v = (t for _, t in named[:3])
-    _check_local(caller, q, k, v)
     handshake(caller, group, named, _settings(window, softcap, dropout_p, layout),
               "window, softcap, dropout_p and layout")
+    # After the handshake: every rank has the same kinds and shapes, so raises alike.
+    q, k, v = (t for _, t in named[:3])
+    _check_local(caller, q, k, v)
     if layout == "zigzag" and q.shape[-2] % 2:
         raise ValueError(f"{caller}: a zigzag shard holds chunks r and 2N-1-r of equal length, so "
                          f"the shard length must be even (the sequence a multiple of 2N="
@@ -275,7 +278,7 @@ def _begin_call(caller: str, group, layout: str, window, softcap, named, dropout
 
 
 def _check_local(caller: str, q: Tensor, k: Tensor, v: Tensor) -> None:
-    """The checks the gathered shapes do not make: layout of the tensors (B, H, L, D)."""
+    """q, k and v are tensors (B, H, L/N, D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{caller}: {name} must be a Tensor, got {type(t).__name__}")

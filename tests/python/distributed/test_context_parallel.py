@@ -237,6 +237,10 @@ def bad_calls_worker(rank: int, world: int) -> dict:
         "ulysses heads": lambda: cp.ulysses_attention(q(heads=3), kv()[:, :1], kv()[:, :1]),
         "layout": lambda: cp.ring_attention(q(), kv(), kv(), layout="spiral"),
         "lengths of q and k": lambda: cp.ring_attention(q(16), kv(8), kv(8)),
+        # Refused on one rank only: the others must not wait for it in a collective.
+        "dims on one rank": lambda: cp.ring_attention(q()[0] if rank else q(), kv(), kv()),
+        "not a tensor on one rank": lambda: cp.ulysses_attention(
+            q().tolist() if rank else q(), kv(), kv()),
     }
     not_member = torch.distributed.new_group([0])
     calls["not a member"] = lambda: cp.ring_attention(q(), kv(), kv(), group=not_member)
@@ -268,6 +272,8 @@ BAD_CALLS = {
     "ulysses heads": ("ValueError", "Hq must be a multiple of N"),
     "layout": ("ValueError", "layout must be one of"),
     "lengths of q and k": ("ValueError", "q and k must hold the same tokens"),
+    "dims on one rank": ("ValueError", "q must have the same shape on every rank"),
+    "not a tensor on one rank": ("TypeError", "q must have the same dtype on every rank"),
 }
 
 
