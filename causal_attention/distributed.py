@@ -545,20 +545,19 @@ class _RingAttention(torch.autograd.Function):
         kv.finish()
         out_acc, lse = _with_sinks(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out_acc, lse, sinks)
+        ctx.save_for_backward(q, k, v, out_acc, out, lse, sinks)
         ctx.options = (rings[1], scale, window, softcap, alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out_acc, lse, sinks = ctx.saved_tensors
+        q, k, v, out_acc, out, lse, sinks = ctx.saved_tensors
         ring, scale, window, softcap, alibi_slopes = ctx.options
         acc = lse.dtype
         # delta = rowsum(dO o O) over every key a row sees, from the merged output in the
         # accumulation dtype: each step's kernel takes it as given, with the merged lse.
         delta = (grad_out.to(acc) * out_acc).sum(-1)
-        out = out_acc.to(q.dtype)  # read only for its shape: the kernel takes delta as given
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = _KVStream(ring, k, v)
         # Each part's dK/dV sums travel with it: received from the previous rank (the sums of
