@@ -21,9 +21,9 @@ data; with --ddp the N processes form a 2-D mesh of N/C data-parallel groups of 
 import argparse
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -282,11 +282,29 @@ def train(args: argparse.Namespace) -> List[float]:
             (args.out / "sample.txt").write_text(text)
             print(f"--- sample ---\n{text}\n--------------")
     if distributed(args):
-        # Rank 0 writes the log, checkpoint and plot first: a rank that destroyed the group
-        # meanwhile was seen to hang in it after rank 0 had exited (gloo on loopback).
-        dist.barrier()
-        dist.destroy_process_group()
+        with leaving_process_groups():
+            del step_model  # DDP's reducer, the default group's last holder
     return losses
+
+
+@contextmanager
+def leaving_process_groups() -> Iterator[None]:
+    """Meets the other ranks and destroys the process groups; the last holders of a group (DDP's
+    reducer) are to be freed in the block.
+
+    Rank 0 writes the log, checkpoint and plot first: a rank that destroyed the group meanwhile
+    was seen to hang in it after rank 0 had exited (gloo on loopback). And torch 2.13's gloo
+    worker thread frees a collective's tensors after its wait() has returned, taking the GIL to
+    do so, while a group's destructor joins its workers holding the GIL: the reducer freed as
+    train() returned, just after the barrier, deadlocked 1 run in 4 on a 2-D mesh (the main
+    thread in ~ProcessGroupGloo's join, the worker in ~AsyncBarrierWork's gil_scoped_acquire).
+    The barrier's work, held here until the groups are gone, is not the worker's to free.
+    """
+    barrier = dist.barrier(async_op=True)
+    barrier.wait()
+    dist.destroy_process_group()
+    yield
+    del barrier
 
 
 def sample(model: GPT, args: argparse.Namespace) -> str:
