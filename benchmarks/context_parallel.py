@@ -100,7 +100,7 @@ def forward_backward(method: str, layout: str, q, k, v, grad_out) -> None:
     q.grad = k.grad = v.grad = None
 
 
-def measure(args, method: str, layout: str, section: str, rank: int, world: int) -> dict:
+def measure(args, method: str, layout: str, section: str) -> dict:
     """One process's measurement: this rank's shard (the whole sequence for "single")."""
     whole = inputs(args, args.seq_len)
     if method == "single":
@@ -148,7 +148,7 @@ def _process(rank: int, world: int, port: int, args, method: str, layout: str, s
     if method != "single":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-    result = measure(args, method, layout, section, rank, world)
+    result = measure(args, method, layout, section)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if method != "single":
         dist.barrier()
@@ -196,13 +196,19 @@ def formula_bytes(args, method: str, world: int) -> dict:
     return {"forward": moved, "backward": moved, "steps": 1, "per_step": 2 * moved}
 
 
+def ratio(part: float, whole: float):
+    """part / whole, or None where whole is no figure to divide by (the quick run's memory: a
+    call that adds nothing the kernel counts)."""
+    return part / whole if whole > 0 else None
+
+
 def section_memory(args, scratch: Path) -> dict:
     single = run(args, "single", "zigzag", "memory", 1, scratch)[0]["peak_added_mib"]
     result = {"single_mib": single}
     for method in ("ring", "ulysses"):
         ranks = [r["peak_added_mib"] for r in run(args, method, "zigzag", "memory", args.world,
                                                   scratch)]
-        result[method] = {"per_rank_mib": ranks, "ratio_to_single": max(ranks) / single}
+        result[method] = {"per_rank_mib": ranks, "ratio_to_single": ratio(max(ranks), single)}
     return result
 
 
