@@ -157,6 +157,15 @@ void check_inputs_and_options(const char* op, const Call& call) {
   }
 }
 
+// A kernel op's query_offset: for dense calls only (a packed sequence's rows end where its keys
+// do).
+void check_query_offset(const char* op, const ForwardCall& call) {
+  TORCH_CHECK_VALUE(!call.query_offset.has_value() || !call.packed.any(), op,
+                    ": query_offset is for dense calls; packed sequences (cu_seqlens) are aligned "
+                    "bottom-right each, got query_offset=",
+                    *call.query_offset);
+}
+
 }  // namespace
 
 double check_attention_call(const char* op, const AttentionCall& call) {
@@ -174,15 +183,6 @@ ForwardCall resolve_attention_call(const AttentionCall& call) {
   forward.options.dropout_seed = draw_dropout_seed(call.options.dropout_p, call.generator);
   forward.packed = call.packed;
   return forward;
-}
-
-// A kernel op's query_offset: for dense calls only (a packed sequence's rows end where its keys
-// do).
-void check_query_offset(const char* op, const ForwardCall& call) {
-  TORCH_CHECK_VALUE(!call.query_offset.has_value() || !call.packed.any(), op,
-                    ": query_offset is for dense calls; packed sequences (cu_seqlens) are aligned "
-                    "bottom-right each, got query_offset=",
-                    *call.query_offset);
 }
 
 void check_forward_call(const ForwardCall& call) {

@@ -22,6 +22,12 @@ inline at::TensorOptions lse_options(const at::Tensor& q) {
   return q.options().dtype(accumulation_dtype(q.scalar_type()));
 }
 
+// The options of dq, dk and dv: q's; with delta the call is a step of a larger one, whose
+// caller sums its gradients, so they come in the accumulation dtype, unrounded.
+inline at::TensorOptions gradient_options(const at::Tensor& q, bool with_delta) {
+  return with_delta ? lse_options(q) : q.options();
+}
+
 // The scale when none is given, for head dimension D: 1/sqrt(D), as SDPA's.
 inline double default_scale(int64_t head_dim) {
   return 1.0 / std::sqrt(static_cast<double>(head_dim));

@@ -133,6 +133,9 @@ at::Tensor mask_as_kernel_dims(const at::Tensor& mask, const at::Tensor& q) {
   return m.expand(sizes).reshape({batch, inner[0], inner[1], inner[2]});
 }
 
+// Eight true bools, read as one word.
+constexpr uint64_t kAllTrue = 0x0101010101010101ULL;
+
 // Whether some of keys [0, n) of one mask row (key stride `stride`) do not hide their key (true,
 // not -inf), and whether some do not leave the score as it is (false, not 0), or-ed into
 // *shows and *changes; without branches, so that the compiler vectorizes this pass over the
@@ -144,7 +147,6 @@ void flag_entries(const T* row, int64_t n, int64_t stride, uint8_t* shows, uint8
   if constexpr (std::is_same_v<T, bool>) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(row);
     if (stride == 1) {
-      constexpr uint64_t kAllTrue = 0x0101010101010101ULL;
       for (; c + 8 <= n; c += 8) {
         uint64_t word;
         std::memcpy(&word, bytes + c, sizeof(word));
@@ -185,7 +187,6 @@ bool bool_words(const at::Tensor& mask, const T* data, int64_t b, int64_t h, int
     if (mask.stride(3) != 1 || keys % kKeys != 0) {
       return false;
     }
-    constexpr uint64_t kAllTrue = 0x0101010101010101ULL;
     const int64_t words = keys / 8;
     any.assign(words, 0);
     all.assign(words, ~uint64_t(0));
@@ -233,10 +234,10 @@ at::Tensor mask_tiles(const at::Tensor& mask) {
       const int64_t b = item / (heads * row_tiles), h = item / row_tiles % heads,
                     row_tile = item % row_tiles;
       const int64_t first_row = row_tile * kRows, last_row = std::min(rows, first_row + kRows);
-      std::fill(shows.begin(), shows.end(), 0);
-      std::fill(changes.begin(), changes.end(), 0);
       if (!bool_words(mask, data, b, h, first_row, last_row, shows.data(), changes.data(), any,
-                      all)) {
+                      all)) {  // else it set every tile's flags
+        std::fill(shows.begin(), shows.end(), 0);
+        std::fill(changes.begin(), changes.end(), 0);
         for (int64_t r = first_row; r < last_row; ++r) {
           const T* row = data + b * mask.stride(0) + h * mask.stride(1) + r * mask.stride(2);
           for (int64_t j = 0; j < key_tiles; ++j) {
@@ -380,13 +381,10 @@ detail::Gradients gradients_cpu(const char* op, const detail::BackwardCall& call
     t.dsinks = at::zeros({sinks->size(0)},
                          sinks->options().dtype(detail::accumulation_dtype(t.q.scalar_type())));
   }
-  // With delta the call is a step of a larger one, whose caller sums its gradients: they come
-  // in the accumulation dtype, unrounded.
-  const at::TensorOptions gradient_options =
-      call.delta.has_value() ? detail::lse_options(call.q) : call.q.options();
-  at::Tensor dq = at::empty(call.q.sizes(), gradient_options);
-  at::Tensor dk = at::empty(call.k.sizes(), gradient_options);
-  at::Tensor dv = at::empty(call.v.sizes(), gradient_options);
+  const at::TensorOptions gradients = detail::gradient_options(call.q, call.delta.has_value());
+  at::Tensor dq = at::empty(call.q.sizes(), gradients);
+  at::Tensor dk = at::empty(call.k.sizes(), gradients);
+  at::Tensor dv = at::empty(call.v.sizes(), gradients);
   t.dq = layout.rows(dq);
   t.dk = layout.rows(dk);
   t.dv = layout.rows(dv);

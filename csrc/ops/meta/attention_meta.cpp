@@ -31,9 +31,7 @@ detail::Gradients gradients_meta(const char* op, const detail::BackwardCall& cal
     return wanted ? at::empty_symint(t->sym_sizes(), t->options())
                   : at::empty({0}, call.q.options());
   };
-  // With delta, dq, dk and dv come in the accumulation dtype (op_arguments.h).
-  const at::TensorOptions gradients =
-      call.delta.has_value() ? detail::lse_options(call.q) : call.q.options();
+  const at::TensorOptions gradients = detail::gradient_options(call.q, call.delta.has_value());
   return {at::empty_symint(call.q.sym_sizes(), gradients),
           at::empty_symint(call.k.sym_sizes(), gradients),
           at::empty_symint(call.v.sym_sizes(), gradients),

@@ -89,10 +89,9 @@ class BackwardKernel {
 
  public:
   explicit BackwardKernel(const BackwardTensors& t)
-      : given_delta_(t.delta),
-        recomputed_statistics_(
-            !given_delta_.defined() &&
-            (kReducedPrecision || forward_decodes(AttentionDims(t)) || t.dattn_mask.defined())),
+      : recomputed_statistics_(kReducedPrecision || forward_decodes(AttentionDims(t)) ||
+                               t.dattn_mask.defined()),
+        given_delta_(t.delta),
         delta_(padded_query_rows(AttentionDims(t))),
         normalizers_(delta_.size(), acc_t(1)),
         dsinks_(t.dsinks),
@@ -403,10 +402,10 @@ class BackwardKernel {
     }
   }
 
-  // Whether the row statistics come from the probabilities (see the file comment); else every
-  // normalizer stays 1.
-  const at::Tensor given_delta_;
+  // Whether the row statistics come from the probabilities (see the file comment), where the
+  // call gave no delta; else every normalizer stays 1.
   const bool recomputed_statistics_;
+  const at::Tensor given_delta_;
   std::vector<acc_t> delta_, normalizers_;
   const at::Tensor dsinks_;
   const Pair pair_;

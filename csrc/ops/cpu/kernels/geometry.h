@@ -166,7 +166,7 @@ struct AttentionDims {
   // dense call's query_offset where it gave one.
   int64_t off(int64_t b) const { return cu_q ? rows_k(b) - rows_q(b) : dense_offset_; }
 
-  // Visibility, bottom-right aligned within batch item b: query row `row` sees keys
+  // Visibility within batch item b, aligned at off(b): query row `row` sees keys
   // [key_begin(b, row), key_end(b, row)), i.e. key j iff
   // row + off - window_left <= j <= row + off + window_right with off(b) (-1: unbounded on that
   // side), less the keys the key mask hides (see hidden_keys). Both bounds
@@ -218,15 +218,15 @@ struct AttentionDims {
   const bool* hidden_keys(int64_t b, int64_t k0, int64_t cols) const {
     return kept_keys(b, k0, cols) < cols ? key_mask + b * len_k + k0 : nullptr;
   }
-  // Whether attn_mask hides every entry of rows [q0, q0 + rows) x keys [k0, k0 + cols) of query
-  // head h: a block skipped as the window's are.
+  // Whether attn_mask (present) hides every entry of rows [q0, q0 + rows) x keys [k0, k0 + cols)
+  // of query head h: a block skipped as the window's are.
   bool mask_hides(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
-    return !attn_mask.absent() && attn_mask.block(b, h, q0, rows, k0, cols) == kTileHidden;
+    return attn_mask.block(b, h, q0, rows, k0, cols) == kTileHidden;
   }
   // The rows [begin, end) of rows [q0, q0 + rows) left when attn_mask's tiles that hide every
   // key of [k0, k0 + cols) from their rows are cut from either end, relative to q0; likewise
   // the keys of [k0, k0 + cols) left, relative to k0, for those rows: the others can be left out
-  // of the block pair's products. All of them without a mask.
+  // of the block pair's products. For a present mask (for_each_part).
   KeyRange rows_not_hidden(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0,
                            int64_t cols) const {
     return trimmed(q0, rows, KernelAttentionMask::kTileRows, [&](int64_t first, int64_t count) {
@@ -259,10 +259,13 @@ struct AttentionDims {
     if (state == kTileHidden) {
       return;
     }
-    const int64_t part_keys = state == kTileMixed ? kMaskedPartKeys : cols;
-    for (int64_t p0 = k0; p0 < k0 + cols; p0 += part_keys) {
-      const int64_t part = std::min(part_keys, k0 + cols - p0);
-      if (part_keys < cols && mask_hides(b, h, q0, rows, p0, part)) {
+    if (state == kTileVisible) {  // no tile to cut or skip
+      fn(q0, rows, k0, cols);
+      return;
+    }
+    for (int64_t p0 = k0; p0 < k0 + cols; p0 += kMaskedPartKeys) {
+      const int64_t part = std::min(kMaskedPartKeys, k0 + cols - p0);
+      if (part < cols && mask_hides(b, h, q0, rows, p0, part)) {
         continue;
       }
       const KeyRange seen = rows_not_hidden(b, h, q0, rows, p0, part);
@@ -293,9 +296,6 @@ struct AttentionDims {
   // attn_mask hides.
   template <typename Hidden>
   KeyRange trimmed(int64_t first, int64_t count, int64_t tile, const Hidden& hidden) const {
-    if (attn_mask.absent()) {
-      return {0, count};
-    }
     int64_t begin = 0, end = count;
     while (begin < end) {
       const int64_t next = std::min(end, ((first + begin) / tile + 1) * tile - first);

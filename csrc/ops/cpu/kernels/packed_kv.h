@@ -82,7 +82,7 @@ class PackedKeyValues {
 
   // K_j^T from key k0 of its block (a product may use its first columns only).
   Operand<gemm_t> keys_t(int64_t b, int64_t h_kv, int64_t k0) const {
-    const int64_t start = k0 / key_block_ * key_block_;
+    const int64_t start = block_start(k0);
     return Pack::b_columns_from(
         {keys_.data_ptr<gemm_t>() + slot(b, h_kv, start) * key_slot_, block_width(b, start)},
         k0 - start);
@@ -91,7 +91,7 @@ class PackedKeyValues {
   // V_j^T from key k0 of its block (kTransposed); a product may use its first columns only.
   Operand<gemm_t> values_t(int64_t b, int64_t h_kv, int64_t k0) const {
     static_assert(kTransposedValues, "values_t() is the backward's operand");
-    const int64_t start = k0 / key_block_ * key_block_;
+    const int64_t start = block_start(k0);
     return Pack::b_columns_from(
         {values_.data_ptr<gemm_t>() + slot(b, h_kv, start) * value_slot_, block_width(b, start)},
         k0 - start);
@@ -102,7 +102,7 @@ class PackedKeyValues {
   Operand<acc_t> values(int64_t b, int64_t h_kv, int64_t k0) const {
     static_assert(!kTransposedValues, "values() is the forward's operand");
     if constexpr (kPacksValues) {
-      const int64_t start = k0 / key_block_ * key_block_;
+      const int64_t start = block_start(k0);
       return {values_.data_ptr<acc_t>() + slot(b, h_kv, start) * value_slot_ +
                   (k0 - start) * dims_.value_dim,
               dims_.value_dim};
@@ -116,6 +116,8 @@ class PackedKeyValues {
   int64_t blocks_of(int64_t b) const {
     return dims_.rows_q(b) == 0 ? 0 : ceil_div(dims_.key_end(b, dims_.rows_q(b) - 1), key_block_);
   }
+  // The first key of key k0's block.
+  int64_t block_start(int64_t k0) const { return k0 / key_block_ * key_block_; }
   int64_t block_width(int64_t b, int64_t k0) const {
     return std::min(key_block_, dims_.rows_k(b) - k0);
   }
