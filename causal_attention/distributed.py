@@ -107,7 +107,10 @@ def shard_positions(seq_len: int, group=None, layout: str = "zigzag",
     _check_layout(caller, layout)
     _, rank, world = resolve_group(caller, group)
     _check_divisible(caller, "seq_len", seq_len, world, layout)
-    chunks = shard_chunks(seq_len // world, rank, world, layout)
+    return _positions(shard_chunks(seq_len // world, rank, world, layout), device)
+
+
+def _positions(chunks: List[Chunk], device) -> Tensor:
     return torch.cat([torch.arange(c.position, c.position + c.length, device=device)
                       for c in chunks])
 
@@ -123,9 +126,19 @@ def shard_sequence(x: Tensor, group=None, dim: int = 2, layout: str = "zigzag") 
     return torch.cat([x.narrow(dim, c.position, c.length) for c in chunks], dim)
 
 
-def _global_order(shard_length: int, world: int, layout: str) -> Optional[Tensor]:
-    """The index that puts the ranks' shards, concatenated in rank order, in sequence order;
-    None where they already are (contiguous)."""
+class _Order(NamedTuple):
+    """``to_sequence`` puts the ranks' shards, concatenated in rank order, in sequence order;
+    ``to_shards`` puts them back."""
+
+    to_sequence: Tensor
+    to_shards: Tensor
+
+
+@functools.lru_cache(maxsize=64)  # per shape and device, not per call (the tensors are shared)
+def _global_order(shard_length: int, world: int, layout: str,
+                  device: torch.device) -> Optional[_Order]:
+    """The orders of a sequence sharded in ``layout``; None where the shards are in sequence
+    order already (contiguous)."""
     if layout == "contiguous":
         return None
     order = torch.empty(shard_length * world, dtype=torch.long)
@@ -133,7 +146,7 @@ def _global_order(shard_length: int, world: int, layout: str) -> Optional[Tensor
         for c in shard_chunks(shard_length, r, world, layout):
             order[c.position:c.position + c.length] = torch.arange(
                 r * shard_length + c.start, r * shard_length + c.start + c.length)
-    return order
+    return _Order(order.to(device), torch.argsort(order).to(device))
 
 
 def unshard_sequence(x: Tensor, group=None, dim: int = 2, layout: str = "zigzag") -> Tensor:
@@ -146,8 +159,8 @@ def unshard_sequence(x: Tensor, group=None, dim: int = 2, layout: str = "zigzag"
         raise ValueError(f"{caller}: a zigzag shard holds two equal chunks, so x.shape[{dim}] "
                          f"must be even, got {x.shape[dim]}")
     whole = torch.cat(_AllGather.apply(x, group).unbind(0), dim)
-    order = _global_order(x.shape[dim], world, layout)
-    return whole if order is None else whole.index_select(dim, order.to(x.device))
+    order = _global_order(x.shape[dim], world, layout, x.device)
+    return whole if order is None else whole.index_select(dim, order.to_sequence)
 
 
 # --- differentiable collectives ------------------------------------------------------------
@@ -565,6 +578,13 @@ class _RingAttention(torch.autograd.Function):
         # last step they go home. The same bits on every run.
         sums_inbox = _Inbox(ring, 1, ring.prev, lambda p: kv.own[p], dtype=acc)
         outbox, home = _Outbox(), {}
+        statistics = {}  # a row part's lse and delta, contiguous, for every key part it meets
+
+        def statistics_of(rows: Chunk) -> Tuple[Tensor, Tensor]:
+            if rows not in statistics:
+                statistics[rows] = (_lse_rows(lse, rows).contiguous(),
+                                    _lse_rows(delta, rows).contiguous())
+            return statistics[rows]
 
         def sums_so_far(i: int, held_k: Tensor, held_v: Tensor) -> List[Tensor]:
             """Unit i's sums from the ranks before this one (zeros at this rank's own shard)."""
@@ -581,12 +601,12 @@ class _RingAttention(torch.autograd.Function):
             sums = None
             for pair in _row_parts(ring.unit_pairs[i]):
                 rows, keys = pair.rows, pair.keys
+                rows_lse, rows_delta = statistics_of(rows)
                 dq_part, dk_part, dv_part, _ = ops.attention_backward(
                     _rows(grad_out, rows), _rows(q, rows), _rows(held_k, keys),
-                    _rows(held_v, keys), _rows(out, rows), _lse_rows(lse, rows).contiguous(),
-                    scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    query_offset=pair.query_offset,
-                    delta=_lse_rows(delta, rows).contiguous())
+                    _rows(held_v, keys), _rows(out, rows), rows_lse, scale, window=window,
+                    softcap=softcap, alibi_slopes=alibi_slopes, query_offset=pair.query_offset,
+                    delta=rows_delta)
                 _rows(dq, rows).add_(dq_part)
                 if sums is None:  # waited for after the first pair's products
                     sums = sums_so_far(i, held_k, held_v)
@@ -678,20 +698,20 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Option
 # --- Ulysses --------------------------------------------------------------------------------
 
 
-def _sequence_to_heads(x: Tensor, group, world: int, order: Optional[Tensor]) -> Tensor:
+def _sequence_to_heads(x: Tensor, group, world: int, order: Optional[_Order]) -> Tensor:
     """(B, H, L/N, D) sequence shards -> (B, H/N, L, D) head shards, in sequence order."""
     b, h, length, d = x.shape
     send = x.reshape(b, world, h // world, length, d).transpose(0, 1).contiguous()
     received = _AllToAll.apply(send, group)
     whole = received.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * length, d)
-    return whole if order is None else whole.index_select(2, order.to(x.device))
+    return whole if order is None else whole.index_select(2, order.to_sequence)
 
 
-def _heads_to_sequence(x: Tensor, group, world: int, order: Optional[Tensor]) -> Tensor:
+def _heads_to_sequence(x: Tensor, group, world: int, order: Optional[_Order]) -> Tensor:
     """The inverse of _sequence_to_heads."""
     b, h_local, total, d = x.shape
     if order is not None:
-        x = x.index_select(2, torch.argsort(order).to(x.device))
+        x = x.index_select(2, order.to_shards)
     length = total // world
     send = x.reshape(b, h_local, world, length, d).permute(2, 0, 1, 3, 4).contiguous()
     received = _AllToAll.apply(send, group)
@@ -747,14 +767,14 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
                       stacklevel=2)
         k = k.repeat_interleave(repeated // heads_kv, dim=1)
         v = v.repeat_interleave(repeated // heads_kv, dim=1)
-    order = _global_order(q.shape[-2], world, layout)
+    order = _global_order(q.shape[-2], world, layout, q.device)
     q_heads, k_heads, v_heads = (_sequence_to_heads(t, group, world, order) for t in (q, k, v))
     local = slice(rank * heads_q // world, (rank + 1) * heads_q // world)
     whole_mask = None
     if key_mask is not None:
         whole_mask = torch.cat(_AllGather.apply(key_mask, group).unbind(0), -1)
         if order is not None:
-            whole_mask = whole_mask.index_select(-1, order.to(key_mask.device))
+            whole_mask = whole_mask.index_select(-1, order.to_sequence)
     out = ops.attention(q_heads, k_heads, v_heads, scale=scale, key_mask=whole_mask,
                         window=window, softcap=softcap,
                         alibi_slopes=None if alibi_slopes is None else alibi_slopes[..., local],
@@ -805,5 +825,8 @@ class ContextParallel(NamedTuple):
 
     def positions(self, shard_length: int, device=None) -> Tensor:
         """The global positions of this rank's shard of ``shard_length`` tokens."""
-        _, _, world = resolve_group("causal_attention.distributed", self.group)
-        return shard_positions(shard_length * world, self.group, self.layout, device)
+        caller = "causal_attention.distributed"
+        _, rank, world = resolve_group(caller, self.group)
+        _check_divisible(caller, "the sequence's length (N shards)", shard_length * world, world,
+                         self.layout)
+        return _positions(shard_chunks(shard_length, rank, world, self.layout), device)

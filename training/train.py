@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-from causal_attention.distributed import shard_sequence
+from causal_attention.distributed import _check_divisible, shard_sequence
 from causal_attention.models import GPT
 from causal_attention.models.gpt import ATTENTION_MODULES
 
@@ -149,10 +149,11 @@ def context_parallel(args: argparse.Namespace, model: GPT, rank: int, world: int
     cp = args.context_parallel
     if cp == 1:
         return DataParallel(rank, world)
-    parts = 2 * cp if args.context_parallel_layout == "zigzag" else cp
-    if args.seq_len % parts:
-        raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of {parts} for "
-                         f"--context-parallel {cp} with {args.context_parallel_layout} shards")
+    try:
+        _check_divisible("training.train", "--seq-len", args.seq_len, cp,
+                         args.context_parallel_layout)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
     model.set_context_parallel(mesh["cp"], method=args.context_parallel_method,
                                layout=args.context_parallel_layout)

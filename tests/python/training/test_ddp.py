@@ -4,25 +4,16 @@ the whole batch; and `torchrun --nproc-per-node 2 -m training.train --ddp` train
 does."""
 
 import os
-import socket
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nn_testing import ROOT
-from training_testing import TINY_RUN, tiny_args, train
+from attention_testing.ranks import free_port
+from training_testing import TINY_RUN, tiny_args, torchrun, train
 
 WORLD = 2
 BATCH = 4  # global; 2 sequences per rank
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_batch(args):
@@ -75,15 +66,7 @@ def test_ddp_gradients_equal_single_process_gradients_on_the_whole_batch(tmp_pat
 
 def test_torchrun_ddp_training_matches_one_process(tmp_path):
     flags = [*TINY_RUN, "--batch-size", str(BATCH), "--steps", "4"]
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
-    launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    script = ["-m", "training.train", "--ddp", "--out", str(tmp_path / "ddp"), *flags]
-    done = subprocess.run(launcher + script, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    ddp = torchrun(WORLD, ["--ddp", *flags], tmp_path / "ddp")
     single = train.main([*flags, "--out", str(tmp_path / "single")])
-    ddp = [row["loss"] for row in train.read_log(tmp_path / "ddp" / "log.csv")]
     assert len(ddp) == len(single) == 4
     torch.testing.assert_close(torch.tensor(ddp), torch.tensor(single), rtol=1e-5, atol=0)

@@ -2,31 +2,12 @@
 Ulysses attention), alone or on a 2-D mesh with --ddp, trains as one process does on the same
 data: the loss curves agree per step to float32 rounding."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from attention_testing.ranks import free_port
-from nn_testing import ROOT
-from training_testing import TINY_RUN, train
+from training_testing import TINY_RUN, torchrun, train
 
 STEPS = ["--steps", "4"]
-
-
-def torchrun(processes: int, flags, out_dir):
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    done = subprocess.run(
-        launcher + ["-m", "training.train", "--out", str(out_dir), *flags],
-        env=dict(os.environ, PYTHONPATH=pythonpath), cwd=ROOT, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [row["loss"] for row in train.read_log(out_dir / "log.csv")]
 
 
 @pytest.mark.parametrize(
@@ -46,7 +27,7 @@ def test_context_parallel_training_matches_one_process(tmp_path, processes, flag
     assert single[0] != single[-1]  # it trained
 
 
-def test_context_parallel_needs_torchrun_and_a_divisible_length(tmp_path):
+def test_context_parallel_needs_torchrun_and_refuses_compile(tmp_path):
     with pytest.raises(SystemExit, match="torchrun"):
         train.main([*TINY_RUN, "--context-parallel", "2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
