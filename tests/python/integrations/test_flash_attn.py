@@ -652,32 +652,39 @@ def rotate_reference(x, cos, sin, positions, interleaved):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
 @pytest.mark.parametrize("lq,new", [(1, 1), (3, 3), (4, 2)])
-def test_kvcache_rotary_turns_q_and_new_keys_at_their_positions(lq, new, interleaved, dtype):
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (3, 1))],
+                         ids=["causal", "full", "local"])
+def test_kvcache_rotary_turns_q_and_new_keys_at_their_positions(causal, window, lq, new,
+                                                                interleaved, dtype):
     batch, capacity, hq, hkv, d, rotary_dim = 3, 24, 4, 2, 16, 8
-    theta = torch.rand(capacity, rotary_dim // 2, dtype=torch.float64) * 6
+    seqlens, leftpad = [5, 0, 11], [2, 0, 4]
+    # flash-attn's rule: token i of row b is at position cache_seqlens[b] + i (left padding and
+    # all) for the new keys, and for q where the mask is causal or local; with neither, every
+    # query row is at cache_seqlens[b]. Values are not rotated. The table is as long as the
+    # rotated tokens reach, no longer.
+    query_steps = torch.arange(lq) if causal or window != (-1, -1) else torch.zeros(lq).long()
+    positions = torch.tensor(seqlens).unsqueeze(1)
+    seqlen_ro = int(positions.max()) + max(new, int(query_steps.max()) + 1)
+    theta = torch.rand(seqlen_ro, rotary_dim // 2, dtype=torch.float64) * 6
     cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)
     k_cache, v_cache = bshd(batch, capacity, hkv, d, dtype), bshd(batch, capacity, hkv, d, dtype)
     q, k, v = bshd(batch, lq, hq, d, dtype), bshd(batch, new, hkv, d, dtype), \
         bshd(batch, new, hkv, d, dtype)
-    seqlens, leftpad = [5, 0, 11], [2, 0, 4]
     before_k, before_v = k_cache.clone(), v_cache.clone()
     out = flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cos, sin, torch.tensor(seqlens, dtype=torch.int32),
-        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=True,
-        rotary_interleaved=interleaved,
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=causal,
+        window_size=window, rotary_interleaved=interleaved,
     )
-    # Token i of row b is at position cache_seqlens[b] + i (flash-attn's rule, left padding and
-    # all), for q as for the new keys; values are not rotated.
-    positions = torch.tensor(seqlens).unsqueeze(1) + torch.arange(max(lq, new))
-    k_rot = rotate_reference(k, cos, sin, positions[:, :new], interleaved).to(dtype)
-    q_rot = rotate_reference(q, cos, sin, positions[:, :lq], interleaved).to(dtype)
+    k_rot = rotate_reference(k, cos, sin, positions + torch.arange(new), interleaved).to(dtype)
+    q_rot = rotate_reference(q, cos, sin, positions + query_steps, interleaved).to(dtype)
     rows = list(range(batch))
     expected_k = expected_cache(before_k, k_rot, rows, seqlens)
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=4 * torch.finfo(dtype).eps)
     assert torch.equal(v_cache, expected_cache(before_v, v, rows, seqlens))
     ends = [s + new for s in seqlens]
-    ref = masked_sdpa(q_rot, expected_k, v_cache, kv_visible(lq, capacity, leftpad, ends))
-    torch.testing.assert_close(out, ref)
+    visible = kv_visible(lq, capacity, leftpad, ends, (-1, 0) if causal else window)
+    torch.testing.assert_close(out, masked_sdpa(q_rot, expected_k, v_cache, visible))
 
 
 def paged_copy(k_cache, v_cache, page, spare_pages=3):
