@@ -9,6 +9,7 @@ _library.load()
 from .functional import scaled_dot_product_attention  # noqa: E402
 from .kv_cache import KVCache  # noqa: E402
 from .nn import CausalSelfAttention  # noqa: E402
+from .paged_kv_cache import PagedKVCache, paged_cache_append  # noqa: E402
 from .ops import (  # noqa: E402
     attention,
     attention_backward,
@@ -32,4 +33,6 @@ __all__ = [
     "scaled_dot_product_attention",
     "CausalSelfAttention",
     "KVCache",
+    "PagedKVCache",
+    "paged_cache_append",
 ]

@@ -1,0 +1,237 @@
+"""A paged KV cache for serving many requests at once: fixed-size pages of keys and values per
+layer in one pool, a free list, and per request the pages it holds (its block table), in the
+layout flash-attn and vLLM's flash backend read:
+``k_cache (num_pages, page_size, Hkv, D)``, ``v_cache (num_pages, page_size, Hkv, Dv)``,
+``block_table (B, max_pages) int32`` and ``cache_seqlens (B,) int32``.
+
+Requests share pages: :meth:`PagedKVCache.fork` gives a new request every page of an existing one
+(a common prompt), counted by reference; a page is written only while one request holds it, so
+the first write into a shared, partly filled last page copies it first (copy on write). Full
+pages are never written again, and stay shared until every holder frees them.
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+_NAME = "causal_attention.PagedKVCache"
+
+
+def paged_cache_append(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       slot_mapping: Tensor) -> None:
+    """Writes token t's keys ``k[t] (Hkv, D)`` and values ``v[t] (Hkv, Dv)`` into slot
+    ``slot_mapping[t]`` of the pages, in place: slot ``s`` is row ``s % page_size`` of page
+    ``s // page_size`` (vLLM's ``reshape_and_cache``). Slots must be distinct and inside the
+    pool; the cache is left untouched when any argument is refused."""
+    fn = "causal_attention.paged_cache_append"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D (num_pages, page_size, Hkv, D), got "
+                             f"{_shape(t)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous (its slots are rows of one "
+                             f"view), got strides {t.stride()}")
+    pages, page_size, heads, dim = k_cache.shape
+    if tuple(v_cache.shape[:3]) != (pages, page_size, heads):
+        raise ValueError(f"{fn}: k_cache and v_cache must agree in (num_pages, page_size, Hkv), "
+                         f"got k_cache.shape={tuple(k_cache.shape)}, "
+                         f"v_cache.shape={tuple(v_cache.shape)}")
+    if not isinstance(slot_mapping, Tensor) or slot_mapping.dim() != 1:
+        raise ValueError(f"{fn}: slot_mapping must be 1-D (tokens,), got {_shape(slot_mapping)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    tokens = slot_mapping.numel()
+    expected = {"k": (tokens, heads, dim), "v": (tokens, heads, v_cache.size(3))}
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or tuple(t.shape) != expected[name]:
+            raise ValueError(f"{fn}: {name} must be (tokens, Hkv, D{'v' if name == 'v' else ''})"
+                             f" = {expected[name]} for slot_mapping.shape=({tokens},) and the "
+                             f"cache's heads, got {_shape(t)}")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dtype != cache.dtype:
+            raise TypeError(f"{fn}: {name} must have {name}_cache's dtype {cache.dtype}, got "
+                            f"{t.dtype}")
+        if t.device != cache.device or slot_mapping.device != cache.device:
+            raise ValueError(f"{fn}: {name}, {name}_cache and slot_mapping must be on one device, "
+                             f"got {t.device}, {cache.device}, {slot_mapping.device}")
+    if tokens == 0:
+        return
+    slots = slot_mapping.long()
+    low, high = int(slots.min()), int(slots.max())
+    if low < 0 or high >= pages * page_size:
+        raise ValueError(f"{fn}: slot_mapping entries must lie in [0, {pages * page_size}) "
+                         f"(num_pages * page_size), got entries from {low} to {high}")
+    if torch.unique(slots).numel() != tokens:
+        raise ValueError(f"{fn}: slot_mapping entries must be distinct (two tokens in one slot "
+                         f"leave it to the order of the writes), got {slot_mapping.tolist()}")
+    k_cache.view(pages * page_size, heads, dim).index_copy_(0, slots, k)
+    v_cache.view(pages * page_size, heads, v_cache.size(3)).index_copy_(0, slots, v)
+
+
+class PagedKVCache:
+    """Keys and values of many requests, in pages of ``page_size`` tokens drawn from one pool of
+    ``num_pages`` per layer (``key_pages[layer]``, ``value_pages[layer]``).
+
+    A serving step: :meth:`allocate` each new request, :meth:`reserve` the slots of the tokens
+    each request adds this step (one call for every layer: it returns their ``slot_mapping``),
+    :meth:`append` each layer's keys and values into those slots, then attend through
+    :meth:`block_table` and :meth:`seqlens`; :meth:`free` a finished request's pages. The free list hands out the lowest pages first,
+    then the most recently freed: the same calls give the same tables.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 value_dim: Optional[int] = None, num_layers: int = 1,
+                 dtype: torch.dtype = torch.float32, device=None) -> None:
+        sizes = {"num_pages": num_pages, "page_size": page_size, "num_kv_heads": num_kv_heads,
+                 "head_dim": head_dim, "num_layers": num_layers}
+        if value_dim is not None:
+            sizes["value_dim"] = value_dim
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"{_NAME}: {name} must be an int, got {size!r}")
+            if size < 1:
+                raise ValueError(f"{_NAME}: {name} must be >= 1, got {size}")
+        value_dim = head_dim if value_dim is None else value_dim
+        self.page_size = page_size
+        self.key_pages = [torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
+                                      device=device) for _ in range(num_layers)]
+        self.value_pages = [torch.zeros(num_pages, page_size, num_kv_heads, value_dim,
+                                        dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free: List[int] = list(range(num_pages - 1, -1, -1))  # popped from the end
+        self._holders = [0] * num_pages  # requests holding each page
+        self._pages: Dict[object, List[int]] = {}
+        self._lengths: Dict[object, int] = {}
+
+    # --- the pool ---------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._holders)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def requests(self) -> List[object]:
+        return list(self._pages)
+
+    def pages_of(self, request) -> List[int]:
+        """The pages of ``request``, in sequence order (a copy)."""
+        return list(self._pages[self._known(request)])
+
+    def length(self, request) -> int:
+        """The tokens ``request`` holds."""
+        return self._lengths[self._known(request)]
+
+    def holders(self, page: int) -> int:
+        """How many requests hold ``page`` (0: free)."""
+        return self._holders[page]
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def allocate(self, request) -> None:
+        """A new request, holding no token yet; ``request`` is any hashable id."""
+        if request in self._pages:
+            raise ValueError(f"{_NAME}.allocate: request {request!r} is already allocated")
+        self._pages[request], self._lengths[request] = [], 0
+
+    def fork(self, parent, child) -> None:
+        """``child``, a new request, holds every token of ``parent`` by sharing its pages (a
+        common prompt); each then writes its own tokens (copy on write of a shared partial
+        page, in :meth:`reserve`)."""
+        pages = self._pages[self._known(parent)]
+        if child in self._pages:
+            raise ValueError(f"{_NAME}.fork: request {child!r} is already allocated")
+        for page in pages:
+            self._holders[page] += 1
+        self._pages[child], self._lengths[child] = list(pages), self._lengths[parent]
+
+    def free(self, request) -> None:
+        """Ends ``request``: its pages that no other request holds go back to the free list."""
+        for page in reversed(self._pages.pop(self._known(request))):
+            self._release(page)
+        del self._lengths[request]
+
+    def reserve(self, request, tokens: int) -> Tensor:
+        """Room for ``tokens`` more tokens of ``request``: pages drawn as needed, and a shared
+        partly filled last page copied first (every layer), so that the new tokens go to pages
+        this request alone holds. Returns their slots, ``(tokens,)`` int64, for
+        :meth:`append` (or :func:`paged_cache_append`). Raises RuntimeError, changing nothing,
+        when the free list is too short."""
+        pages, length = self._pages[self._known(request)], self._lengths[request]
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"{_NAME}.reserve: tokens must be an int >= 0, got {tokens!r}")
+        partial = length % self.page_size != 0
+        copy_last = tokens > 0 and partial and self._holders[pages[-1]] > 1
+        needed = -(-(length + tokens) // self.page_size) - len(pages) + int(copy_last)
+        if needed > len(self._free):
+            raise RuntimeError(
+                f"{_NAME}.reserve: {tokens} more tokens of request {request!r} need {needed} "
+                f"free pages, {len(self._free)} of {self.num_pages} are free"
+            )
+        if copy_last:
+            shared = pages[-1]
+            pages[-1] = self._take()
+            for layer in self.key_pages + self.value_pages:
+                layer[pages[-1]].copy_(layer[shared])
+            self._release(shared)
+        while len(pages) * self.page_size < length + tokens:
+            pages.append(self._take())
+        self._lengths[request] = length + tokens
+        positions = torch.arange(length, length + tokens)
+        table = torch.tensor(pages, dtype=torch.long)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def append(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+        """Writes one layer's keys ``(tokens, Hkv, D)`` and values ``(tokens, Hkv, Dv)`` into
+        the slots :meth:`reserve` gave."""
+        paged_cache_append(k, v, self.key_pages[layer], self.value_pages[layer],
+                           slot_mapping.to(self.key_pages[layer].device))
+
+    def block_table(self, requests: Sequence, width: Optional[int] = None) -> Tensor:
+        """``(len(requests), width) int32``: row i lists request i's pages in sequence order,
+        padded with 0 (read by no key: :meth:`seqlens` ends each row); ``width`` defaults to
+        the longest row."""
+        rows = [self._pages[self._known(r)] for r in requests]
+        longest = max((len(p) for p in rows), default=0)
+        width = longest if width is None else width
+        if width < longest:
+            raise ValueError(f"{_NAME}.block_table: width {width} is less than the {longest} "
+                             "pages of the longest request")
+        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for i, pages in enumerate(rows):
+            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table.to(self.key_pages[0].device)
+
+    def seqlens(self, requests: Sequence) -> Tensor:
+        """``(len(requests),) int32``: the tokens each request holds."""
+        lengths = [self._lengths[self._known(r)] for r in requests]
+        return torch.tensor(lengths, dtype=torch.int32, device=self.key_pages[0].device)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _known(self, request):
+        if request not in self._pages:
+            raise KeyError(f"{_NAME}: request {request!r} is not allocated (allocated: "
+                           f"{len(self._pages)} requests)")
+        return request
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._holders[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._holders[page] -= 1
+        if self._holders[page] == 0:
+            self._free.append(page)
+
+
+def _shape(t) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"

@@ -1,0 +1,237 @@
+"""causal_attention.paged_kv_cache: paged_cache_append writes tokens into their slots in place,
+and PagedKVCache's pages (allocate, reserve, append, fork with copy on write, free) hold every
+request's tokens, shared where forked, none leaked, after 10k random operations; flash-attn's
+paged call reads them."""
+
+import random
+
+import pytest
+import torch
+
+from causal_attention import attention
+from causal_attention.integrations.flash_attn import flash_attn_with_kvcache
+from causal_attention.paged_kv_cache import PagedKVCache, paged_cache_append
+
+
+def gathered(cache: PagedKVCache, request, layer: int = 0):
+    """The request's keys and values, (tokens, Hkv, D), read through its pages."""
+    pages = cache.pages_of(request)
+    length = cache.length(request)
+    keys = cache.key_pages[layer][pages].flatten(0, 1)[:length]
+    values = cache.value_pages[layer][pages].flatten(0, 1)[:length]
+    return keys, values
+
+
+# --- paged_cache_append ----------------------------------------------------------------------
+
+
+def test_append_writes_each_token_into_its_slot():
+    k_cache, v_cache = torch.zeros(5, 4, 2, 3), torch.zeros(5, 4, 2, 6)
+    slots = torch.tensor([17, 0, 6, 7, 19])
+    k, v = torch.randn(5, 2, 3), torch.randn(5, 2, 6)
+    paged_cache_append(k, v, k_cache, v_cache, slots)
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s // 4, s % 4], k[t])
+        assert torch.equal(v_cache[s // 4, s % 4], v[t])
+    written = torch.zeros(20, dtype=torch.bool)
+    written[slots] = True
+    assert k_cache.flatten(0, 1)[~written].abs().sum() == 0  # nothing else
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(slots=torch.tensor([0, 20])), ValueError, r"\[0, 20\)"),
+        (dict(slots=torch.tensor([-1, 2])), ValueError, r"\[0, 20\)"),
+        (dict(slots=torch.tensor([3, 3])), ValueError, "distinct"),
+        (dict(slots=torch.tensor([1.0, 2.0])), TypeError, "int32 or int64"),
+        (dict(k=torch.randn(3, 2, 3)), ValueError, r"k must be \(tokens, Hkv, D\)"),
+        (dict(v=torch.randn(2, 2, 3)), ValueError, r"v must be \(tokens, Hkv, Dv\)"),
+        (dict(k=torch.randn(2, 2, 3, dtype=torch.float64)), TypeError, "k_cache's dtype"),
+        (dict(k_cache=torch.zeros(5, 4, 3, 3)), ValueError, "must agree"),
+        (dict(k_cache=torch.zeros(4, 5, 2, 3).transpose(0, 1)), ValueError, "contiguous"),
+    ],
+    ids=["past-the-pool", "negative", "repeated", "float-slots", "k-tokens", "v-dim",
+         "k-dtype", "heads", "strided-cache"],
+)
+def test_append_refuses_bad_arguments_and_leaves_the_cache(change, error, match):
+    args = dict(k=torch.randn(2, 2, 3), v=torch.randn(2, 2, 6), k_cache=torch.zeros(5, 4, 2, 3),
+                v_cache=torch.zeros(5, 4, 2, 6), slots=torch.tensor([1, 2]))
+    args.update(change)
+    before = args["k_cache"].clone(), args["v_cache"].clone()
+    with pytest.raises(error, match=match):
+        paged_cache_append(args["k"], args["v"], args["k_cache"], args["v_cache"], args["slots"])
+    assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+# --- the cache --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 272])
+def test_reserved_and_appended_tokens_read_back_through_the_pages(page_size):
+    cache = PagedKVCache(num_pages=60, page_size=page_size, num_kv_heads=2, head_dim=4,
+                         value_dim=3, num_layers=2)
+    written = {r: [[], []] for r in ("a", "b")}
+    for r in ("a", "b"):
+        cache.allocate(r)
+    for step, tokens in enumerate([5, 1, 17, 1, 0, 2]):
+        for r in ("a", "b"):
+            slots = cache.reserve(r, tokens)
+            for layer in range(2):
+                k, v = torch.randn(tokens, 2, 4), torch.randn(tokens, 2, 3)
+                cache.append(layer, k, v, slots)
+                written[r][layer].append((k, v))
+    for r in ("a", "b"):
+        assert cache.length(r) == 26
+        assert len(cache.pages_of(r)) == -(-26 // page_size)
+        for layer in range(2):
+            keys, values = gathered(cache, r, layer)
+            assert torch.equal(keys, torch.cat([k for k, _ in written[r][layer]]))
+            assert torch.equal(values, torch.cat([v for _, v in written[r][layer]]))
+    assert not set(cache.pages_of("a")) & set(cache.pages_of("b"))
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one_on_first_write():
+    cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    cache.allocate("prompt")
+    prompt = torch.randn(6, 1, 2)
+    cache.append(0, prompt, prompt, cache.reserve("prompt", 6))  # a full page and half of one
+    cache.fork("prompt", "child")
+    full, partial = cache.pages_of("prompt")
+    assert cache.pages_of("child") == [full, partial]
+    assert cache.holders(full) == cache.holders(partial) == 2
+    assert cache.pages_in_use == 2
+
+    mine = torch.randn(1, 1, 2)
+    cache.append(0, mine, mine, cache.reserve("child", 1))
+    child_pages = cache.pages_of("child")
+    assert child_pages[0] == full and child_pages[1] != partial  # copied, then written
+    assert cache.holders(full) == 2 and cache.holders(partial) == 1
+    theirs = torch.randn(1, 1, 2)
+    cache.append(0, theirs, theirs, cache.reserve("prompt", 1))
+    assert cache.pages_of("prompt") == [full, partial]  # alone on it now: written in place
+    assert torch.equal(gathered(cache, "child")[0], torch.cat([prompt, mine]))
+    assert torch.equal(gathered(cache, "prompt")[0], torch.cat([prompt, theirs]))
+
+    cache.free("prompt")
+    assert cache.holders(full) == 1 and cache.holders(partial) == 0
+    assert torch.equal(gathered(cache, "child")[0], torch.cat([prompt, mine]))
+    cache.free("child")
+    assert cache.pages_in_use == 0 and cache.free_pages == 8
+
+
+def test_a_reserve_the_pool_cannot_hold_raises_and_changes_nothing():
+    cache = PagedKVCache(num_pages=3, page_size=4, num_kv_heads=1, head_dim=2)
+    cache.allocate("a")
+    cache.reserve("a", 6)
+    cache.fork("a", "b")
+    with pytest.raises(RuntimeError, match="need 3 free pages, 1 of 3 are free"):
+        cache.reserve("b", 7)  # a copy of the shared partial page and two more
+    assert cache.length("b") == 6 and cache.pages_of("b") == cache.pages_of("a")
+    assert cache.free_pages == 1
+
+
+def test_bad_calls_name_what_is_wrong():
+    cache = PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
+    cache.allocate("a")
+    with pytest.raises(ValueError, match="already allocated"):
+        cache.allocate("a")
+    with pytest.raises(ValueError, match="already allocated"):
+        cache.fork("a", "a")
+    with pytest.raises(KeyError, match="'z' is not allocated"):
+        cache.reserve("z", 1)
+    with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+        cache.reserve("a", -1)
+    with pytest.raises(ValueError, match="width 0 is less than the 1 pages"):
+        cache.reserve("a", 1)
+        cache.block_table(["a"], width=0)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        PagedKVCache(num_pages=2, page_size=0, num_kv_heads=1, head_dim=2)
+    with pytest.raises(TypeError, match="num_pages must be an int"):
+        PagedKVCache(num_pages=2.0, page_size=4, num_kv_heads=1, head_dim=2)
+
+
+def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly():
+    """Requests come, grow, fork and go at random; after every operation each page's holder
+    count is the number of requests listing it, the free list is exactly the pages nobody
+    holds, and (every 50 operations, and at the end) every request reads back its own tokens."""
+    rng = random.Random(0)
+    pages, page_size = 64, 5
+    cache = PagedKVCache(num_pages=pages, page_size=page_size, num_kv_heads=1, head_dim=1)
+    expected = {}  # request -> the token ids it holds, in order
+    next_request, next_token = 0, 0
+
+    def check_pages():
+        listed = [0] * pages
+        for r in cache.requests:
+            for p in cache.pages_of(r):
+                listed[p] += 1
+            assert len(cache.pages_of(r)) == -(-cache.length(r) // page_size)
+        assert [cache.holders(p) for p in range(pages)] == listed
+        assert cache.free_pages == listed.count(0)
+        assert sorted(cache._free) == [p for p in range(pages) if listed[p] == 0]
+
+    def check_tokens():
+        for r, tokens in expected.items():
+            keys = gathered(cache, r)[0].flatten().tolist()
+            assert keys == tokens, r
+
+    for step in range(10_000):
+        roll = rng.random()
+        if roll < 0.15 or not expected:
+            cache.allocate(next_request)
+            expected[next_request] = []
+            next_request += 1
+        elif roll < 0.25:
+            parent = rng.choice(list(expected))
+            cache.fork(parent, next_request)
+            expected[next_request] = list(expected[parent])
+            next_request += 1
+        elif roll < 0.45:
+            r = rng.choice(list(expected))
+            cache.free(r)
+            del expected[r]
+        else:
+            r = rng.choice(list(expected))
+            tokens = rng.choice([1, 1, 1, 2, 4, 7])
+            try:
+                slots = cache.reserve(r, tokens)
+            except RuntimeError:
+                assert cache.length(r) == len(expected[r])
+                check_pages()
+                continue
+            ids = torch.arange(next_token, next_token + tokens, dtype=torch.float32)
+            next_token += tokens
+            cache.append(0, ids.view(-1, 1, 1), ids.view(-1, 1, 1), slots)
+            expected[r] += ids.tolist()
+        check_pages()
+        if step % 50 == 0:
+            check_tokens()
+    check_tokens()
+    for r in list(expected):
+        cache.free(r)
+    assert cache.pages_in_use == 0 and cache.free_pages == pages
+
+
+def test_flash_attn_with_kvcache_reads_the_pages_as_the_contiguous_keys():
+    """A batch decoding one token each from the cache's pages (block_table, cache_seqlens)
+    attends as the op does on each request's keys laid out contiguously."""
+    hq, hkv, d = 4, 2, 8
+    cache = PagedKVCache(num_pages=30, page_size=16, num_kv_heads=hkv, head_dim=d)
+    lengths = {"a": 37, "b": 5, "c": 64}
+    for r, n in lengths.items():
+        cache.allocate(r)
+        cache.append(0, torch.randn(n, hkv, d), torch.randn(n, hkv, d), cache.reserve(r, n))
+    cache.fork("a", "a2")
+    requests = list(lengths) + ["a2"]
+    q = torch.randn(len(requests), 1, hq, d)
+    q[3] = q[0]  # the fork asks what its parent asks
+    out = flash_attn_with_kvcache(q, cache.key_pages[0], cache.value_pages[0],
+                                  cache_seqlens=cache.seqlens(requests),
+                                  block_table=cache.block_table(requests), causal=True)
+    for i, r in enumerate(requests):
+        keys, values = gathered(cache, r)
+        ref = attention(q[i].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                        values.transpose(0, 1)[None])
+        torch.testing.assert_close(out[i], ref[0].transpose(0, 1))
+    assert torch.equal(out[0], out[3])  # the fork reads the same pages
