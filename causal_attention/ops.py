@@ -89,7 +89,7 @@ _OPS = {
     name: getattr(torch.ops.causal_attention, name)
     for name in ("attention", "attention_weights", "varlen_attention", "attention_forward",
                  "attention_backward", "attention_gradients", "varlen_attention_forward",
-                 "varlen_attention_backward")
+                 "varlen_attention_backward", "paged_attention")
 }
 _CHECKED_POSITIONS = {
     name: tuple((a.name, i) for i, a in enumerate(op.default._schema.arguments)
@@ -252,3 +252,46 @@ _PACKED_POSITIONAL = list(inspect.signature(varlen_attention).parameters.values(
 varlen_attention.__signature__ = inspect.signature(varlen_attention).replace(
     parameters=_PACKED_POSITIONAL + _PACKED_OPTIONS
 )
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    cu_seqlens_q: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    scale: Optional[float] = None,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    return_lse: bool = False,
+):
+    """Attention against a paged KV cache, read in place through the block table (inference:
+    not differentiable).
+
+    ``k_cache`` ``(num_pages, page_size, Hkv, D)`` and ``v_cache`` ``(num_pages, page_size, Hkv,
+    Dv)`` are flash-attn's (and vLLM's flash) paged layout, any page size; ``block_table``
+    ``(B, max_pages)`` int32 lists sequence b's pages in order and ``cache_seqlens`` ``(B,)``
+    int32 counts its keys, the first rows of those pages (the rest of the table is not read).
+    ``q`` is ``(B, Lq, Hq, D)``, or packed ``(total_q, Hq, D)`` with ``cu_seqlens_q`` int32
+    ``(B + 1,)`` and ``max_seqlen_q``: sequence b's queries are the last of its keys
+    (bottom-right; with more queries than keys the first ones see no key and get zeros), so
+    decode rows and prefill chunks of any lengths go in one call. The options
+    are :func:`attention`'s but the masks and dropout, per sequence (``alibi_slopes`` ``(Hq,)`` or
+    ``(B, Hq)``). GQA reads each K/V head once for its group of query heads, never repeated.
+
+    Returns ``(B, Lq, Hq, Dv)`` (packed: ``(total_q, Hq, Dv)``), and with ``return_lse`` also the
+    log-sum-exp, ``(B, Hq, Lq)`` (packed: ``(Hq, total_q)``). No copy of the cache is made: the
+    kernel's memory is its scratch, sized by the query rows. A page index the keys reach outside
+    the pool, ``cache_seqlens`` beyond the pages of a row, ``cu_seqlens_q`` that does not count
+    q's rows, or tables that are not int32 on the CPU raise ``ValueError`` (``TypeError`` for
+    dtypes) naming the argument.
+    """
+    out, lse = _call("paged_attention", q, k_cache, v_cache, block_table, cache_seqlens,
+                     cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    return (out, lse) if return_lse else out

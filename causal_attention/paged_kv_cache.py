@@ -76,8 +76,9 @@ class PagedKVCache:
     A serving step: :meth:`allocate` each new request, :meth:`reserve` the slots of the tokens
     each request adds this step (one call for every layer: it returns their ``slot_mapping``),
     :meth:`append` each layer's keys and values into those slots, then attend through
-    :meth:`block_table` and :meth:`seqlens`; :meth:`free` a finished request's pages. The free list hands out the lowest pages first,
-    then the most recently freed: the same calls give the same tables.
+    :meth:`block_table` and :meth:`seqlens` (:func:`causal_attention.paged_attention` reads the
+    pages in place); :meth:`free` a finished request's pages. The free list hands out the lowest
+    pages first, then the most recently freed: the same calls give the same tables.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,

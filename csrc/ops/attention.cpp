@@ -303,6 +303,11 @@ TORCH_LIBRARY(causal_attention, m) {
       "scale, " CAUSAL_ATTENTION_SCORE_OPTIONS CAUSAL_ATTENTION_GIVEN_SEED
       ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def("dropout_keep_mask(Tensor dropout_seed, SymInt[] shape, float dropout_p) -> Tensor");
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor cache_seqlens, *, Tensor? cu_seqlens_q=None, SymInt? max_seqlen_q=None, "
+      "float? scale=None, int[2] window=[-1, 0], float? softcap=None, Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   // How a call of this dtype made now multiplies its blocks on the CPU: "native" or "widened"
   // (cpu/block_gemm.h).
   m.def("block_products(ScalarType dtype) -> str",

@@ -91,4 +91,22 @@ struct BackwardCall : ForwardCall {
   std::optional<at::Tensor> delta;
 };
 
+// A call of paged_attention (inference only): the cache's pages k_cache (num_pages, page_size,
+// Hkv, D) and v_cache (num_pages, page_size, Hkv, Dv), flash-attn's paged layout; block_table int32
+// (B, max_pages) lists sequence b's pages in order and cache_seqlens int32 (B,) counts its keys,
+// the first rows of those pages. q is dense (B, Lq, Hq, D), or packed (total_q, Hq, D) with
+// cu_seqlens_q (B + 1,) and max_seqlen_q; sequence b's queries are the last of its keys
+// (bottom-right: with more queries than keys, the first ones see none), so decode rows (one
+// query) and prefill chunks share one call. The options are
+// the score options but dropout (an inference op draws none).
+struct PagedCall {
+  at::Tensor q, k_cache, v_cache, block_table, cache_seqlens;
+  std::optional<at::Tensor> cu_seqlens_q;
+  std::optional<c10::SymInt> max_seqlen_q;
+  std::optional<double> scale;
+  ScoreOptions options;
+
+  bool packed() const { return cu_seqlens_q.has_value(); }
+};
+
 }  // namespace causal_attention::detail

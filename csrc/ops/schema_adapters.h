@@ -135,6 +135,25 @@ BackwardGradients backward_from_schema(
 // instantiates here).
 using AttentionSignature = decltype(attention_from_schema<nullptr>);
 using VarlenAttentionSignature = decltype(varlen_attention_from_schema<nullptr>);
+template <std::tuple<at::Tensor, at::Tensor> (*kernel)(const PagedCall&)>
+std::tuple<at::Tensor, at::Tensor> paged_from_schema(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& cu_seqlens_q, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<double> scale, at::IntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  PagedCall call{q,
+                 k_cache,
+                 v_cache,
+                 block_table,
+                 cache_seqlens,
+                 cu_seqlens_q,
+                 std::move(max_seqlen_q),
+                 scale,
+                 score_options(window, softcap, alibi_slopes, sinks, 0.0, std::nullopt)};
+  return kernel(call);
+}
+
 using ForwardSignature = decltype(forward_from_schema<nullptr>);
 using GradientsSignature = decltype(gradients_from_schema<nullptr>);
 using BackwardSignature = decltype(backward_from_schema<nullptr>);

@@ -52,6 +52,18 @@ at::Tensor dropout_keep_mask_meta(const at::Tensor& dropout_seed, c10::SymIntArr
   return at::empty_symint(shape, dropout_seed.options().dtype(at::kBool));
 }
 
+// paged_attention: out like q with Dv, lse (B, Hq, Lq) dense or (Hq, total_q) packed.
+std::tuple<at::Tensor, at::Tensor> paged_attention_meta(const detail::PagedCall& call) {
+  detail::check_paged_call(call);
+  const at::Tensor& q = call.q;
+  std::vector<c10::SymInt> out(q.sym_sizes().begin(), q.sym_sizes().end());
+  out.back() = call.v_cache.sym_size(3);
+  const std::vector<c10::SymInt> lse =
+      call.packed() ? std::vector<c10::SymInt>{q.sym_size(1), q.sym_size(0)}
+                    : std::vector<c10::SymInt>{q.sym_size(0), q.sym_size(2), q.sym_size(1)};
+  return {at::empty_symint(out, q.options()), at::empty_symint(lse, detail::lse_options(q))};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
@@ -59,6 +71,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("attention_gradients", detail::gradients_from_schema<attention_gradients_meta>);
   m.impl("attention_backward", detail::backward_from_schema<attention_backward_meta>);
   m.impl("dropout_keep_mask", dropout_keep_mask_meta);
+  m.impl("paged_attention", detail::paged_from_schema<paged_attention_meta>);
 }
 
 }  // namespace causal_attention

@@ -3,7 +3,9 @@
 // shares the KV head (the GQA group) through the keys at once, with the register products of
 // row_products.h on K and V rows read in place, so that K and V stream from memory once. Only a
 // group of hundreds of heads (its rows then make the products compute-bound) is cut into
-// several tasks of at most kMaxTaskRows rows, so that a task's scratch stays small.
+// several tasks of at most kMaxTaskRows rows, so that a task's scratch stays small. K and V rows
+// come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut the key
+// blocks: a block never crosses a page's end).
 #pragma once
 
 #include "geometry.h"
@@ -23,14 +25,14 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-template <typename scalar_t>
+template <typename scalar_t, typename KeyRows = HeadRows<const scalar_t>>
 class DecodeForward {
   using acc_t = at::opmath_type<scalar_t>;
 
  public:
-  DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q,
-                const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
-                const OutputRows<scalar_t, acc_t>& output, const ScoreModifiers<acc_t>& modifiers)
+  DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
+                const KeyRows& v, const OutputRows<scalar_t, acc_t>& output,
+                const ScoreModifiers<acc_t>& modifiers)
       : dims_(d), q_(q), k_(k), v_(v), output_(output), modifiers_(modifiers) {}
 
   void run() const {
@@ -142,8 +144,8 @@ class DecodeForward {
     }
     const auto [key_begin, key_end] = task_keys(t, split, splits);
     s.state.reset(t.rows);
-    for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyBlock) {
-      const int64_t cols = std::min(kKeyBlock, key_end - k0);
+    for (int64_t k0 = key_begin, cols; k0 < key_end; k0 += cols) {
+      cols = block_keys(k0, key_end);
       if (dims_.kept_keys(t.b, k0, cols) > 0) {  // a block the key mask hides is skipped
         key_block(t, k0, cols, key_end, s);
       }
@@ -151,6 +153,11 @@ class DecodeForward {
     for (int64_t r = 0; r < t.rows; ++r) {
       splits.emit(s.state, r, t.b * dims_.heads_q + t.head(r, dims_), t.query_row(r), split);
     }
+  }
+
+  // The keys of the block from k0: kKeyBlock, fewer at key_end or where the rows' run ends.
+  int64_t block_keys(int64_t k0, int64_t key_end) const {
+    return std::min({kKeyBlock, key_end - k0, k_.run_end(k0) - k0, v_.run_end(k0) - k0});
   }
 
   // Folds keys [k0, k0 + cols) into the task's rows. Value rows are read in place (widened in
@@ -178,8 +185,10 @@ class DecodeForward {
                        : value_rows;
     StreamAhead stream;
     stream.values = StreamAhead::Rows::of(values.data, cols, Dv, values.ld);
-    stream.next_keys = StreamAhead::Rows::of(
-        k_.row(b, h_kv, k0 + cols), std::min(kKeyBlock, key_end - k0 - cols), D, k_.row_stride);
+    if (k0 + cols < key_end) {  // a row past key_end may lie on no page
+      stream.next_keys = StreamAhead::Rows::of(k_.row(b, h_kv, k0 + cols),
+                                               block_keys(k0 + cols, key_end), D, k_.row_stride);
+    }
     // S = Q K_j^T
     if (padded(rows) > 0) {
       const Operand<acc_t> keys = Packing<acc_t>::a(k_block, cols, D, k_.row_stride, s.keys.data());
@@ -214,7 +223,8 @@ class DecodeForward {
   }
 
   const AttentionDims dims_;
-  const HeadRows<const scalar_t> q_, k_, v_;
+  const HeadRows<const scalar_t> q_;
+  const KeyRows k_, v_;
   const OutputRows<scalar_t, acc_t> output_;
   const ScoreModifiers<acc_t> modifiers_;
 };

@@ -339,6 +339,37 @@ struct HeadRows {
     const int64_t first = offsets ? offsets[b] * row_stride : b * batch_stride;
     return data + first + h * head_stride + r * row_stride;
   }
+  // The end of the run of rows from row r that lie row_stride apart: every row of (b, h) here.
+  int64_t run_end(int64_t /*r*/) const { return std::numeric_limits<int64_t>::max(); }
+};
+
+// Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
+// along col: row r of batch item b is row r % page_size of page block_table[b][r / page_size].
+// Rows lie row_stride apart within a page only, so a block of rows never crosses run_end.
+template <typename T>
+struct PagedRows {
+  T* data;
+  int64_t page_stride;
+  int64_t head_stride;
+  int64_t row_stride;
+  const int32_t* block_table;  // (batch, table_width), every page a row reads checked in range
+  int64_t table_width;
+  int64_t page_size;
+
+  PagedRows(const at::Tensor& cache, const at::Tensor& table)
+      : data(static_cast<T*>(cache.data_ptr())),
+        page_stride(cache.stride(0)),
+        head_stride(cache.stride(1)),
+        row_stride(cache.stride(2)),
+        block_table(table.data_ptr<int32_t>()),
+        table_width(table.size(1)),
+        page_size(cache.size(2)) {}
+
+  T* row(int64_t b, int64_t h, int64_t r) const {
+    const int64_t page = block_table[b * table_width + r / page_size];
+    return data + page * page_stride + (r % page_size) * row_stride + h * head_stride;
+  }
+  int64_t run_end(int64_t r) const { return (r / page_size + 1) * page_size; }
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

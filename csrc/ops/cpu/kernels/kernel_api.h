@@ -82,6 +82,17 @@ struct ForwardTensors {
   }
 };
 
+// The forward of a paged KV cache (paged_attention): q, out and lse as ForwardTensors' packed
+// sequences (every sequence's query rows one after the other, cu_q; its keys counted by cu_k,
+// their pages found through block_table), and k, v the cache itself viewed as (num_pages,
+// heads_kv, page_size, dim) with unit stride along dim. block_table: contiguous int32
+// (sequences, table_width), every page a sequence's keys lie on checked in range.
+struct PagedForwardTensors : ForwardTensors {
+  at::Tensor block_table;
+
+  explicit PagedForwardTensors(ForwardTensors forward) : ForwardTensors(std::move(forward)) {}
+};
+
 // As ForwardTensors, plus grad_out shaped like out and dq, dk, dv shaped like q, k, v, with sinks
 // dsinks (heads_q,) in the accumulation dtype, and where a floating attn_mask's gradient is asked
 // for dattn_mask: zeros (batch, heads_q, len_q, len_k) in the accumulation dtype, contiguous, into
@@ -118,6 +129,7 @@ struct KernelStub {
 extern KernelStub<ForwardTensors> forward_kernel;
 extern KernelStub<BackwardTensors> backward_kernel;
 extern KernelStub<KeepMaskTensors> dropout_keep_mask_kernel;
+extern KernelStub<PagedForwardTensors> paged_forward_kernel;
 
 // In a kernel source (compiled with CPU_CAPABILITY), registers `build` as its instruction set's
 // build of `stub`, when the library loads.

@@ -42,9 +42,11 @@ void KernelStub<Tensors>::operator()(const Tensors& tensors) const {
 KernelStub<ForwardTensors> forward_kernel;
 KernelStub<BackwardTensors> backward_kernel;
 KernelStub<KeepMaskTensors> dropout_keep_mask_kernel;
+KernelStub<PagedForwardTensors> paged_forward_kernel;
 
 template struct KernelStub<ForwardTensors>;
 template struct KernelStub<BackwardTensors>;
 template struct KernelStub<KeepMaskTensors>;
+template struct KernelStub<PagedForwardTensors>;
 
 }  // namespace causal_attention::cpu
