@@ -52,16 +52,22 @@ is never silently computed differently than with flash-attn. Served, with flash-
   own keys ``cache_leftpad[b] <= j < cache_seqlens[b] + seqlen_new``, the mask and ALiBi aligned
   to its own length (flash-attn counts the ALiBi lse shift from ``cache_leftpad[b]``);
   ``cache_batch_idx`` (rows of the cache), ``cache_leftpad``, ``block_table`` (a paged cache,
-  its pages gathered into a copy per call) and rotary embeddings (``rotary_cos``/``rotary_sin``,
-  interleaved or not, applied to ``q`` and the new keys at positions ``cache_seqlens[b] + i`` as
-  flash-attn does) are served; ``return_softmax_lse`` returns ``(out, softmax_lse)``. As in
+  its pages read in place by ``causal_attention.paged_attention``, in one call for the batch)
+  and rotary embeddings (``rotary_cos``/``rotary_sin``, interleaved or not, applied to ``q`` and
+  the new keys at positions ``cache_seqlens[b] + i`` as flash-attn does, every query row at
+  ``cache_seqlens[b]`` where the mask is neither causal nor local) are served; ``return_softmax_lse`` returns ``(out, softmax_lse)``. As in
   flash-attn it is not differentiable (it runs under ``torch.no_grad()``). With repeated
   ``cache_batch_idx`` entries the last row's new keys are the ones left in the cache, and every
   row attends to the cache as left after all the writes.
+- ``flash_attn_varlen_func(..., block_table=...)``: ``k``/``v`` a paged cache
+  ``(num_blocks, page_block_size, nheads_k, headdim)``, sequence b's keys the first
+  ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` rows of its pages, read in place by
+  ``paged_attention``; inference only (inputs that require grad, or dropout, are refused).
 
 Refused (``NotImplementedError``): ``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn's
 testing-only S_dmask encoding of the dropout pattern), ``block_table`` in
-``flash_attn_varlen_func``, and ``block_table`` with ``cache_batch_idx`` or ``cache_leftpad``
+``flash_attn_varlen_func`` with gradients or dropout, and ``block_table`` with
+``cache_batch_idx`` or ``cache_leftpad``
 (flash-attn refuses those pairs too). flash-attn's CUDA-only limits (fp16/bf16, head
 dimension at most 256, a multiple of 8, page sizes a multiple of 256) do not apply: float32 and
 float64 work, and ``v`` may have a head dimension of its own. Bad types raise ``TypeError``,
@@ -80,7 +86,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..ops import attention, attention_forward, varlen_attention
+from ..ops import attention, attention_forward, paged_attention, varlen_attention
 from .._arguments import refuse_tensor_requiring_grad
 
 _PREFIX = "causal_attention.integrations.flash_attn"
@@ -265,15 +271,15 @@ def flash_attn_varlen_kvpacked_func(
 def _varlen_call(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                  block_table=None):
-    """``flash_attn_varlen_func`` and its packed forms, errors naming ``fn``."""
+    """``flash_attn_varlen_func`` and its packed forms, errors naming ``fn``; with
+    ``block_table``, k and v are a paged cache (``_paged_varlen_call``)."""
+    if block_table is not None:
+        return _paged_varlen_call(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, return_attn_probs, block_table)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(fn, name, t, 3, "(total, nheads, headdim)")
     _check_head_dim(fn, q)
-    if block_table is not None:
-        raise NotImplementedError(
-            f"{fn}: block_table (a paged K/V cache) is not supported here, got a "
-            f"{_describe(block_table)}; flash_attn_with_kvcache serves paged caches"
-        )
     max_q = _as_int(fn, "max_seqlen_q", max_seqlen_q)
     max_k = _as_int(fn, "max_seqlen_k", max_seqlen_k)
     _check_rank(fn, "cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
@@ -290,15 +296,71 @@ def _varlen_call(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                      max_seqlen_q=max_q, max_seqlen_k=max_k, **scores.kwargs())
         if scores.alibi_lse_shift:
-            lengths_q, lengths_k = (cu.cpu().long().diff() for cu in (cu_seqlens_q, cu_seqlens_k))
-            sequence = torch.repeat_interleave(torch.arange(lengths_q.numel()), lengths_q)
-            start = cu_seqlens_q.cpu().long()[sequence]
-            positions = torch.arange(sequence.numel()) - start + (lengths_k - lengths_q)[sequence]
-            slopes = scores.alibi_slopes
-            slopes = slopes.unsqueeze(-1) if slopes.dim() == 1 else slopes[sequence].T
-            lse = lse + slopes * positions
+            lse = _varlen_alibi_lse(lse, scores.alibi_slopes, cu_seqlens_q,
+                                    cu_seqlens_k.cpu().long().diff())
         return out, lse, _no_dropout_mask(q)
     return varlen_attention(*args, scale=softmax_scale, dropout_p=dropout_p, **scores.kwargs())
+
+
+def _paged_varlen_call(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, block_table):
+    """``flash_attn_varlen_func`` over a paged cache, as flash-attn serves it: ``k``/``v``
+    ``(num_blocks, page_block_size, nheads_k, headdim[_v])``, ``block_table (batch,
+    max_num_blocks_per_seq)`` int32, sequence b's keys the first ``cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]`` rows of its pages; read in place by paged_attention (inference only)."""
+    _check_rank(fn, "q", q, 3, "(total_q, nheads, headdim)")
+    layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+    _check_rank(fn, "k", k_cache, 4, layout)
+    _check_rank(fn, "v", v_cache, 4, layout)
+    _check_head_dim(fn, q)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise NotImplementedError(
+            f"{fn}: with block_table (a paged cache) the call is inference only here, as "
+            "serving is; got inputs that require grad (call it under torch.no_grad())"
+        )
+    max_q = _as_int(fn, "max_seqlen_q", max_seqlen_q)
+    max_k = _as_int(fn, "max_seqlen_k", max_seqlen_k)
+    _check_rank(fn, "cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+    _check_rank(fn, "cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)")
+    batch = cu_seqlens_q.numel() - 1
+    table = _check_row_indices(fn, "block_table", block_table, batch, 2)
+    if cu_seqlens_k.numel() != batch + 1 or cu_seqlens_k.dtype != torch.int32:
+        raise ValueError(
+            f"{fn}: cu_seqlens_k must be int32 (batch + 1,) like cu_seqlens_q, got a "
+            f"{_describe(cu_seqlens_k)}"
+        )
+    scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, max_q, max_k, batch,
+                        q.size(1))
+    dropout_p = _check_dropout(fn, dropout_p, return_attn_probs)
+    if dropout_p > 0.0:
+        raise NotImplementedError(
+            f"{fn}: dropout_p={dropout_p} with block_table (a paged cache) is not supported: "
+            "the paged call serves inference, which draws no dropout"
+        )
+    softmax_scale = _check_scale(fn, softmax_scale)
+    lengths_k = cu_seqlens_k.cpu().diff()
+    out, lse = paged_attention(q, k_cache, v_cache, table, lengths_k, cu_seqlens_q=cu_seqlens_q,
+                               max_seqlen_q=max_q, scale=_resolve_scale(softmax_scale, q),
+                               return_lse=True, **scores.kwargs())
+    if not return_attn_probs:
+        return out
+    if scores.alibi_lse_shift:
+        lse = _varlen_alibi_lse(lse, scores.alibi_slopes, cu_seqlens_q, lengths_k.long())
+    return out, lse, _no_dropout_mask(q)
+
+
+def _varlen_alibi_lse(lse: Tensor, slopes: Tensor, cu_seqlens_q: Tensor,
+                      lengths_k: Tensor) -> Tensor:
+    """flash-attn's softmax_lse ``(nheads, total_q)`` of packed rows under its causal ALiBi
+    kernel: the op's plus ``slope * position``, the row's position counted from its sequence's
+    first key (_Scores)."""
+    lengths_q = cu_seqlens_q.cpu().long().diff()
+    sequence = torch.repeat_interleave(torch.arange(lengths_q.numel()), lengths_q)
+    start = cu_seqlens_q.cpu().long()[sequence]
+    positions = torch.arange(sequence.numel()) - start + (lengths_k - lengths_q)[sequence]
+    slopes = slopes.unsqueeze(-1) if slopes.dim() == 1 else slopes[sequence].T
+    return lse + slopes * positions
 
 
 def flash_attn_with_kvcache(
@@ -526,15 +588,6 @@ class _KVCacheCall:
     def keys(self, rows: List[int], length: int) -> Tuple[Tensor, Tensor]:
         """K and V of ``rows`` up to ``length``, ``(len(rows), length, nheads_k, headdim)``: a view
         of the cache when the rows are consecutive, else a copy."""
-        if self.paged:
-            pages = self.block_table[rows, : _ceil_div(length, self.page)].long()
-            needed = torch.tensor([_ceil_div(self.ends[b], self.page) for b in rows])
-            # Columns past a row's own pages may hold anything; page 0 stands in for them, its
-            # keys hidden by the key mask.
-            pages[torch.arange(pages.size(1)) >= needed.unsqueeze(1)] = 0
-            return tuple(
-                c[pages].flatten(1, 2)[:, :length] for c in (self.k_cache, self.v_cache)
-            )
         cache_rows = [self.rows[b] for b in rows]
         if _consecutive(cache_rows):
             picked = slice(cache_rows[0], cache_rows[0] + len(cache_rows))
@@ -545,6 +598,8 @@ class _KVCacheCall:
     def attend(self, q: Tensor, scale: float, scores: "_Scores", with_lse: bool):
         """One op call per group, on a view of the cache where its rows are consecutive; a key
         mask only where some row's keys start past 0 or end before the group's."""
+        if self.paged:
+            return self._attend_pages(q, scale, scores, with_lse)
         batch, lq, heads, _ = self.q_shape
         groups = self.groups(scores)
         if len(groups) != 1:
@@ -585,6 +640,21 @@ class _KVCacheCall:
                 out[picked] = o.transpose(1, 2)
                 if with_lse:
                     lse[picked] = l
+        return (out, lse) if with_lse else out
+
+    def _attend_pages(self, q: Tensor, scale: float, scores: "_Scores", with_lse: bool):
+        """A paged cache, read in place by paged_attention in one call: row b's keys are the
+        first ``ends[b]`` rows of its pages (no left padding with pages), its queries aligned to
+        their end, as flash-attn's."""
+        ends = torch.tensor(self.ends, dtype=torch.int32)
+        kwargs = scores.kwargs()
+        out, lse = paged_attention(q, self.k_cache, self.v_cache, self.block_table, ends,
+                                   scale=scale, return_lse=True, **kwargs)
+        if with_lse and scores.alibi_lse_shift:
+            # flash-attn's causal ALiBi counts distances from the row's first key (attend).
+            lq = self.q_shape[1]
+            positions = torch.arange(lq) + (ends - lq).view(-1, 1, 1)
+            lse = lse + kwargs["alibi_slopes"].unsqueeze(-1) * positions
         return (out, lse) if with_lse else out
 
 

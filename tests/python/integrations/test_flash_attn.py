@@ -708,8 +708,22 @@ def unpage(pages, table, capacity):
     return pages[table[:, : capacity // pages.size(1)].long()].flatten(1, 2)
 
 
-@pytest.mark.parametrize("lq,new", [(1, 1), (2, 2), (1, 0)])
-def test_kvcache_block_table_is_the_contiguous_cache(lq, new):
+PAGED_SCORES = {
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window_size=(5, 0)),
+    "local": dict(causal=False, window_size=(6, 2)),
+    "full": dict(causal=False),
+    "softcap": dict(causal=True, softcap=2.0),
+    "alibi": dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    "alibi-full": dict(causal=False, alibi_slopes=torch.rand(3, 4)),
+}
+
+
+@pytest.mark.parametrize("scores", list(PAGED_SCORES))
+@pytest.mark.parametrize("lq,new", [(1, 1), (2, 2), (1, 0), (9, 2)])
+def test_kvcache_block_table_is_the_contiguous_cache(lq, new, scores):
+    """The pages, read in place (paged_attention), give the contiguous cache's output and
+    softmax_lse, for every score option; (9, 2): more queries than the first row's keys."""
     batch, capacity, page = 3, 32, 8
     k_cache, v_cache = bshd(batch, capacity, 2, 16, torch.float64), \
         bshd(batch, capacity, 2, 16, torch.float64)
@@ -721,11 +735,14 @@ def test_kvcache_block_table_is_the_contiguous_cache(lq, new):
     used = table.clone()
     for b, end in enumerate((lengths + new).tolist()):
         used[b, -(-end // page) :] = 10**6
-    paged = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lengths,
-                                    block_table=used, causal=True)
-    contiguous = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-                                         causal=True)
+    options = PAGED_SCORES[scores]
+    paged, paged_lse = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lengths,
+                                               block_table=used, return_softmax_lse=True,
+                                               **options)
+    contiguous, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                              return_softmax_lse=True, **options)
     torch.testing.assert_close(paged, contiguous, rtol=0, atol=1e-13)
+    torch.testing.assert_close(paged_lse, lse, rtol=0, atol=1e-12)
     assert torch.isfinite(paged).all()
     assert torch.equal(unpage(k_pages, table, capacity), k_cache)
     assert torch.equal(unpage(v_pages, table, capacity), v_cache)
@@ -1045,6 +1062,46 @@ def varlen_call(**kwargs):
     return lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, **kwargs)
 
 
+def paged_varlen_call(requires_grad=False, **kwargs):
+    q = torch.randn(5, 2, 8, requires_grad=requires_grad)
+    pages = torch.randn(4, 4, 2, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 6, 14]))
+    return lambda: flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 8, causal=True,
+                                          block_table=table, **kwargs)
+
+
+@pytest.mark.parametrize("scores", list(PAGED_SCORES))
+def test_varlen_block_table_reads_the_pages_as_their_keys(scores):
+    """flash_attn_varlen_func with block_table: k and v are pages, sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages; the output and softmax_lse are the
+    varlen call's on those keys gathered."""
+    lengths_q, lengths_k, page = [1, 5, 4], [9, 5, 30], 8
+    q, k, v, cu_q, cu_k = (t.detach() for t in packed(lengths_q, lengths_k, 4, 2, 16, 16,
+                                                       torch.float64))
+    per_row = max(-(-n // page) for n in lengths_k)
+    total = len(lengths_k) * per_row + 2
+    order = torch.randperm(total)
+    table = torch.full((len(lengths_k), per_row + 1), 10**6, dtype=torch.int32)
+    k_pages = torch.full((total, page, 2, 16), math.nan, dtype=torch.float64)
+    v_pages = k_pages.clone()
+    used = 0
+    for b, n in enumerate(lengths_k):
+        for j in range(-(-n // page)):
+            rows = slice(cu_k[b] + j * page, cu_k[b] + min((j + 1) * page, n))
+            table[b, j] = order[used]
+            k_pages[order[used], : rows.stop - rows.start] = k[rows]
+            v_pages[order[used], : rows.stop - rows.start] = v[rows]
+            used += 1
+    options = PAGED_SCORES[scores]
+    out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 30,
+                                         return_attn_probs=True, block_table=table, **options)
+    ref, ref_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 30, return_attn_probs=True,
+                                             **options)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+
+
 def kv_arguments(lq=2, new=2):
     k_cache, v_cache = bshd(2, 16, 2, 8, torch.float32), bshd(2, 16, 2, 8, torch.float32)
     q = bshd(2, lq, 4, 8, torch.float32)
@@ -1091,8 +1148,10 @@ REFUSED = [
                  "return_attn_probs=True with dropout_p=0.1", id="func-probs-with-dropout"),
     pytest.param(varlen_call(causal=True, dropout_p=0.5, return_attn_probs=True),
                  "return_attn_probs=True with dropout_p=0.5", id="varlen-probs-with-dropout"),
-    pytest.param(varlen_call(causal=True, block_table=torch.zeros(2, 1, dtype=torch.int32)),
-                 "block_table", id="varlen-block_table"),
+    pytest.param(paged_varlen_call(dropout_p=0.5), "dropout_p=0.5 with block_table",
+                 id="varlen-block_table-dropout"),
+    pytest.param(paged_varlen_call(requires_grad=True), "inference only",
+                 id="varlen-block_table-grad"),
     pytest.param(
         kv_call(block_table=torch.zeros(2, 2, dtype=torch.int32),
                 cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
