@@ -36,6 +36,8 @@ import torch.multiprocessing as mp
 import causal_attention as ca
 from causal_attention import distributed as cp
 
+from .proc import cpu_name, status_kib
+
 SECTIONS = ("memory", "time", "bytes", "balance")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MALLOC_MMAP_THRESHOLD = str(128 * 1024)
@@ -75,13 +77,6 @@ def inputs(args, length: int, seed: int = 0):
                for s in (shape, kv_shape, kv_shape))
     return q, k, v, torch.randn(shape, generator=g).to(dtype)
 
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def bytes_written() -> int:
@@ -265,14 +260,6 @@ def main(argv=None) -> dict:
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return report
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

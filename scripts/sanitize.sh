@@ -22,8 +22,8 @@ REPORTS="$BUILD/reports"
 # The Python subset (the whole suite would not fit CI's budget with the build): the robustness
 # files (bad inputs, numerics, faults, threads and forked DataLoader workers, and the fuzz at a
 # quarter of its examples: CAUSAL_ATTENTION_FUZZ_SCALE), then the op's and the module's
-# correctness (key masks, attention masks, query offsets and given deltas, and packed sequences
-# included), semantics, compile and determinism tests. Left out: gradcheck (float64 gradients
+# correctness (key masks, attention masks, query offsets and given deltas, packed sequences and
+# paged caches included), semantics, compile and determinism tests. Left out: gradcheck (float64 gradients
 # are fuzzed here), and the model, training, DDP, context-parallel, benchmark, export, memory and
 # interop tests, which add run time but no op inputs of a new kind (the ring's calls are the
 # query-offset tests' calls).
@@ -38,6 +38,7 @@ PYTHON_TESTS=(
   tests/python/ops/test_key_mask.py
   tests/python/ops/test_attn_mask.py
   tests/python/ops/test_query_offset.py
+  tests/python/ops/test_paged_attention.py
   tests/python/ops/test_varlen.py
   tests/python/integrations/test_sdpa_dropin.py
   tests/python/ops/test_opcheck.py

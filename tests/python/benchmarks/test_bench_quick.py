@@ -203,3 +203,21 @@ def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
         assert 1.0 <= report["bytes"][method]["ratio_measured_to_formula"] < 1.05, method
     for layout in ("zigzag", "contiguous"):
         assert len(report["balance"][layout]["cpu_s_per_rank"]) == 2, layout
+
+
+def test_paged_benchmark_quick_writes_every_section(tmp_path):
+    """python -m benchmarks.paged --quick times every path (paged, contiguous, gathered SDPA,
+    the mixed batch's three ways) and measures a call's memory; the paged output is the
+    contiguous op's."""
+    out = tmp_path / "paged.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.paged", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    (decode,) = report["decode"]
+    assert decode["max_abs_error"] < 1e-5
+    assert {"paged_ms", "contiguous_ms", "flash_layout_ms", "gather_sdpa_ms"} <= decode.keys()
+    assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
+    assert report["memory"]["cache_mib"] == 2.0

@@ -1,0 +1,198 @@
+"""Serving from a paged KV cache on the CPU: causal_attention.paged_attention reading pages in
+place, against our contiguous decode and against gathering the pages and calling torch's
+scaled_dot_product_attention (SDPA), all timed in the same run.
+
+Sections (--only):
+  decode   one query row per sequence (B in --batches) against caches of --lengths tokens in
+           pages of --pages rows (shuffled, as a pool hands them out): paged_attention, our op
+           on the same keys contiguous in the KV cache's (B, Hkv, L, D) layout and in the
+           pages' own (B, L, Hkv, D) layout, and the pages gathered + SDPA
+  mixed    8 decodes and 2 prefill chunks of --chunk queries (caches of --mixed-length tokens)
+           in one paged call, against one call per request and against one call for the
+           decodes plus one per chunk
+  memory   the peak resident memory one decode call of B=8 at the longest --lengths adds (its
+           VmHWM above its VmRSS before the call), against the cache's size
+
+Every time is the median of torch.utils.benchmark's blocked_autorange at --threads threads.
+
+    python -m benchmarks.paged                          # the full sizes (minutes)
+    python -m benchmarks.paged --quick --out /tmp/p.json  # seconds: every path, tiny sizes
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.benchmark import Timer
+
+import causal_attention as ca
+
+from .proc import cpu_name, status_kib
+
+SECTIONS = ("decode", "mixed", "memory")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="seconds-long run of every path")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 32768])
+    parser.add_argument("--pages", nargs="+", type=int, default=[16, 128])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=512, help="queries of a prefill chunk")
+    parser.add_argument("--mixed-length", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--min-run-time", type=float, default=0.5)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/paged.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.lengths, args.pages = [2], [256], [16]
+        args.chunk, args.mixed_length, args.min_run_time = 16, 128, 0.01
+    return args
+
+
+def seconds(fn, args) -> float:
+    timer = Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
+    return timer.blocked_autorange(min_run_time=args.min_run_time).median
+
+
+def pool(keys: torch.Tensor, values: torch.Tensor, page: int, seed: int = 0):
+    """(B, Hkv, L, D) keys and values laid into shuffled pages; the pool and the table."""
+    batch, heads, length, dim = keys.shape
+    per_row = -(-length // page)
+    order = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(seed))
+    caches = []
+    for t in (keys, values):
+        padded = F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, per_row * page - length))
+        cache = torch.empty(batch * per_row, page, heads, t.shape[-1])
+        cache[order] = padded.reshape(batch * per_row, page, heads, t.shape[-1])
+        caches.append(cache)
+    return caches[0], caches[1], order.view(batch, per_row).int()
+
+
+def gathered_sdpa(q, k_cache, v_cache, table, length):
+    """The pages gathered into a contiguous copy, then SDPA (a serving stack without paged
+    kernels)."""
+    pages = table.long()
+    k = k_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)
+    v = v_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def section_decode(args) -> list:
+    rows = []
+    for length in args.lengths:
+        for batch in args.batches:
+            k = torch.randn(batch, args.kv_heads, length, args.head_dim)
+            v = torch.randn(batch, args.kv_heads, length, args.head_dim)
+            q = torch.randn(batch, args.heads, 1, args.head_dim)
+            contiguous = seconds(lambda: ca.attention(q, k, v), args)
+            k_flash, v_flash = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+            flash_layout = seconds(lambda: ca.attention(q, k_flash, v_flash), args)
+            for page in args.pages:
+                k_cache, v_cache, table = pool(k, v, page)
+                seqlens = torch.full((batch,), length, dtype=torch.int32)
+                q_flash = q.transpose(1, 2).contiguous()
+                paged = seconds(lambda: ca.paged_attention(q_flash, k_cache, v_cache, table,
+                                                           seqlens), args)
+                sdpa = seconds(lambda: gathered_sdpa(q, k_cache, v_cache, table, length), args)
+                out = ca.paged_attention(q_flash, k_cache, v_cache, table, seqlens)
+                error = (out.transpose(1, 2) - ca.attention(q, k, v)).abs().max().item()
+                row = {"length": length, "batch": batch, "page": page,
+                       "paged_ms": paged * 1e3, "contiguous_ms": contiguous * 1e3,
+                       "flash_layout_ms": flash_layout * 1e3, "gather_sdpa_ms": sdpa * 1e3,
+                       "contiguous_over_paged": contiguous / paged,
+                       "flash_layout_over_paged": flash_layout / paged,
+                       "gather_sdpa_over_paged": sdpa / paged, "max_abs_error": error}
+                print(json.dumps(row))
+                rows.append(row)
+    return rows
+
+
+def section_mixed(args) -> dict:
+    """8 decodes and 2 prefill chunks, each sequence's cache --mixed-length tokens (a chunk's
+    queries are the last of them), pages of the smallest --pages."""
+    page, length = min(args.pages), args.mixed_length
+    lengths_q = [1] * 8 + [args.chunk] * 2
+    batch = len(lengths_q)
+    k = torch.randn(batch, args.kv_heads, length, args.head_dim)
+    v = torch.randn(batch, args.kv_heads, length, args.head_dim)
+    k_cache, v_cache, table = pool(k, v, page)
+    seqlens = torch.full((batch,), length, dtype=torch.int32)
+    queries = [torch.randn(n, args.heads, args.head_dim) for n in lengths_q]
+    q = torch.cat(queries)
+    cu = torch.tensor([0] + lengths_q).cumsum(0).int()
+
+    def one_call():
+        return ca.paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
+                                  max_seqlen_q=max(lengths_q))
+
+    def call(rows, picked_queries):
+        lengths = [x.shape[0] for x in picked_queries]
+        return ca.paged_attention(torch.cat(picked_queries), k_cache, v_cache, table[rows],
+                                  seqlens[rows], cu_seqlens_q=torch.tensor([0] + lengths)
+                                  .cumsum(0).int(), max_seqlen_q=max(lengths))
+
+    def per_request():
+        return [call([b], [queries[b]]) for b in range(batch)]
+
+    def decodes_then_chunks():
+        return [call(list(range(8)), queries[:8]), call([8], [queries[8]]),
+                call([9], [queries[9]])]
+
+    # The same attention; the key splits (and so the float32 sums' order) follow the call's
+    # shape, so a request batched with others may differ from its own call in the last bits.
+    torch.testing.assert_close(torch.cat(per_request()), one_call(), rtol=1e-5, atol=1e-6)
+    times = {name: seconds(fn, args) for name, fn in
+             (("one_call", one_call), ("per_request", per_request),
+              ("decodes_then_chunks", decodes_then_chunks))}
+    result = {f"{name}_ms": t * 1e3 for name, t in times.items()}
+    result["per_request_over_one_call"] = times["per_request"] / times["one_call"]
+    result["decodes_then_chunks_over_one_call"] = times["decodes_then_chunks"] / times["one_call"]
+    print(json.dumps(result))
+    return result
+
+
+
+def section_memory(args) -> dict:
+    length, page, batch = max(args.lengths), min(args.pages), 8
+    k = torch.randn(batch, args.kv_heads, length, args.head_dim)
+    k_cache, v_cache, table = pool(k, k, page)
+    del k
+    seqlens = torch.full((batch,), length, dtype=torch.int32)
+    q = torch.randn(batch, 1, args.heads, args.head_dim)
+    ca.paged_attention(q, k_cache, v_cache, table, seqlens)  # warm-up: threads, scratch
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = status_kib("VmRSS")
+    ca.paged_attention(q, k_cache, v_cache, table, seqlens)
+    added = (status_kib("VmHWM") - before) * 1024
+    cache = (k_cache.numel() + v_cache.numel()) * k_cache.element_size()
+    result = {"length": length, "batch": batch, "cache_mib": cache / 2**20,
+              "peak_added_mib": added / 2**20, "added_over_cache": added / cache}
+    print(json.dumps(result))
+    return result
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "cpu": cpu_name(), "torch": torch.__version__}
+    for section in args.only:
+        report[section] = globals()[f"section_{section}"](args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return report
+
+
+
+if __name__ == "__main__":
+    main()

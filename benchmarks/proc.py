@@ -1,0 +1,19 @@
+"""What /proc says of this process and this machine, for the benchmarks that measure memory."""
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, ...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def cpu_name() -> str:
+    """The model name /proc/cpuinfo gives this machine's CPU."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
