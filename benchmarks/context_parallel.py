@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 import causal_attention as ca
 from causal_attention import distributed as cp
 
-from .proc import cpu_name, status_kib
+from .proc import cpu_name, status_kib, write_report
 
 SECTIONS = ("memory", "time", "bytes", "balance")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -256,9 +256,7 @@ def main(argv=None) -> dict:
         for section in args.only:
             report[section] = globals()[f"section_{section}"](args, Path(scratch))
             print(section, json.dumps(report[section], indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return report
 
 

@@ -29,7 +29,7 @@ from torch.utils.benchmark import Timer
 
 import causal_attention as ca
 
-from .proc import cpu_name, status_kib
+from .proc import cpu_name, status_kib, write_report
 
 SECTIONS = ("decode", "mixed", "memory")
 
@@ -187,11 +187,8 @@ def main(argv=None) -> dict:
               "cpu": cpu_name(), "torch": torch.__version__}
     for section in args.only:
         report[section] = globals()[f"section_{section}"](args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return report
-
 
 
 if __name__ == "__main__":

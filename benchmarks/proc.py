@@ -1,4 +1,7 @@
-"""What /proc says of this process and this machine, for the benchmarks that measure memory."""
+"""What /proc says of this process and this machine, for the benchmarks that measure memory, and
+where their report goes."""
+
+import json
 
 
 def status_kib(field: str) -> int:
@@ -17,3 +20,10 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return "unknown"
+
+
+def write_report(out, report: dict) -> None:
+    """The report as JSON at ``out`` (a Path), its folder made where missing."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")

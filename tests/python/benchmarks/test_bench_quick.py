@@ -118,6 +118,17 @@ def test_documented_grid_comparison_is_the_saved_runs():
         assert abs(now_ratio / base_ratio - change) <= 0.01, line
 
 
+def quick_report(module: str, tmp_path):
+    """What ``python -m benchmarks.<module> --quick --out ...`` wrote, after it exited 0."""
+    out = tmp_path / f"{module}.json"
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize(
     "module, sections",
     [
@@ -128,16 +139,7 @@ def test_documented_grid_comparison_is_the_saved_runs():
 def test_bench_sections_quick_writes_every_section(tmp_path, module, sections):
     """python -m benchmarks.ragged --quick and python -m benchmarks.options --quick time every
     section, dtype and pass and write them."""
-    out = tmp_path / f"{module}.json"
-    result = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = quick_report(module, tmp_path)["rows"]
     assert {(r["section"], r["dtype"], r["pass"]) for r in rows} == {
         (section, dtype, pass_name)
         for section in sections
@@ -189,13 +191,7 @@ def test_breakdown_quick_reports_both_views():
 def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.context_parallel --quick runs every section on real processes and
     writes them; the bytes it measures at the socket are the formula's, within the handshake."""
-    out = tmp_path / "cp.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.context_parallel", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+    report = quick_report("context_parallel", tmp_path)
     # At the quick sizes a call adds about a page to the resident set, within the kernel's
     # counting: the figures are there, their size is not the point.
     for method in ("ring", "ulysses"):
@@ -209,13 +205,7 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.paged --quick times every path (paged, contiguous, gathered SDPA,
     the mixed batch's three ways) and measures a call's memory; the paged output is the
     contiguous op's."""
-    out = tmp_path / "paged.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.paged", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+    report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
     assert decode["max_abs_error"] < 1e-5
     assert {"paged_ms", "contiguous_ms", "flash_layout_ms", "gather_sdpa_ms"} <= decode.keys()
