@@ -341,6 +341,9 @@ struct HeadRows {
   }
   // The end of the run of rows from row r that lie row_stride apart: every row of (b, h) here.
   int64_t run_end(int64_t /*r*/) const { return std::numeric_limits<int64_t>::max(); }
+  // Whether the heads' rows interleave in memory (decode.h reads them together where they do):
+  // taken as not, the (batch, heads, rows) layouts' usual case.
+  static constexpr bool kInterleavedHeads = false;
 };
 
 // Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
@@ -370,6 +373,9 @@ struct PagedRows {
     return data + page * page_stride + (r % page_size) * row_stride + h * head_stride;
   }
   int64_t run_end(int64_t r) const { return (r / page_size + 1) * page_size; }
+  // A page holds the rows of every head side by side: (page_size, heads, col) in flash-attn's
+  // layout.
+  static constexpr bool kInterleavedHeads = true;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
