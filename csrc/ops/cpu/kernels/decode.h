@@ -5,7 +5,9 @@
 // group of hundreds of heads (its rows then make the products compute-bound) is cut into
 // several tasks of at most kMaxTaskRows rows, so that a task's scratch stays small. K and V rows
 // come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut the key
-// blocks: a block never crosses a page's end).
+// blocks: a block never crosses a page's end). Where KeyRows interleaves the heads' rows (a
+// page), a task carries every KV head of its sequence through each key block instead
+// (heads_together).
 #pragma once
 
 #include "geometry.h"
