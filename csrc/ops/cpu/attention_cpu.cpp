@@ -446,6 +446,10 @@ PackedSequences paged_sequences(const detail::PagedCall& call, const at::Tensor&
                         "'s ", keys, " keys lie on its first ", (keys + page_size - 1) / page_size,
                         " entries");
     }
+    // The kernels count keys in int32 (cu_k): a table naming one page many times can say more.
+    TORCH_CHECK_VALUE(cu_k[b] + keys <= std::numeric_limits<int32_t>::max(), op,
+                      ": the sequences hold more than 2^31 - 1 keys in all (cache_seqlens sums to ",
+                      cu_k[b] + keys, " by sequence ", b, ")");
     cu_k[b + 1] = static_cast<int32_t>(cu_k[b] + keys);
     sequences.max_len_k = std::max(sequences.max_len_k, keys);
   }

@@ -270,6 +270,16 @@ def test_bad_calls_raise_typed_errors_naming_the_argument(args, error, match):
         paged_attention(**args)
 
 
+def test_more_keys_than_int32_counts_are_refused():
+    """A table naming one page over and over can describe 2^31 keys with a one-page pool: the
+    total is refused before the kernels count it."""
+    k_cache = torch.randn(1, 4096, 1, 8)
+    table = torch.zeros(2, 2**19, dtype=torch.int32)
+    lengths = torch.tensor([2**31 - 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="more than 2\\^31 - 1 keys"):
+        paged_attention(torch.randn(2, 1, 1, 8), k_cache, k_cache, table, lengths)
+
+
 def test_bad_packed_calls():
     args = call_args()
     q = torch.randn(3, 2, 8)
