@@ -10,10 +10,12 @@ the first write into a shared, partly filled last page copies it first (copy on 
 pages are never written again, and stay shared until every holder frees them.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from .ops import paged_attention
 
 _NAME = "causal_attention.PagedKVCache"
 
@@ -165,18 +167,14 @@ class PagedKVCache:
         this request alone holds. Returns their slots, ``(tokens,)`` int64, for
         :meth:`append` (or :func:`paged_cache_append`). Raises RuntimeError, changing nothing,
         when the free list is too short."""
-        pages, length = self._pages[self._known(request)], self._lengths[request]
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"{_NAME}.reserve: tokens must be an int >= 0, got {tokens!r}")
-        partial = length % self.page_size != 0
-        copy_last = tokens > 0 and partial and self._holders[pages[-1]] > 1
-        needed = -(-(length + tokens) // self.page_size) - len(pages) + int(copy_last)
+        needed = self._pages_needed("reserve", request, tokens)
         if needed > len(self._free):
             raise RuntimeError(
                 f"{_NAME}.reserve: {tokens} more tokens of request {request!r} need {needed} "
                 f"free pages, {len(self._free)} of {self.num_pages} are free"
             )
-        if copy_last:
+        pages, length = self._pages[request], self._lengths[request]
+        if self._copies_last_page(request, tokens):
             shared = pages[-1]
             pages[-1] = self._take()
             for layer in self.key_pages + self.value_pages:
@@ -188,6 +186,34 @@ class PagedKVCache:
         positions = torch.arange(length, length + tokens)
         table = torch.tensor(pages, dtype=torch.long)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def step(self, requests: Sequence, tokens: Sequence[int]) -> "PagedStep":
+        """One serving step: ``tokens[i]`` more tokens of ``requests[i]`` (distinct requests),
+        reserved (:meth:`reserve`) and described for every layer's attention, new tokens in
+        request order (a prefill chunk's, a decode's one). Raises RuntimeError, changing
+        nothing, when the free list cannot hold them all."""
+        if len(requests) != len(tokens) or len(set(requests)) != len(requests):
+            raise ValueError(f"{_NAME}.step: one token count per request, each request once, "
+                             f"got {len(requests)} requests and {len(tokens)} counts")
+        needed = sum(self._pages_needed("step", r, n) for r, n in zip(requests, tokens))
+        if needed > len(self._free):
+            raise RuntimeError(f"{_NAME}.step: the step needs {needed} free pages, "
+                               f"{len(self._free)} of {self.num_pages} are free")
+        before = [self._lengths[r] for r in requests]
+        slots = [self.reserve(r, n) for r, n in zip(requests, tokens)]
+        device = self.key_pages[0].device
+        counts = torch.tensor([0] + list(tokens), dtype=torch.int32)
+        positions = [torch.arange(start, start + n) for start, n in zip(before, tokens)]
+        return PagedStep(
+            cache=self,
+            slot_mapping=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long),
+            block_table=self.block_table(requests),
+            seqlens=self.seqlens(requests),
+            cu_seqlens_q=counts.cumsum(0, dtype=torch.int32),
+            max_seqlen_q=max(tokens, default=0),
+            positions=(torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long))
+            .to(device),
+        )
 
     def append(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Writes one layer's keys ``(tokens, Hkv, D)`` and values ``(tokens, Hkv, Dv)`` into
@@ -223,6 +249,19 @@ class PagedKVCache:
                            f"{len(self._pages)} requests)")
         return request
 
+    def _copies_last_page(self, request, tokens: int) -> bool:
+        """Whether ``tokens`` more tokens of ``request`` first copy its shared partial page."""
+        pages, length = self._pages[request], self._lengths[request]
+        return tokens > 0 and length % self.page_size != 0 and self._holders[pages[-1]] > 1
+
+    def _pages_needed(self, caller: str, request, tokens: int) -> int:
+        """The free pages ``tokens`` more tokens of ``request`` draw (copy on write included)."""
+        pages, length = self._pages[self._known(request)], self._lengths[request]
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"{_NAME}.{caller}: tokens must be an int >= 0, got {tokens!r}")
+        copy = int(self._copies_last_page(request, tokens))
+        return -(-(length + tokens) // self.page_size) - len(pages) + copy
+
     def _take(self) -> int:
         page = self._free.pop()
         self._holders[page] = 1
@@ -232,6 +271,32 @@ class PagedKVCache:
         self._holders[page] -= 1
         if self._holders[page] == 0:
             self._free.append(page)
+
+
+class PagedStep(NamedTuple):
+    """One serving step's geometry (:meth:`PagedKVCache.step`): the new tokens' slots
+    ``(total,)`` int64, in request order; the requests' block table ``(B, max_pages)`` and
+    lengths ``(B,)`` int32 after the step; ``cu_seqlens_q (B + 1,)`` int32 over the new tokens
+    and the most any request adds; and each new token's position in its sequence ``(total,)``
+    int64 (for position embeddings)."""
+
+    cache: PagedKVCache
+    slot_mapping: Tensor
+    block_table: Tensor
+    seqlens: Tensor
+    cu_seqlens_q: Tensor
+    max_seqlen_q: int
+    positions: Tensor
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+        """Writes one layer's new keys ``(total, Hkv, D)`` and values ``(total, Hkv, Dv)`` into
+        their slots, then attends the new queries ``(total, Hq, D)`` to every key of their
+        requests through the pages (:func:`causal_attention.paged_attention` with ``options``):
+        ``(total, Hq, Dv)``."""
+        self.cache.append(layer, k, v, self.slot_mapping)
+        return paged_attention(q, self.cache.key_pages[layer], self.cache.value_pages[layer],
+                               self.block_table, self.seqlens, cu_seqlens_q=self.cu_seqlens_q,
+                               max_seqlen_q=self.max_seqlen_q, **options)
 
 
 def _shape(t) -> str:

@@ -42,6 +42,12 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
+    @torch.jit.unused
+    def forward_paged(self, x: Tensor, step, layer: int) -> Tensor:
+        """``forward`` on a paged step's new tokens ``(total, E)``: ``attn.forward_paged``."""
+        x = x + self.attn.forward_paged(self.ln_1(x), step, layer)
+        return x + self.mlp(self.ln_2(x))
+
 
 class GPT(nn.Module):
     """``tokens (B, L) int64 -> logits (B, L, vocab_size)``, with ``L <= max_len``.
@@ -118,6 +124,23 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])
         return self.head(self.ln_f(x))
+
+    @torch.jit.unused
+    def forward_paged(self, tokens: Tensor, step) -> Tensor:
+        """Logits ``(total, vocab_size)`` of a serving step's new tokens ``(total,)`` int64, the
+        requests' one after the other (:meth:`causal_attention.PagedKVCache.step` on a cache from
+        :meth:`make_paged_cache`): each at its position in its request, attending every earlier
+        token of it through the pages, which take the new keys and values."""
+        x = self.tok_emb(tokens) + self.pos_emb(step.positions)
+        for i, block in enumerate(self.blocks):
+            x = block.forward_paged(x, step, i)
+        return self.head(self.ln_f(x))
+
+    @torch.jit.unused
+    def make_paged_cache(self, num_pages: int, page_size: int):
+        """A :class:`causal_attention.PagedKVCache` with a pool of ``num_pages`` pages of
+        ``page_size`` tokens for every block."""
+        return self.blocks[0].attn.make_paged_cache(num_pages, page_size, len(self.blocks))
 
     def make_caches(self, batch_size: int, max_len: int) -> List[KVCache]:
         """One empty KV cache per block, for ``batch_size`` sequences of ``max_len`` positions."""

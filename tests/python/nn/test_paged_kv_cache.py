@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from causal_attention import attention
+from causal_attention import CausalSelfAttention, attention
 from causal_attention.integrations.flash_attn import flash_attn_with_kvcache
 from causal_attention.paged_kv_cache import PagedKVCache, paged_cache_append
 
@@ -235,3 +235,100 @@ def test_flash_attn_with_kvcache_reads_the_pages_as_the_contiguous_keys():
                         values.transpose(0, 1)[None])
         torch.testing.assert_close(out[i], ref[0].transpose(0, 1))
     assert torch.equal(out[0], out[3])  # the fork reads the same pages
+
+
+# --- serving through the module ---------------------------------------------------------------
+
+
+def test_the_module_decodes_from_pages_as_from_the_whole_sequence():
+    """Three requests prefill prompts of different lengths in one step, one forks, then all
+    decode token by token, every step one forward_paged call: each request's outputs are the
+    module's on its whole sequence (GQA, window, softcap, sinks, ALiBi)."""
+    torch.manual_seed(0)
+    module = CausalSelfAttention(32, 4, num_kv_heads=2, window=(6, 0), softcap=20.0, sinks=True,
+                                 alibi=True, dtype=torch.float64).eval()
+    cache = module.make_paged_cache(num_pages=40, page_size=4)
+    prompts = {"a": 9, "b": 1, "c": 14}
+    inputs = {r: torch.randn(n, 32, dtype=torch.float64) for r, n in prompts.items()}
+    outputs = {r: [] for r in prompts}
+    for r in prompts:
+        cache.allocate(r)
+    step = cache.step(list(prompts), list(prompts.values()))
+    out = module.forward_paged(torch.cat([inputs[r] for r in prompts]), step)
+    for i, r in enumerate(prompts):
+        outputs[r].append(out[step.cu_seqlens_q[i]:step.cu_seqlens_q[i + 1]])
+    cache.fork("a", "a2")
+    inputs["a2"], outputs["a2"] = inputs["a"].clone(), [outputs["a"][0]]
+    for _ in range(5):
+        requests = list(inputs)
+        new = {r: torch.randn(1, 32, dtype=torch.float64) for r in requests}
+        step = cache.step(requests, [1] * len(requests))
+        out = module.forward_paged(torch.cat([new[r] for r in requests]), step)
+        for i, r in enumerate(requests):
+            inputs[r] = torch.cat([inputs[r], new[r]])
+            outputs[r].append(out[i:i + 1])
+    with torch.no_grad():
+        for r, x in inputs.items():
+            whole = module(x[None])[0]
+            torch.testing.assert_close(torch.cat(outputs[r]), whole, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"request {r}: {m}")
+    assert cache.length("a2") == cache.length("a") == 14
+    assert cache.pages_of("a")[:2] == cache.pages_of("a2")[:2]  # the prompt's full pages shared
+
+
+def test_a_step_the_pool_cannot_hold_changes_nothing():
+    module = CausalSelfAttention(16, 2)
+    cache = module.make_paged_cache(num_pages=3, page_size=4)
+    cache.allocate("a")
+    cache.allocate("b")
+    with pytest.raises(RuntimeError, match="needs 4 free pages, 3 of 3"):
+        cache.step(["a", "b"], [8, 5])
+    assert cache.length("a") == cache.length("b") == 0 and cache.free_pages == 3
+    with pytest.raises(ValueError, match="each request once"):
+        cache.step(["a", "a"], [1, 1])
+    step = cache.step(["a", "b"], [1, 2])
+    with pytest.raises(ValueError, match="x has 2 tokens, the step reserved 3"):
+        module.forward_paged(torch.randn(2, 16), step)
+
+
+def test_gpt_greedy_tokens_from_pages_equal_each_request_generated_alone():
+    """Continuous batching: requests join (prefill in the same step as others' decodes) and
+    leave, one GPT.forward_paged call a step; each request's greedy tokens are
+    GPT.generate's for it alone."""
+    from causal_attention.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(50, 64, 32, 4, 2, num_kv_heads=2).double().eval()
+    cache = model.make_paged_cache(num_pages=64, page_size=8)
+    queue = [(torch.randint(0, 50, (n,)), new) for n, new in [(5, 6), (11, 3), (1, 8), (7, 4)]]
+    generated = {}
+    running = {}  # request -> (tokens so far, tokens still to generate)
+    pending = list(enumerate(queue))
+    with torch.no_grad():
+        while pending or running:
+            requests, counts, feed = [], [], []
+            if pending and len(running) < 3:  # admit one request a step
+                r, (prompt, new) = pending.pop(0)
+                cache.allocate(r)
+                running[r] = (prompt, new)
+                requests.append(r)
+                counts.append(prompt.numel())
+                feed.append(prompt)
+            for r, (tokens, left) in running.items():
+                if r not in requests:
+                    requests.append(r)
+                    counts.append(1)
+                    feed.append(tokens[-1:])
+            step = cache.step(requests, counts)
+            logits = model.forward_paged(torch.cat(feed), step)
+            for i, r in enumerate(requests):
+                tokens, left = running[r]
+                token = logits[step.cu_seqlens_q[i + 1] - 1].argmax().view(1)
+                running[r] = (torch.cat([tokens, token]), left - 1)
+                if left == 1:
+                    generated[r] = running.pop(r)[0]
+                    cache.free(r)
+        for r, (prompt, new) in enumerate(queue):
+            alone = model.generate(prompt[None], new, temperature=0)[0]
+            assert torch.equal(generated[r], alone), r
+    assert cache.pages_in_use == 0
