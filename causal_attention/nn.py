@@ -297,7 +297,7 @@ class CausalSelfAttention(nn.Module):
         a decode's one), their keys and values written into the pages of layer ``layer`` in
         place, each query attending every key of its request (windowed, softcapped, with ALiBi
         and sinks as ``forward``); returns ``(total, E)``. Inference only (no gradient through
-        the cache); eager, compile and export, not TorchScript."""
+        the cache); eager (the op itself compiles and exports), not TorchScript."""
         if not isinstance(x, Tensor) or x.dim() != 2 or x.size(1) != self.embed_dim:
             raise ValueError(
                 f"CausalSelfAttention.forward_paged: x must be (total, E) with "
