@@ -426,8 +426,7 @@ PackedSequences paged_sequences(const detail::PagedCall& call, const at::Tensor&
                                          "max_seqlen_q", call.max_seqlen_q->expect_int());
   } else {
     sequences.max_len_q = call.q.size(1);
-    sequences.cu_q = at::arange(0, (batch + 1) * sequences.max_len_q,
-                                std::max<int64_t>(sequences.max_len_q, 1), seqlens.options());
+    sequences.cu_q = at::arange(batch + 1, seqlens.options()).mul_(sequences.max_len_q);
   }
   sequences.cu_k = at::zeros({batch + 1}, seqlens.options());
   const int32_t* lengths = seqlens.data_ptr<int32_t>();

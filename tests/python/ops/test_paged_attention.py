@@ -152,6 +152,15 @@ def test_per_sequence_alibi_slopes_and_the_lse():
         torch.testing.assert_close(lse[:, cu[b]:cu[b + 1]], ref_lse)
 
 
+def test_a_dense_call_without_query_rows_gives_empty_results():
+    queries, keys, values = sequences([0, 0], [10, 30])
+    k_cache, v_cache, table = paged(keys, values, 16)
+    out, lse = paged_attention(torch.zeros(2, 0, 4, 16), k_cache, v_cache, table,
+                               torch.tensor([10, 30], dtype=torch.int32),
+                               alibi_slopes=OPTIONS["alibi"]["alibi_slopes"], return_lse=True)
+    assert out.shape == (2, 0, 4, 8) and lse.shape == (2, 4, 0)
+
+
 def test_the_dense_lse_is_flash_attns_layout():
     queries, keys, values = sequences([2, 2], [10, 30])
     k_cache, v_cache, table = paged(keys, values, 16)
