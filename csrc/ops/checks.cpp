@@ -188,11 +188,9 @@ ForwardCall resolve_attention_call(const AttentionCall& call) {
 double check_paged_call(const PagedCall& call) {
   constexpr const char* op = "causal_attention.paged_attention";
   const at::Tensor &q = call.q, &k = call.k_cache, &v = call.v_cache;
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q},
-                                {"k_cache", k},
-                                {"v_cache", v},
-                                {"block_table", call.block_table},
-                                {"cache_seqlens", call.cache_seqlens}}) {
+  // The tables are checked with cu_seqlens_q below.
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor&>{"q", q}, {"k_cache", k}, {"v_cache", v}}) {
     check_dense_tensor(op, name, t);
   }
   const bool packed = call.packed();

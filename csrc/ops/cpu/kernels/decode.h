@@ -89,12 +89,23 @@ class DecodeForward {
     return rows < N ? 0 : ceil_div(rows, N) * N;
   }
 
+  // Rows [first_row, first_row + rows) of a (batch, KV head), whose query heads have
+  // rows_per_head rows each.
+  struct TaskRows {
+    int64_t b, h_kv, first_row, rows, rows_per_head;
+    int64_t head(int64_t r, const AttentionDims& d) const {
+      return h_kv * d.group() + (first_row + r) / rows_per_head;
+    }
+    int64_t query_row(int64_t r) const { return (first_row + r) % rows_per_head; }
+  };
+
   struct Scratch {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     RowState<acc_t> state;
     NonFiniteRowGuard<scalar_t> guard;
+    TaskRows task{};  // the rows this scratch serves in the current item
     explicit Scratch(const AttentionDims& d)
         : queries(task_rows(d) * d.head_dim),
           queries_t(padded(task_rows(d)) * d.head_dim),
@@ -107,20 +118,10 @@ class DecodeForward {
           state(task_rows(d), d.value_dim) {}
   };
 
-  // Rows [first_row, first_row + rows) of a (batch, KV head), whose query heads have
-  // rows_per_head rows each.
-  struct TaskRows {
-    int64_t b, h_kv, first_row, rows, rows_per_head;
-    int64_t head(int64_t r, const AttentionDims& d) const {
-      return h_kv * d.group() + (first_row + r) / rows_per_head;
-    }
-    int64_t query_row(int64_t r) const { return (first_row + r) % rows_per_head; }
-  };
-
   // The KV heads one task carries through each key block: every one of its sequence's where
   // KeyRows interleaves the heads' rows (a paged cache's pages hold the rows of every head side
-  // by side, so a block of them is then read as one stream; one head at a time read every
-  // Hkv-th stretch, measured 20-30 % slower), else one.
+  // by side, so a block of them is then read as one stream; one head a task reads every Hkv-th
+  // stretch: 1.2-1.5x the time on that row layout in benchmarks.paged), else one.
   int64_t heads_together() const { return KeyRows::kInterleavedHeads ? dims_.heads_kv : 1; }
   // The (batch, KV head, row chunk) of KV head `head` of an item of heads_together() heads.
   int64_t head_item(int64_t item, int64_t head) const {
@@ -161,10 +162,9 @@ class DecodeForward {
       return;
     }
     const int64_t D = dims_.head_dim;
-    std::vector<TaskRows> tasks;
     for (int64_t h = 0; h < heads_together(); ++h) {
-      const TaskRows& t = tasks.emplace_back(task(head_item(item, h)));
       Scratch& s = scratch[h];
+      const TaskRows& t = s.task = task(head_item(item, h));
       for (int64_t r = 0; r < t.rows; ++r) {
         convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
       }
@@ -177,16 +177,15 @@ class DecodeForward {
     for (int64_t k0 = key_begin, cols; k0 < key_end; k0 += cols) {
       cols = block_keys(k0, key_end);
       if (dims_.kept_keys(first.b, k0, cols) > 0) {  // a block the key mask hides is skipped
-        for (size_t h = 0; h < tasks.size(); ++h) {
-          key_block(tasks[h], k0, cols, key_end, scratch[h]);
+        for (Scratch& s : scratch) {
+          key_block(s.task, k0, cols, key_end, s);
         }
       }
     }
-    for (size_t h = 0; h < tasks.size(); ++h) {
-      const TaskRows& t = tasks[h];
-      for (int64_t r = 0; r < t.rows; ++r) {
-        splits.emit(scratch[h].state, r, t.b * dims_.heads_q + t.head(r, dims_), t.query_row(r),
-                    split);
+    for (const Scratch& s : scratch) {
+      for (int64_t r = 0; r < s.task.rows; ++r) {
+        splits.emit(s.state, r, s.task.b * dims_.heads_q + s.task.head(r, dims_),
+                    s.task.query_row(r), split);
       }
     }
   }
