@@ -210,4 +210,4 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     assert decode["max_abs_error"] < 1e-5
     assert {"paged_ms", "contiguous_ms", "flash_layout_ms", "gather_sdpa_ms"} <= decode.keys()
     assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
-    assert report["memory"]["cache_mib"] == 2.0
+    assert {"peak_added_mib", "added_over_cache"} <= report["memory"].keys()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import causal_attention
+from attention_testing.paged import paged
 from attention_testing.parameters import dtype_params
 from causal_attention._masks import visible_keys
 from nn_testing import ROOT
@@ -1079,20 +1080,8 @@ def test_varlen_block_table_reads_the_pages_as_their_keys(scores):
     lengths_q, lengths_k, page = [1, 5, 4], [9, 5, 30], 8
     q, k, v, cu_q, cu_k = (t.detach() for t in packed(lengths_q, lengths_k, 4, 2, 16, 16,
                                                        torch.float64))
-    per_row = max(-(-n // page) for n in lengths_k)
-    total = len(lengths_k) * per_row + 2
-    order = torch.randperm(total)
-    table = torch.full((len(lengths_k), per_row + 1), 10**6, dtype=torch.int32)
-    k_pages = torch.full((total, page, 2, 16), math.nan, dtype=torch.float64)
-    v_pages = k_pages.clone()
-    used = 0
-    for b, n in enumerate(lengths_k):
-        for j in range(-(-n // page)):
-            rows = slice(cu_k[b] + j * page, cu_k[b] + min((j + 1) * page, n))
-            table[b, j] = order[used]
-            k_pages[order[used], : rows.stop - rows.start] = k[rows]
-            v_pages[order[used], : rows.stop - rows.start] = v[rows]
-            used += 1
+    k_pages, v_pages, table = paged([k[cu_k[b]:cu_k[b + 1]] for b in range(3)],
+                                    [v[cu_k[b]:cu_k[b + 1]] for b in range(3)], page)
     options = PAGED_SCORES[scores]
     out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 30,
                                          return_attn_probs=True, block_table=table, **options)
