@@ -4,8 +4,9 @@ The op picks its kernel build from ATen's CPU capability, as ATen's own kernels 
 runs its highest build unless ``ATEN_CPU_CAPABILITY`` lowers it, and the lower builds would go
 untested. Each test here runs a fresh interpreter under ``ATEN_CPU_CAPABILITY=<cap>`` (the
 capability is fixed when torch loads) on forward and backward of a few shapes that reach the
-kernels' main paths (several 64-row blocks, GQA, a KV cache, decode, the one-pass backward),
-float64, float32 and bfloat16, against SDPA in float64. A build this machine cannot run is
+kernels' main paths (several 64-row blocks, GQA, a KV cache, decode, the one-pass backward,
+and the paged kernel on the same keys in pages), float64, float32 and bfloat16, against SDPA in
+float64. A build this machine cannot run is
 skipped, saying so; it never passes. (ATen also honours a value above what the CPU has: torch's
 own kernels and ours then die of SIGILL, so no build above this process's capability is asked
 for.)
@@ -91,6 +92,23 @@ SCRIPT = textwrap.dedent(
                 print(line)
                 if not error <= tol:
                     failures.append(line)
+            # This build's paged kernel (inference): the same keys in shuffled 16-row pages.
+            pages = -(-lk // 16)
+            order = torch.randperm(b * pages)
+            caches = []
+            for t in (k, v):
+                rows = F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pages * 16 - lk))
+                cache = torch.empty(b * pages, 16, hkv, t.shape[-1], dtype=dtype)
+                cache[order] = rows.reshape(b * pages, 16, hkv, t.shape[-1])
+                caches.append(cache)
+            paged = causal_attention.paged_attention(
+                q.transpose(1, 2).contiguous(), *caches, order.view(b, pages).int(),
+                torch.full((b,), lk, dtype=torch.int32)).transpose(1, 2)
+            error = ((paged.double() - want[0]).abs().max() / want[0].abs().max()).item()
+            line = f"{requested} {name} {dtype} paged out: relative error {error:.2e}"
+            print(line + f" (tol {tol_out:.0e})")
+            if not error <= tol_out:
+                failures.append(line)
     if failures:
         raise SystemExit("FAILED:\\n" + "\\n".join(failures))
     print("INSTRUCTION_SET_SUBSET_OK", requested)
