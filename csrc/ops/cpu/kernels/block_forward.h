@@ -1,0 +1,202 @@
+// The block path of the forward, FlashAttention-2 style: K (and V where it needs packing) is
+// packed once per call (packed_kv.h); then one task owns a (batch, query head, query tile, key
+// split) and walks its visible key blocks in order, each key block serving the tile's query
+// blocks one after the other while it is in cache, with an online softmax per row
+// (online_softmax.h). Nothing of size Lq x Lk is ever allocated. Few query rows against a long
+// cache take the decode path instead (decode.h); the kernels choose.
+#pragma once
+
+#include "geometry.h"
+#include "non_finite_guard.h"
+#include "online_softmax.h"
+#include "operands.h"
+#include "packed_kv.h"
+#include "schedule.h"
+#include "split_combine.h"
+
+#include <ATen/OpMathType.h>
+
+#include <vector>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+template <typename scalar_t, typename gemm_t>
+class BlockForward {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Pack = Packing<gemm_t>;
+  using ValuePack = Packing<acc_t>;
+  using Packed = PackedKeyValues<scalar_t, gemm_t>;
+
+ public:
+  BlockForward(const AttentionDims& d, const HeadRows<const scalar_t>& q,
+               const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
+               const OutputRows<scalar_t, acc_t>& output, const ScoreModifiers<acc_t>& modifiers)
+      : dims_(d),
+        blocks_(block_sizes(dims_.head_dim, dims_.value_dim)),
+        tile_rows_(forward_tile_rows(dims_, blocks_)),
+        q_(q),
+        k_(k),
+        v_(v),
+        modifiers_(modifiers),
+        output_(output) {}
+
+  void run() const {
+    const int64_t num_heads = dims_.batch * dims_.heads_q;
+    const int64_t num_tiles = ceil_div(dims_.len_q, tile_rows_);
+    KeySplits<scalar_t, acc_t> splits(
+        dims_, key_splits(dims_, num_heads * num_tiles, sizeof(scalar_t)), output_);
+    const Packed packed(dims_, k_, v_, blocks_.keys);
+    // An item's cost: its visible pairs (under attn_mask, those of the block pairs it
+    // computes, whose tiles say what it hides), plus one per row for finishing it; zero only
+    // for the items past the end of a packed sequence, which have no rows (every row is
+    // written, even one that sees no key).
+    const auto cost = [&](int64_t bh, int64_t item) -> int64_t {
+      const int64_t b = bh / dims_.heads_q, t0 = item / splits.count() * tile_rows_;
+      const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
+      if (rows <= 0) {
+        return 0;
+      }
+      const auto [key_begin, key_end] = tile_keys(b, t0, rows, item % splits.count(), splits);
+      if (dims_.attn_mask.absent()) {
+        return rows + dims_.visible_pairs(b, t0, t0 + rows, key_begin, key_end);
+      }
+      int64_t pairs = rows;
+      for_each_block_pair(
+          b, bh % dims_.heads_q, t0, rows, key_begin, key_end,
+          [&](int64_t, int64_t block_rows, int64_t, int64_t cols) { pairs += block_rows * cols; });
+      return pairs;
+    };
+    schedule_head_blocks(
+        dims_, num_heads, num_tiles * splits.count(), cost,
+        [this] { return Scratch(dims_, blocks_, tile_rows_); },
+        [&](int64_t bh, int64_t item, Scratch& s) {
+          query_tile(bh, item / splits.count() * tile_rows_, item % splits.count(), packed, splits,
+                     s);
+        });
+    splits.merge();
+  }
+
+ private:
+  struct Scratch {
+    std::vector<gemm_t> q_tile;
+    std::vector<acc_t> v_tile, scores;
+    std::vector<acc_t> partial;  // one chain's scores (multiply_in_chains)
+    // The keys of the current block each row of a query block sees: [first_visible, visible).
+    std::vector<int64_t> first_visible, visible;
+    std::vector<MaskRow<acc_t>> mask_rows;  // and the attn_mask row of each, where it is read
+    NonFiniteRowGuard<scalar_t> v_guard;
+    RowState<acc_t> state;  // every row of the tile
+    Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile_rows)
+        : q_tile(Pack::scratch_size(tile_rows, d.head_dim)),
+          v_tile(blocks.keys * d.value_dim),
+          scores(blocks.query_rows * blocks.keys),
+          partial(blocks.query_rows * blocks.keys),
+          first_visible(blocks.query_rows),
+          visible(blocks.query_rows),
+          mask_rows(blocks.query_rows),
+          state(tile_rows, d.value_dim) {}
+  };
+
+  // The keys of chunk `split` that query rows [t0, t0 + rows) of batch item b see, from the
+  // first key block any of them sees.
+  std::pair<int64_t, int64_t> tile_keys(int64_t b, int64_t t0, int64_t rows, int64_t split,
+                                        const KeySplits<scalar_t, acc_t>& splits) const {
+    const int64_t first_block = dims_.key_begin(b, t0) / blocks_.keys * blocks_.keys;
+    return splits.key_range(split, first_block, dims_.key_end(b, t0 + rows - 1));
+  }
+
+  // Calls fn(q0, rows, k0, cols) for the block pairs of query rows [t0, t0 + rows) of (b, h)
+  // against keys [key_begin, key_end) that are computed, key block after key block, each
+  // serving the tile's query blocks in turn while it is in cache. Blocks outside the window of
+  // every row of the query block, or that the key mask or attn_mask hides entirely, are
+  // skipped, and the rows (keys) that attn_mask hides from every key (row) of a block are left
+  // out of it, by whole tiles from either end.
+  template <typename Fn>
+  void for_each_block_pair(int64_t b, int64_t h, int64_t t0, int64_t rows, int64_t key_begin,
+                           int64_t key_end, const Fn& fn) const {
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += blocks_.keys) {
+      for (int64_t q0 = t0; q0 < t0 + rows; q0 += blocks_.query_rows) {
+        const int64_t block_rows = std::min(blocks_.query_rows, t0 + rows - q0);
+        const int64_t block_key_end = std::min(key_end, dims_.key_end(b, q0 + block_rows - 1));
+        const int64_t cols = std::min(blocks_.keys, block_key_end - k0);
+        if (cols > 0 && k0 + cols > dims_.key_begin(b, q0) && dims_.kept_keys(b, k0, cols) > 0) {
+          dims_.for_each_part(b, h, q0, block_rows, k0, cols, fn);
+        }
+      }
+    }
+  }
+
+  // Query rows [t0, t0 + tile_rows_) of head bh against the keys of chunk `split`.
+  void query_tile(int64_t bh, int64_t t0, int64_t split, const Packed& packed,
+                  KeySplits<scalar_t, acc_t>& splits, Scratch& s) const {
+    const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
+    const int64_t rows = std::min(tile_rows_, dims_.rows_q(b) - t0);
+    const auto [key_begin, key_end] = tile_keys(b, t0, rows, split, splits);
+    s.state.reset(rows);
+    const Operand<gemm_t> q_rows =
+        Pack::a(q_.row(b, h, t0), rows, dims_.head_dim, q_.row_stride, s.q_tile.data());
+    for_each_block_pair(b, h, t0, rows, key_begin, key_end,
+                        [&](int64_t q0, int64_t block_rows, int64_t k0, int64_t cols) {
+                          const Operand<gemm_t> q_block{q_rows.data + (q0 - t0) * q_rows.ld,
+                                                        q_rows.ld};
+                          key_block(b, h, q_block, q0, q0 - t0, block_rows, k0, cols, packed, s);
+                        });
+    for (int64_t r = 0; r < rows; ++r) {
+      splits.emit(s.state, r, bh, t0 + r, split);
+    }
+  }
+
+  // One query block of head h (rows [q0, q0 + rows), state rows from first_state_row) against
+  // the `cols` keys from k0.
+  void key_block(int64_t b, int64_t h, Operand<gemm_t> q_block, int64_t q0, int64_t first_state_row,
+                 int64_t rows, int64_t k0, int64_t cols, const Packed& packed, Scratch& s) const {
+    const int64_t h_kv = h / dims_.group();
+    // S = Q_i K_j^T
+    multiply_in_chains(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0),
+                       s.scores.data(), cols, score_chain(dims_), s.partial.data());
+    // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
+    // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
+    const BlockMasks masks = dims_.block_masks(b, h, q0, rows, k0, cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      const KeyRange range = dims_.visible_in_block(b, q0 + r, k0, cols);
+      s.first_visible[r] = range.begin;
+      s.visible[r] = range.end;
+      const RowScoring<acc_t> scoring = modifiers_.row(dims_, b, h, q0 + r, k0, masks);
+      s.mask_rows[r] = scoring.mask;
+      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, range, cols, scoring);
+    }
+    // O += P V_j
+    accumulate_values(b, h_kv, q0, rows, k0, cols, masks, packed,
+                      s.state.out.data() + first_state_row * dims_.value_dim, s);
+  }
+
+  // O += P V_j, with P in s.scores (float32 for every input dtype, V widened to it:
+  // backward_block_pair.h says why); V_j is the packed block unless the guard cleaned it.
+  void accumulate_values(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
+                         int64_t cols, const BlockMasks& masks, const Packed& packed, acc_t* out,
+                         Scratch& s) const {
+    const Operand<acc_t> p{s.scores.data(), cols};
+    const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
+    const auto pack_values = [&](Operand<scalar_t> source) {
+      if (source.data == v_rows.data) {
+        return packed.values(b, h_kv, k0);
+      }
+      return ValuePack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
+    };
+    s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols, masks), rows,
+                           dims_.value_dim, cols, p,
+                           MaskedFactor<acc_t>{s.scores.data(), cols, s.first_visible.data(),
+                                               s.visible.data(), /*transposed=*/false, masks.kept,
+                                               masks.attn_mask ? s.mask_rows.data() : nullptr},
+                           v_rows, pack_values, out, dims_.value_dim);
+  }
+
+  const AttentionDims dims_;
+  const BlockSizes blocks_;
+  const int64_t tile_rows_;
+  const HeadRows<const scalar_t> q_, k_, v_;
+  const ScoreModifiers<acc_t> modifiers_;
+  const OutputRows<scalar_t, acc_t> output_;
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
