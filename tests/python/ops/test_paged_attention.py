@@ -96,6 +96,41 @@ def test_a_mixed_batch_of_prefill_chunks_and_decodes_in_one_call(option, dtype):
     assert_matches(got, queries, keys, values, dtype, **options)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [1, 16, 64, 272])
+def test_prefill_chunks_multiply_blocks_packed_from_the_pages(page_size, dtype):
+    """Chunks of more query rows than the decode path takes go through the block products, their
+    key blocks packed from the pages run by run (a block spans many 1- or 16-row pages, or lies
+    inside one 272-row page): the gathered cache's results, as close to float64."""
+    lengths_q, lengths_k = [33, 100, 300, 40], [33, 700, 300, 129]
+    queries, keys, values = sequences(lengths_q, lengths_k, hq=4, hkv=2, d=64, dv=32, dtype=dtype)
+    k_cache, v_cache, table = paged(keys, values, page_size)
+    got = packed_call(queries, k_cache, v_cache, table, lengths_k)
+    assert_matches(got, queries, keys, values, dtype)
+
+
+def test_fuzzed_tables_under_prefill_chunks():
+    """Random pools and tables (shuffled, shared and repeated pages) under chunks of 33 to 90
+    rows beside decode rows, against the gathered keys they name."""
+    rng = random.Random(2)
+    for trial in range(20):
+        page_size, pool = rng.choice([1, 5, 16, 37]), rng.randint(1, 12)
+        hkv, group = rng.choice([1, 2]), rng.choice([1, 3])
+        k_cache, v_cache = torch.randn(pool, page_size, hkv, 8), torch.randn(pool, page_size, hkv, 8)
+        width = rng.randint(90 // page_size + 1, 90 // page_size + 4)
+        batch = rng.randint(1, 4)
+        table = torch.tensor([[rng.randrange(pool) for _ in range(width)] for _ in range(batch)],
+                             dtype=torch.int32)
+        lengths_k = [rng.randint(33, width * page_size) for _ in range(batch)]
+        lengths_q = [rng.choice([1, rng.randint(33, min(n, 90))]) for n in lengths_k]
+        keys = [k_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)]
+        values = [v_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)]
+        queries = [torch.randn(n, hkv * group, 8) for n in lengths_q]
+        got = packed_call(queries, k_cache, v_cache, table, lengths_k)
+        for b, (g, r) in enumerate(zip(got, reference(queries, keys, values))):
+            torch.testing.assert_close(g, r, rtol=2e-6, atol=2e-6, msg=f"trial {trial} seq {b}")
+
+
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["MHA", "GQA", "MQA"])
 def test_grouped_heads_read_their_kv_head(heads):
     hq, hkv = heads

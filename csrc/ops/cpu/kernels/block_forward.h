@@ -3,7 +3,8 @@
 // split) and walks its visible key blocks in order, each key block serving the tile's query
 // blocks one after the other while it is in cache, with an online softmax per row
 // (online_softmax.h). Nothing of size Lq x Lk is ever allocated. Few query rows against a long
-// cache take the decode path instead (decode.h); the kernels choose.
+// cache take the decode path instead (decode.h); the kernels choose. K and V rows come from
+// KeyRows, a tensor's or a paged cache's (the packing reads the pages in place, page by page).
 #pragma once
 
 #include "geometry.h"
@@ -16,21 +17,25 @@
 
 #include <ATen/OpMathType.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-template <typename scalar_t, typename gemm_t>
+template <typename scalar_t, typename gemm_t, typename KeyRows = HeadRows<const scalar_t>>
 class BlockForward {
   using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;
   using ValuePack = Packing<acc_t>;
-  using Packed = PackedKeyValues<scalar_t, gemm_t>;
+  using Packed = PackedKeyValues<scalar_t, gemm_t, ValueOperand::kRows, KeyRows>;
+  // The value rows the non-finite guard reads: V's own where they lie at one stride, else their
+  // packed copy (widened: a non-finite value stays so).
+  using value_row_t = std::conditional_t<KeyRows::kOneRun, scalar_t, acc_t>;
 
  public:
-  BlockForward(const AttentionDims& d, const HeadRows<const scalar_t>& q,
-               const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
-               const OutputRows<scalar_t, acc_t>& output, const ScoreModifiers<acc_t>& modifiers)
+  BlockForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
+               const KeyRows& v, const OutputRows<scalar_t, acc_t>& output,
+               const ScoreModifiers<acc_t>& modifiers)
       : dims_(d),
         blocks_(block_sizes(dims_.head_dim, dims_.value_dim)),
         tile_rows_(forward_tile_rows(dims_, blocks_)),
@@ -84,7 +89,7 @@ class BlockForward {
     // The keys of the current block each row of a query block sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     std::vector<MaskRow<acc_t>> mask_rows;  // and the attn_mask row of each, where it is read
-    NonFiniteRowGuard<scalar_t> v_guard;
+    NonFiniteRowGuard<value_row_t> v_guard;
     RowState<acc_t> state;  // every row of the tile
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile_rows)
         : q_tile(Pack::scratch_size(tile_rows, d.head_dim)),
@@ -176,8 +181,13 @@ class BlockForward {
                          int64_t cols, const BlockMasks& masks, const Packed& packed, acc_t* out,
                          Scratch& s) const {
     const Operand<acc_t> p{s.scores.data(), cols};
-    const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
-    const auto pack_values = [&](Operand<scalar_t> source) {
+    Operand<value_row_t> v_rows;
+    if constexpr (KeyRows::kOneRun) {
+      v_rows = {v_.row(b, h_kv, k0), v_.row_stride};
+    } else {
+      v_rows = packed.values(b, h_kv, k0);
+    }
+    const auto pack_values = [&](Operand<value_row_t> source) {
       if (source.data == v_rows.data) {
         return packed.values(b, h_kv, k0);
       }
@@ -194,7 +204,8 @@ class BlockForward {
   const AttentionDims dims_;
   const BlockSizes blocks_;
   const int64_t tile_rows_;
-  const HeadRows<const scalar_t> q_, k_, v_;
+  const HeadRows<const scalar_t> q_;
+  const KeyRows k_, v_;
   const ScoreModifiers<acc_t> modifiers_;
   const OutputRows<scalar_t, acc_t> output_;
 };

@@ -344,6 +344,9 @@ struct HeadRows {
   // Whether the heads' rows interleave in memory (decode.h reads them together where they do):
   // taken as not, the (batch, heads, rows) layouts' usual case.
   static constexpr bool kInterleavedHeads = false;
+  // Whether every row of a (b, h) lies in one run, so that a block of rows may be read in place
+  // at row_stride whatever its size (packed_kv.h).
+  static constexpr bool kOneRun = true;
 };
 
 // Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
@@ -376,6 +379,7 @@ struct PagedRows {
   // A page holds the rows of every head side by side: (page_size, heads, col) in flash-attn's
   // layout.
   static constexpr bool kInterleavedHeads = true;
+  static constexpr bool kOneRun = false;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -73,8 +73,10 @@ struct Packing {
   // The columns from `first` of a B operand: row-major and VNNI alike (VNNI holds each column's
   // pair of k together), with the same leading dimension.
   static Operand<gemm_t> b_columns_from(Operand<gemm_t> b, int64_t first) {
-    return {b.data + (kVnni ? 2 : 1) * first, b.ld};
+    return {b.data + column_offset(first), b.ld};
   }
+  // Where column `first` of a B operand starts, in elements from its first column's.
+  static int64_t column_offset(int64_t first) { return (kVnni ? 2 : 1) * first; }
   // Scratch elements that any operand of at most `rows` x `cols` (either orientation) needs.
   static int64_t scratch_size(int64_t rows, int64_t cols) {
     return padded_k(rows + 1) * padded_k(cols + 1);
@@ -136,36 +138,39 @@ struct Packing {
     }
   }
 
-  // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K.
+  // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K. The operand
+  // has leading dim ld_b (n where not given): a block packed from several runs of rows takes
+  // each run's columns at b_columns_from of the same operand.
   template <typename src_t>
   static Operand<gemm_t> b_transposed(const src_t* src, int64_t n, int64_t k, int64_t ld,
-                                      gemm_t* scratch) {
+                                      gemm_t* scratch, int64_t ld_b = 0) {
+    ld_b = ld_b > 0 ? ld_b : n;
     if constexpr (kVnni) {
       // VNNI pairs are consecutive along k, i.e. along a row of src: one 32-bit word each.
       static_assert(std::is_same_v<src_t, gemm_t>,
                     "VNNI operands come from rows of their own dtype");
       const int64_t pairs = k / 2;
-      transpose_pairs(src, n, pairs, ld, scratch);
+      transpose_pairs(src, n, pairs, ld, scratch, ld_b);
       for (int64_t j = 0; j < n; ++j) {
         const src_t* row = src + j * ld;
         if (k & 1) {
-          scratch[(pairs * n + j) * 2] = row[k - 1];
-          scratch[(pairs * n + j) * 2 + 1] = gemm_t(0);
+          scratch[(pairs * ld_b + j) * 2] = row[k - 1];
+          scratch[(pairs * ld_b + j) * 2 + 1] = gemm_t(0);
         }
       }
     } else {
-      transpose_block(src, n, k, ld, scratch, n);
+      transpose_block(src, n, k, ld, scratch, ld_b);
     }
-    return {scratch, n};
+    return {scratch, ld_b};
   }
 
  private:
-  // dst[(p * n + j) * 2 + i] = src[j * ld + 2 * p + i] for p < pairs: the transpose of the
-  // n x pairs matrix of 32-bit words (pairs of 16-bit values) that the rows of src hold. Whole
-  // tiles go through at::vec's register transposes of float (pure moves: the bits are kept)
-  // where the rows are 32-bit aligned, the rest word by word.
-  static void transpose_pairs(const gemm_t* src, int64_t n, int64_t pairs, int64_t ld,
-                              gemm_t* dst) {
+  // dst[(p * ld_dst + j) * 2 + i] = src[j * ld + 2 * p + i] for p < pairs, j < n: the
+  // transpose of the n x pairs matrix of 32-bit words (pairs of 16-bit values) that the rows of
+  // src hold. Whole tiles go through at::vec's register transposes of float (pure moves: the
+  // bits are kept) where the rows are 32-bit aligned, the rest word by word.
+  static void transpose_pairs(const gemm_t* src, int64_t n, int64_t pairs, int64_t ld, gemm_t* dst,
+                              int64_t ld_dst) {
 #if defined(CPU_CAPABILITY_AVX512)
     constexpr int64_t kTile = 16;
 #else
@@ -182,13 +187,13 @@ struct Packing {
       for (int64_t j = 0; j < full_rows; j += kTile) {
         for (int64_t p = 0; p < full_pairs; p += kTile) {
           at::vec::transpose_mxn<float, kTile, kTile>(words + j * (ld / 2) + p, ld / 2,
-                                                      out + p * n + j, n);
+                                                      out + p * ld_dst + j, ld_dst);
         }
       }
     }
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t p = j < full_rows ? full_pairs : 0; p < pairs; ++p) {
-        std::memcpy(dst + (p * n + j) * 2, src + j * ld + 2 * p, 2 * sizeof(gemm_t));
+        std::memcpy(dst + (p * ld_dst + j) * 2, src + j * ld + 2 * p, 2 * sizeof(gemm_t));
       }
     }
   }

@@ -4,7 +4,9 @@
 // backward_block_pair.h says why) or as the backward does (kTransposed: V_j^T, the B operand of
 // dP = dO_i V_j^T, as gemm_t). Every query block and every query head of the GQA group then
 // reuses the block packed for its (batch, KV head), instead of repacking it per pair. The copy
-// has the size of K and V, O(L) memory, and is freed with the call.
+// has the size of K and V, O(L) memory, and is freed with the call. K and V rows come from
+// KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows), whose blocks are packed run by
+// run (a page's rows after the other) into one operand, V then always copied.
 #pragma once
 
 #include "geometry.h"
@@ -23,7 +25,8 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 
 enum class ValueOperand { kRows, kTransposed };
 
-template <typename scalar_t, typename gemm_t, ValueOperand kValues = ValueOperand::kRows>
+template <typename scalar_t, typename gemm_t, ValueOperand kValues = ValueOperand::kRows,
+          typename KeyRows = HeadRows<const scalar_t>>
 class PackedKeyValues {
   using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;
@@ -32,14 +35,14 @@ class PackedKeyValues {
   using value_t = std::conditional_t<kTransposedValues, gemm_t, acc_t>;
 
  public:
+  // Value rows are read in place only where they need no conversion and lie at one stride.
   static constexpr bool kPacksValues =
-      kTransposedValues || ValuePack::template b_is_packed<scalar_t>();
+      kTransposedValues || ValuePack::template b_is_packed<scalar_t>() || !KeyRows::kOneRun;
 
   // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
   // causally (the first blocks_of(b) of them), for every (batch, KV head); blocks the key mask
   // hides entirely are left unpacked.
-  PackedKeyValues(const AttentionDims& d, const HeadRows<const scalar_t>& k,
-                  const HeadRows<const scalar_t>& v, int64_t key_block)
+  PackedKeyValues(const AttentionDims& d, const KeyRows& k, const KeyRows& v, int64_t key_block)
       : dims_(d),
         v_(v),
         key_block_(key_block),
@@ -67,14 +70,14 @@ class PackedKeyValues {
         if (d.kept_keys(b, k0, cols) == 0) {
           continue;
         }
-        Pack::b_transposed(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
-                           keys + slot * key_slot_);
+        pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + slot * key_slot_);
         if constexpr (kTransposedValues) {
-          Pack::b_transposed(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
-                             values + slot * value_slot_);
+          pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_);
         } else if constexpr (kPacksValues) {
-          ValuePack::b(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
-                       values + slot * value_slot_);
+          for (int64_t r = 0; r < cols; ++r) {  // widened row by row, each where it lies
+            convert_row(v.row(b, h_kv, k0 + r), values + slot * value_slot_ + r * d.value_dim,
+                        d.value_dim);
+          }
         }
       }
     });
@@ -112,6 +115,17 @@ class PackedKeyValues {
   }
 
  private:
+  // The `cols` rows of (b, h) from k0, width `width`, as one B operand of their transpose at
+  // `dst` (leading dim cols): each run of rows (KeyRows::run_end) packed into its columns.
+  static void pack_transposed(const KeyRows& rows, int64_t b, int64_t h, int64_t k0, int64_t cols,
+                              int64_t width, gemm_t* dst) {
+    for (int64_t r0 = k0, end; r0 < k0 + cols; r0 = end) {
+      end = std::min(k0 + cols, rows.run_end(r0));
+      Pack::b_transposed(rows.row(b, h, r0), end - r0, width, rows.row_stride,
+                         dst + Pack::column_offset(r0 - k0), cols);
+    }
+  }
+
   // The key blocks of batch item b that its last query row reaches.
   int64_t blocks_of(int64_t b) const {
     return dims_.rows_q(b) == 0 ? 0 : ceil_div(dims_.key_end(b, dims_.rows_q(b) - 1), key_block_);
@@ -127,7 +141,7 @@ class PackedKeyValues {
   }
 
   const AttentionDims dims_;
-  const HeadRows<const scalar_t> v_;
+  const KeyRows v_;
   const int64_t key_block_, key_slot_, value_slot_;
   std::vector<int64_t> first_block_;  // (batch + 1): blocks per KV head before each item
   at::Tensor keys_, values_;

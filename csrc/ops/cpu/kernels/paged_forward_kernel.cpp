@@ -1,24 +1,34 @@
-// CPU forward of a paged KV cache (paged_attention): every sequence's query rows, decode rows and
-// prefill chunks alike, go through the decode path (decode.h) with K and V rows read in place
-// from their pages (PagedRows): no gather and no copy of the cache, and key splits over long
-// caches as for a contiguous one. The path carries a (batch, KV head)'s query rows through the
-// keys together, its scratch sized by those rows, never by the cache.
+// CPU forward of a paged KV cache (paged_attention), with K and V rows read in place from their
+// pages (PagedRows): no gather of the cache. A sequence's query rows take the decode path
+// (decode.h: decode rows, short chunks; key splits over long caches as for a contiguous one) up
+// to kMaxDecodeQueryRows of them, else the block path (block_forward.h: prefill chunks, whose
+// block products take their keys packed from the pages, as a contiguous call packs its own). A
+// call holding both kinds runs each kind's sequences as a call of their own.
+#include "block_forward.h"
 #include "decode.h"
 #include "dtype_dispatch.h"
 #include "geometry.h"
 #include "kernel_api.h"
+#include "schedule.h"
 #include "score_modifiers.h"
 #include "split_combine.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <algorithm>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
-// gemm_t is unused: the decode path multiplies in registers, in the accumulation dtype.
 template <typename scalar_t, typename gemm_t>
 class PagedForwardKernel {
   using acc_t = at::opmath_type<scalar_t>;
+  using Rows = PagedRows<const scalar_t>;
 
  public:
   explicit PagedForwardKernel(const PagedForwardTensors& t)
@@ -31,20 +41,74 @@ class PagedForwardKernel {
                 dims_.heads_q, dims_.value_dim, modifiers_} {}
 
   void run() const {
-    DecodeForward<scalar_t, PagedRows<const scalar_t>>(dims_, q_, k_, v_, output_, modifiers_)
-        .run();
+    if (forward_decodes(dims_)) {
+      DecodeForward<scalar_t, Rows>(dims_, q_, k_, v_, output_, modifiers_).run();
+    } else {
+      BlockForward<scalar_t, gemm_t, Rows>(dims_, q_, k_, v_, output_, modifiers_).run();
+    }
   }
 
  private:
   const AttentionDims dims_;
   const HeadRows<const scalar_t> q_;
-  const PagedRows<const scalar_t> k_, v_;
+  const Rows k_, v_;
   const ScoreModifiers<acc_t> modifiers_;
   const OutputRows<scalar_t, acc_t> output_;
 };
 
+// The cumulative counts (int32, size + 1) of counts[i] for i in `picked`, and their largest.
+std::pair<at::Tensor, int64_t> cumulative(const int32_t* cu, const std::vector<int64_t>& picked) {
+  std::vector<int32_t> sums{0};
+  int64_t longest = 0;
+  for (int64_t b : picked) {
+    const int32_t n = cu[b + 1] - cu[b];
+    sums.push_back(sums.back() + n);
+    longest = std::max<int64_t>(longest, n);
+  }
+  return {at::from_blob(sums.data(), {int64_t(sums.size())}, at::kInt).clone(), longest};
+}
+
+// Runs the call's sequences `picked` as a call of their own: their query rows, table rows and
+// ALiBi slopes copied out (the queries, never the cache), their results copied back.
+void run_sequences(const PagedForwardTensors& t, const std::vector<int64_t>& picked) {
+  const int32_t* cu_q = t.sequences.cu_q.data_ptr<int32_t>();
+  std::vector<int64_t> rows;
+  for (int64_t b : picked) {
+    for (int64_t r = cu_q[b]; r < cu_q[b + 1]; ++r) {
+      rows.push_back(r);
+    }
+  }
+  const at::Tensor row_index = at::from_blob(rows.data(), {int64_t(rows.size())}, at::kLong);
+  const at::Tensor sequence_index =
+      at::from_blob(const_cast<int64_t*>(picked.data()), {int64_t(picked.size())}, at::kLong);
+  PagedForwardTensors part(t);
+  part.q = t.q.index_select(2, row_index);
+  part.out = at::empty({1, t.out.size(1), int64_t(rows.size()), t.out.size(3)}, t.out.options());
+  part.lse = at::empty({1, t.lse.size(1), int64_t(rows.size())}, t.lse.options());
+  part.block_table = t.block_table.index_select(0, sequence_index);
+  std::tie(part.sequences.cu_q, part.sequences.max_len_q) = cumulative(cu_q, picked);
+  std::tie(part.sequences.cu_k, part.sequences.max_len_k) =
+      cumulative(t.sequences.cu_k.data_ptr<int32_t>(), picked);
+  if (t.options.alibi_slopes.defined()) {
+    part.options.alibi_slopes = t.options.alibi_slopes.index_select(0, sequence_index);
+  }
+  run_for_dtype<PagedForwardKernel>(part);
+  t.out.index_copy_(2, row_index, part.out);
+  t.lse.index_copy_(2, row_index, part.lse);
+}
+
 void paged_forward_kernel_impl(const PagedForwardTensors& tensors) {
-  run_for_dtype<PagedForwardKernel>(tensors);
+  const int32_t* cu_q = tensors.sequences.cu_q.data_ptr<int32_t>();
+  std::vector<int64_t> decoded, in_blocks;
+  for (int64_t b = 0; b + 1 < tensors.sequences.cu_q.numel(); ++b) {
+    (cu_q[b + 1] - cu_q[b] <= kMaxDecodeQueryRows ? decoded : in_blocks).push_back(b);
+  }
+  if (decoded.empty() || in_blocks.empty()) {
+    run_for_dtype<PagedForwardKernel>(tensors);
+    return;
+  }
+  run_sequences(tensors, decoded);
+  run_sequences(tensors, in_blocks);
 }
 
 }  // namespace
