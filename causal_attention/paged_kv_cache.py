@@ -173,18 +173,9 @@ class PagedKVCache:
                 f"{_NAME}.reserve: {tokens} more tokens of request {request!r} need {needed} "
                 f"free pages, {len(self._free)} of {self.num_pages} are free"
             )
-        pages, length = self._pages[request], self._lengths[request]
-        if self._copies_last_page(request, tokens):
-            shared = pages[-1]
-            pages[-1] = self._take()
-            for layer in self.key_pages + self.value_pages:
-                layer[pages[-1]].copy_(layer[shared])
-            self._release(shared)
-        while len(pages) * self.page_size < length + tokens:
-            pages.append(self._take())
-        self._lengths[request] = length + tokens
+        length = self._draw(request, tokens)
         positions = torch.arange(length, length + tokens)
-        table = torch.tensor(pages, dtype=torch.long)
+        table = torch.tensor(self._pages[request], dtype=torch.long)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def step(self, requests: Sequence, tokens: Sequence[int]) -> "PagedStep":
@@ -199,20 +190,29 @@ class PagedKVCache:
         if needed > len(self._free):
             raise RuntimeError(f"{_NAME}.step: the step needs {needed} free pages, "
                                f"{len(self._free)} of {self.num_pages} are free")
-        before = [self._lengths[r] for r in requests]
-        slots = [self.reserve(r, n) for r, n in zip(requests, tokens)]
-        device = self.key_pages[0].device
+        before = [self._draw(r, n) for r, n in zip(requests, tokens)]
+        # Every request's slots at once (a serving step calls this once per step, so its cost
+        # is a few tensor ops, not a few per request): token t of request i, at position p in
+        # it, lies in row p % page_size of page block_table[i, p // page_size].
+        table = self._table(requests, None)
         counts = torch.tensor([0] + list(tokens), dtype=torch.int32)
-        positions = [torch.arange(start, start + n) for start, n in zip(before, tokens)]
+        cu_seqlens_q = counts.cumsum(0, dtype=torch.int32)
+        total = int(cu_seqlens_q[-1])
+        request_of = torch.repeat_interleave(torch.arange(len(requests)), counts[1:].long(),
+                                             output_size=total)
+        offsets = torch.tensor(before, dtype=torch.long) - cu_seqlens_q[:-1].long()
+        positions = torch.arange(total) + offsets[request_of]
+        page_size = self.page_size
+        slots = table[request_of, positions // page_size].long() * page_size + positions % page_size
+        device = self.key_pages[0].device
         return PagedStep(
             cache=self,
-            slot_mapping=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long),
-            block_table=self.block_table(requests),
+            slot_mapping=slots,
+            block_table=table.to(device),
             seqlens=self.seqlens(requests),
-            cu_seqlens_q=counts.cumsum(0, dtype=torch.int32),
+            cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max(tokens, default=0),
-            positions=(torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long))
-            .to(device),
+            positions=positions.to(device),
         )
 
     def append(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -225,16 +225,7 @@ class PagedKVCache:
         """``(len(requests), width) int32``: row i lists request i's pages in sequence order,
         padded with 0 (read by no key: :meth:`seqlens` ends each row); ``width`` defaults to
         the longest row."""
-        rows = [self._pages[self._known(r)] for r in requests]
-        longest = max((len(p) for p in rows), default=0)
-        width = longest if width is None else width
-        if width < longest:
-            raise ValueError(f"{_NAME}.block_table: width {width} is less than the {longest} "
-                             "pages of the longest request")
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
-        for i, pages in enumerate(rows):
-            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.key_pages[0].device)
+        return self._table(requests, width).to(self.key_pages[0].device)
 
     def seqlens(self, requests: Sequence) -> Tensor:
         """``(len(requests),) int32``: the tokens each request holds."""
@@ -248,6 +239,34 @@ class PagedKVCache:
             raise KeyError(f"{_NAME}: request {request!r} is not allocated (allocated: "
                            f"{len(self._pages)} requests)")
         return request
+
+    def _table(self, requests: Sequence, width: Optional[int]) -> Tensor:
+        """:meth:`block_table` on the CPU, built from one padded list."""
+        rows = [self._pages[self._known(r)] for r in requests]
+        longest = max((len(p) for p in rows), default=0)
+        width = longest if width is None else width
+        if width < longest:
+            raise ValueError(f"{_NAME}.block_table: width {width} is less than the {longest} "
+                             "pages of the longest request")
+        if not rows:
+            return torch.zeros(0, width, dtype=torch.int32)
+        return torch.tensor([p + [0] * (width - len(p)) for p in rows], dtype=torch.int32)
+
+    def _draw(self, request, tokens: int) -> int:
+        """The pages ``tokens`` more tokens of ``request`` need, drawn (a shared partly filled
+        last page copied first, every layer), its length counted; returns its length before.
+        The caller has checked that the free list holds them."""
+        pages, length = self._pages[request], self._lengths[request]
+        if self._copies_last_page(request, tokens):
+            shared = pages[-1]
+            pages[-1] = self._take()
+            for layer in self.key_pages + self.value_pages:
+                layer[pages[-1]].copy_(layer[shared])
+            self._release(shared)
+        while len(pages) * self.page_size < length + tokens:
+            pages.append(self._take())
+        self._lengths[request] = length + tokens
+        return length
 
     def _copies_last_page(self, request, tokens: int) -> bool:
         """Whether ``tokens`` more tokens of ``request`` first copy its shared partial page."""
