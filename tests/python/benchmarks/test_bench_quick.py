@@ -211,3 +211,21 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     assert {"paged_ms", "contiguous_ms", "flash_layout_ms", "gather_sdpa_ms"} <= decode.keys()
     assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
     assert {"peak_added_mib", "added_over_cache"} <= report["memory"].keys()
+
+
+def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_path):
+    """python -m benchmarks.serving --quick serves its queue both ways: continuous batching's
+    greedy tokens are each request's GPT.generate alone, the padded baseline's are the same
+    (padding changes no request's tokens), the pool's pages in use stay inside it and all come
+    back once every request is done."""
+    report = quick_report("serving", tmp_path)
+    checks = report["checks"]
+    assert checks["checked_against_generate"] == report["queue"]["requests"] > 0
+    assert checks["equal_generate_each"] == [True] * checks["checked_against_generate"]
+    assert checks["equal_generate"] == checks["checked_against_generate"]
+    assert checks["padded_equal_ours"] == checks["requests"] == report["queue"]["requests"]
+    ours, padded = report["ours"], report["padded"]
+    assert ours["tokens_per_s"] > 0 and padded["tokens_per_s"] > 0
+    assert 0 < ours["peak_pages_in_use"] <= ours["pool_pages"]
+    assert ours["pages_in_use_after"] == 0
+    assert padded["computed_tokens"] >= padded["needed_tokens"] == ours["computed_tokens"]
