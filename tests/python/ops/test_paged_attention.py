@@ -109,28 +109,6 @@ def test_prefill_chunks_multiply_blocks_packed_from_the_pages(page_size, dtype):
     assert_matches(got, queries, keys, values, dtype)
 
 
-def test_fuzzed_tables_under_prefill_chunks():
-    """Random pools and tables (shuffled, shared and repeated pages) under chunks of 33 to 90
-    rows beside decode rows, against the gathered keys they name."""
-    rng = random.Random(2)
-    for trial in range(20):
-        page_size, pool = rng.choice([1, 5, 16, 37]), rng.randint(1, 12)
-        hkv, group = rng.choice([1, 2]), rng.choice([1, 3])
-        k_cache, v_cache = torch.randn(pool, page_size, hkv, 8), torch.randn(pool, page_size, hkv, 8)
-        width = rng.randint(90 // page_size + 1, 90 // page_size + 4)
-        batch = rng.randint(1, 4)
-        table = torch.tensor([[rng.randrange(pool) for _ in range(width)] for _ in range(batch)],
-                             dtype=torch.int32)
-        lengths_k = [rng.randint(33, width * page_size) for _ in range(batch)]
-        lengths_q = [rng.choice([1, rng.randint(33, min(n, 90))]) for n in lengths_k]
-        keys = [k_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)]
-        values = [v_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)]
-        queries = [torch.randn(n, hkv * group, 8) for n in lengths_q]
-        got = packed_call(queries, k_cache, v_cache, table, lengths_k)
-        for b, (g, r) in enumerate(zip(got, reference(queries, keys, values))):
-            torch.testing.assert_close(g, r, rtol=2e-6, atol=2e-6, msg=f"trial {trial} seq {b}")
-
-
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["MHA", "GQA", "MQA"])
 def test_grouped_heads_read_their_kv_head(heads):
     hq, hkv = heads
@@ -192,22 +170,35 @@ def test_caches_of_zero_to_a_hundred_thousand_tokens(length):
         assert_matches(got, queries, keys, values, torch.float32)
 
 
-def test_fuzzed_tables_shuffled_shared_and_repeated_pages():
+# Per trial: the pages' sizes, the table's width range for a page size, the least keys a sequence
+# holds and its query rows: chunks of 33 to 90 beside decode rows take the block path, their keys
+# packed from the pages.
+FUZZ_ROWS = {
+    "decode rows": ([1, 3, 16, 37], lambda page: (1, 6), 0,
+                    lambda rng, keys: rng.randint(0, min(keys, 5))),
+    "prefill chunks": ([1, 5, 16, 37], lambda page: (90 // page + 1, 90 // page + 4), 33,
+                       lambda rng, keys: rng.choice([1, rng.randint(33, min(keys, 90))])),
+}
+
+
+@pytest.mark.parametrize("rows", list(FUZZ_ROWS))
+def test_fuzzed_tables_shuffled_shared_and_repeated_pages(rows):
     """Random pools read through random tables: pages shuffled, several rows naming one page,
     and a page named twice in one row, against the gathered keys they name."""
+    page_sizes, widths, least_keys, query_rows = FUZZ_ROWS[rows]
     rng = random.Random(1)
     for trial in range(30):
-        page_size = rng.choice([1, 3, 16, 37])
+        page_size = rng.choice(page_sizes)
         pool = rng.randint(1, 12)
         hkv, group = rng.choice([1, 2]), rng.choice([1, 3])
         k_cache = torch.randn(pool, page_size, hkv, 8)
         v_cache = torch.randn(pool, page_size, hkv, 8)
         batch = rng.randint(1, 4)
-        width = rng.randint(1, 6)
+        width = rng.randint(*widths(page_size))
         table = torch.tensor([[rng.randrange(pool) for _ in range(width)] for _ in range(batch)],
                              dtype=torch.int32)
-        lengths_k = [rng.randint(0, width * page_size) for _ in range(batch)]
-        lengths_q = [rng.randint(0, min(n, 5)) for n in lengths_k]
+        lengths_k = [rng.randint(least_keys, width * page_size) for _ in range(batch)]
+        lengths_q = [query_rows(rng, n) for n in lengths_k]
         keys = [k_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)]
         values = [v_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)]
         queries = [torch.randn(n, hkv * group, 8) for n in lengths_q]
