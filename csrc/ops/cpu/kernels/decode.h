@@ -4,10 +4,9 @@
 // row_products.h on K and V rows read in place, so that K and V stream from memory once. Only a
 // group of hundreds of heads (its rows then make the products compute-bound) is cut into
 // several tasks of at most kMaxTaskRows rows, so that a task's scratch stays small. K and V rows
-// come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut the key
-// blocks: a block never crosses a page's end). Where KeyRows interleaves the heads' rows (a
-// page), a task carries every KV head of its sequence through each key block instead
-// (heads_together).
+// come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut a key
+// block's products into runs, one a page). Where KeyRows interleaves the heads' rows (a page), a
+// task carries every KV head of its sequence through each key block instead (heads_together).
 #pragma once
 
 #include "geometry.h"
@@ -99,10 +98,21 @@ class DecodeForward {
     int64_t query_row(int64_t r) const { return (first_row + r) % rows_per_head; }
   };
 
+  // A run of a key block's K and V rows (KeyRows::run_end): keys [offset, offset + count) of the
+  // block, whose rows lie row_stride apart from `keys` and `values`.
+  struct KeyRun {
+    int64_t offset, count;
+    const scalar_t* keys;
+    const scalar_t* values;
+  };
+
   struct Scratch {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
+    std::vector<KeyRun> runs, next_runs;          // of the current block and the next
+    std::vector<int64_t> run_first, run_visible;  // first_visible, visible relative to a run
+    std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
     NonFiniteRowGuard<scalar_t> guard;
     TaskRows task{};  // the rows this scratch serves in the current item
@@ -115,6 +125,9 @@ class DecodeForward {
           first_visible(task_rows(d)),
           visible(task_rows(d)),
           mask_rows(task_rows(d)),
+          run_first(task_rows(d)),
+          run_visible(task_rows(d)),
+          run_mask_rows(task_rows(d)),
           state(task_rows(d), d.value_dim) {}
   };
 
@@ -190,9 +203,48 @@ class DecodeForward {
     }
   }
 
-  // The keys of the block from k0: kKeyBlock, fewer at key_end or where the rows' run ends.
+  // The keys of the block from k0: kKeyBlock, fewer at key_end. A block may cross the ends of
+  // runs of K/V rows (pages): its products then go run by run (block_runs), while the online
+  // softmax's per-block work (the row max, the correction of the running output) and the
+  // prefetch distance stay those of a whole block.
   int64_t block_keys(int64_t k0, int64_t key_end) const {
-    return std::min({kKeyBlock, key_end - k0, k_.run_end(k0) - k0, v_.run_end(k0) - k0});
+    return std::min(kKeyBlock, key_end - k0);
+  }
+
+  // The runs of K/V rows (KeyRows::run_end) that keys [k0, k0 + cols) of KV head h_kv of batch
+  // item b lie on, in order: one, for a tensor's rows. Found once a block, as a page's rows are
+  // found by divisions.
+  void block_runs(int64_t b, int64_t h_kv, int64_t k0, int64_t cols,
+                  std::vector<KeyRun>& runs) const {
+    runs.clear();
+    for (int64_t offset = 0, count; offset < cols; offset += count) {
+      const int64_t key = k0 + offset;
+      count = std::min({cols - offset, k_.run_end(key) - key, v_.run_end(key) - key});
+      runs.push_back({offset, count, k_.row(b, h_kv, key), v_.row(b, h_kv, key)});
+    }
+  }
+
+  // The prefetches of `run`: its value rows, and the next block's rows from the same offset, up
+  // to the end of the run of `next_runs` holding it (where pages divide the block, the next
+  // block's runs pair with this one's). `next` is that run's index, found on from its value.
+  StreamAhead run_stream(const KeyRun& run, const std::vector<KeyRun>& next_runs,
+                         size_t& next) const {
+    StreamAhead stream;
+    stream.values = StreamAhead::Rows::of(run.values, run.count, dims_.value_dim, v_.row_stride);
+    while (next < next_runs.size() &&
+           next_runs[next].offset + next_runs[next].count <= run.offset) {
+      ++next;
+    }
+    if (next < next_runs.size()) {
+      const KeyRun& ahead = next_runs[next];
+      const int64_t skipped = run.offset - ahead.offset;
+      const int64_t count = std::min(run.count, ahead.count - skipped);
+      stream.next_keys = StreamAhead::Rows::of(ahead.keys + skipped * k_.row_stride, count,
+                                               dims_.head_dim, k_.row_stride);
+      stream.next_values = StreamAhead::Rows::of(ahead.values + skipped * v_.row_stride, count,
+                                                 dims_.value_dim, v_.row_stride);
+    }
+    return stream;
   }
 
   // Folds keys [k0, k0 + cols) into the task's rows. Value rows are read in place (widened in
@@ -201,7 +253,6 @@ class DecodeForward {
   // converted once instead (measured faster).
   void key_block(const TaskRows& t, int64_t k0, int64_t cols, int64_t key_end, Scratch& s) const {
     const int64_t D = dims_.head_dim, Dv = dims_.value_dim, rows = t.rows, b = t.b, h_kv = t.h_kv;
-    const scalar_t* k_block = k_.row(b, h_kv, k0);
     const bool* kept = dims_.hidden_keys(b, k0, cols);
     // attn_mask may hide a key from some rows and not others (heads and rows differ): then every
     // non-finite value row is left out of the products and added back where a row sees it.
@@ -213,26 +264,28 @@ class DecodeForward {
       s.mask_rows[r] = modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks).mask;
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
-    const Operand<scalar_t> value_rows{v_.row(b, h_kv, k0), v_.row_stride};
-    const Operand<scalar_t> values =
-        attn_mask_read ? s.guard.without_non_finite_rows(value_rows, cols, Dv)
-        : kept         ? s.guard.without_hidden_non_finite_rows(value_rows, cols, Dv, kept)
-                       : value_rows;
-    StreamAhead stream;
-    stream.values = StreamAhead::Rows::of(values.data, cols, Dv, values.ld);
+    // S = Q K_j^T, run by run
+    block_runs(b, h_kv, k0, cols, s.runs);
+    s.next_runs.clear();
     if (k0 + cols < key_end) {  // a row past key_end may lie on no page
-      stream.next_keys = StreamAhead::Rows::of(k_.row(b, h_kv, k0 + cols),
-                                               block_keys(k0 + cols, key_end), D, k_.row_stride);
+      block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_runs);
     }
-    // S = Q K_j^T
+    size_t next = 0;
+    for (const KeyRun& run : s.runs) {
+      const StreamAhead stream = run_stream(run, s.next_runs, next);
+      if (padded(rows) > 0) {
+        const Operand<acc_t> keys = Packing<acc_t>::a(run.keys, run.count, D, k_.row_stride,
+                                                      s.keys.data() + run.offset * D);
+        key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld,
+                         run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
+                         stream);
+      } else {
+        query_key_scores(s.queries.data(), D, rows, run.keys, k_.row_stride, run.count, D,
+                         s.scores.data() + run.offset, cols, stream);
+      }
+    }
     if (padded(rows) > 0) {
-      const Operand<acc_t> keys = Packing<acc_t>::a(k_block, cols, D, k_.row_stride, s.keys.data());
-      key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld, cols, D,
-                       s.scores_t.data(), padded(rows), stream);
       transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
-    } else {
-      query_key_scores(s.queries.data(), D, rows, k_block, k_.row_stride, cols, D, s.scores.data(),
-                       cols, stream);
     }
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
     // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
@@ -244,16 +297,31 @@ class DecodeForward {
       s.state.fold_row(s.scores.data() + r * cols, r, range, cols,
                        modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks));
     }
-    // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
-    accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
-                               s.visible.data(), values.data, values.ld, Dv, s.state.out.data(), Dv,
-                               stream);
-    if (attn_mask_read) {
-      s.guard.add_back(
-          rows, Dv,
-          MaskedFactor<acc_t>{s.scores.data(), cols, s.first_visible.data(), s.visible.data(),
-                              /*transposed=*/false, kept, s.mask_rows.data()},
-          value_rows, s.state.out.data(), Dv);
+    // O += P V_j, run by run, each row reading only the value rows it reaches (hidden ones weigh
+    // zero)
+    for (const KeyRun& run : s.runs) {
+      for (int64_t r = 0; r < rows; ++r) {
+        s.run_first[r] = std::clamp<int64_t>(s.first_visible[r] - run.offset, 0, run.count);
+        s.run_visible[r] =
+            std::clamp<int64_t>(s.visible[r] - run.offset, s.run_first[r], run.count);
+        s.run_mask_rows[r] = s.mask_rows[r].from(run.offset);
+      }
+      const bool* run_kept = kept ? kept + run.offset : nullptr;
+      const Operand<scalar_t> value_rows{run.values, v_.row_stride};
+      const Operand<scalar_t> values =
+          attn_mask_read ? s.guard.without_non_finite_rows(value_rows, run.count, Dv)
+          : run_kept ? s.guard.without_hidden_non_finite_rows(value_rows, run.count, Dv, run_kept)
+                     : value_rows;
+      accumulate_weighted_values(s.scores.data() + run.offset, cols, rows, s.run_first.data(),
+                                 s.run_visible.data(), values.data, values.ld, Dv,
+                                 s.state.out.data(), Dv);
+      if (attn_mask_read) {
+        s.guard.add_back(rows, Dv,
+                         MaskedFactor<acc_t>{s.scores.data() + run.offset, cols, s.run_first.data(),
+                                             s.run_visible.data(), /*transposed=*/false, run_kept,
+                                             s.run_mask_rows.data()},
+                         value_rows, s.state.out.data(), Dv);
+      }
     }
   }
 

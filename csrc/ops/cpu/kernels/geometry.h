@@ -38,6 +38,10 @@ struct MaskRow {
   int64_t stride = 0;
 
   bool active() const { return bools != nullptr || values != nullptr; }
+  // The same row's entries from key c (relative) on.
+  MaskRow from(int64_t c) const {
+    return {bools ? bools + c * stride : nullptr, values ? values + c * stride : nullptr, stride};
+  }
   bool hides(int64_t c) const {
     return bools    ? !bools[c * stride]
            : values ? values[c * stride] == -std::numeric_limits<acc_t>::infinity()
@@ -351,7 +355,7 @@ struct HeadRows {
 
 // Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
 // along col: row r of batch item b is row r % page_size of page block_table[b][r / page_size].
-// Rows lie row_stride apart within a page only, so a block of rows never crosses run_end.
+// Rows lie row_stride apart within a page only: what reads rows at that stride stops at run_end.
 template <typename T>
 struct PagedRows {
   T* data;

@@ -12,8 +12,8 @@
 //   elements (Q given transposed, packed once per task), with no horizontal sums;
 // - values are accumulated four query rows at a time, so each value vector loaded serves four
 //   (this and the transposed scores share one register tile of rank-one updates);
-// - the cache lines of the next steps are requested while the current one computes
-//   (StreamAhead), so that K and V stream in from memory behind the arithmetic.
+// - the cache lines of the next steps are requested as the scores are computed (StreamAhead),
+//   so that K and V stream in from memory behind the arithmetic.
 //
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
@@ -58,7 +58,7 @@ void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k
   int64_t j = 0;
   // Vec::size() keys at a time: one accumulator a key, reduced together by lane_sums.
   for (; j + N <= cols; j += N) {
-    stream.value_rows(j, N);
+    stream.at_keys(j, N);
     const src_t* keys = k + j * ld_k;
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t* query = q + r * ld_q;
@@ -84,7 +84,7 @@ void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k
       lane_sums(acc).store(scores + r * ld_scores + j);
     }
   }
-  stream.value_rows(j, cols - j);
+  stream.at_keys(j, cols - j);
   for (; j < cols; ++j) {
     for (int64_t r = 0; r < rows; ++r) {
       scores[r * ld_scores + j] = dot(q + r * ld_q, k + j * ld_k, dim);
@@ -121,7 +121,7 @@ inline void key_query_tile(const acc_t* q_t, int64_t ld_qt, const acc_t* keys, i
 }
 
 // One band of kVecs vectors of query rows of key_query_scores, kKeys keys a tile; with `stream`,
-// the value rows of each tile's keys are requested alongside.
+// told of each tile's keys.
 template <int64_t kKeys, int64_t kVecs, typename acc_t>
 inline void key_query_band(const acc_t* q_t, int64_t ld_qt, const acc_t* k, int64_t ld_k,
                            int64_t cols, int64_t dim, acc_t* scores_t, int64_t ld_st,
@@ -129,9 +129,12 @@ inline void key_query_band(const acc_t* q_t, int64_t ld_qt, const acc_t* k, int6
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
     if (stream != nullptr) {
-      stream->value_rows(j, kKeys);
+      stream->at_keys(j, kKeys);
     }
     key_query_tile<kKeys, kVecs>(q_t, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st, ld_st);
+  }
+  if (stream != nullptr) {
+    stream->at_keys(j, cols - j);
   }
   for (; j < cols; ++j) {
     key_query_tile<1, kVecs>(q_t, ld_qt, k + j * ld_k, ld_k, dim, scores_t + j * ld_st, ld_st);
@@ -148,7 +151,7 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t r = 0;
   // Two vectors of rows against four keys: eight accumulators, and six loads per eight FMAs;
-  // a last single vector of rows against eight keys. The first band streams the values in.
+  // a last single vector of rows against eight keys. The first band tells the stream.
   for (; r + 2 * N <= padded_rows; r += 2 * N) {
     key_query_band<4, 2>(q_t + r, ld_qt, k, ld_k, cols, dim, scores_t + r, ld_st,
                          r == 0 ? &stream : nullptr);
@@ -178,6 +181,9 @@ inline void accumulate_tail_columns(const acc_t* p, int64_t begin, int64_t end, 
 template <typename acc_t, typename src_t>
 inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const src_t* v,
                                int64_t ld_v, int64_t dim_v, acc_t* out) {
+  if (begin >= end) {  // as most calls of a tile's rows are: no output row to load and store
+    return;
+  }
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t c = 0;
   for (; c + 8 * N <= dim_v; c += 8 * N) {
@@ -195,14 +201,13 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
 template <typename acc_t, typename src_t>
 void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, const int64_t* first,
                                 const int64_t* visible, const src_t* v, int64_t ld_v, int64_t dim_v,
-                                acc_t* out, int64_t ld_out, const StreamAhead& stream) {
+                                acc_t* out, int64_t ld_out) {
   // Four rows by two vectors: eight accumulators, six loads per eight FMAs (measured faster
   // than one by eight, two by four and three by four).
   constexpr int64_t kRows = 4, kVecs = 2;
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    stream.next_key_share(r, r + kRows, rows);
     // The keys every row of the tile sees go through the tile; the rest row by row.
     const int64_t shared_begin = *std::max_element(first + r, first + r + kRows);
     const int64_t shared_end =
@@ -228,7 +233,6 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
                          row_out);
     }
   }
-  stream.next_key_share(r, rows, rows);
   for (; r < rows; ++r) {
     accumulate_one_row(p + r * ld_p, first[r], visible[r], v, ld_v, dim_v, out + r * ld_out);
   }
