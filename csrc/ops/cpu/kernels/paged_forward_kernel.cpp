@@ -1,19 +1,14 @@
 // CPU forward of a paged KV cache (paged_attention), with K and V rows read in place from their
-// pages (PagedRows): no gather of the cache. A sequence's query rows take the decode path
-// (decode.h: decode rows, short chunks; key splits over long caches as for a contiguous one) up
-// to kMaxDecodeQueryRows of them, else the block path (block_forward.h: prefill chunks, whose
-// block products take their keys packed from the pages, as a contiguous call packs its own). A
-// call holding both kinds runs each kind's sequences as a call of their own.
-#include "block_forward.h"
-#include "decode.h"
+// pages (PagedRows, forward_kernel.h): no gather of the cache. A sequence's query rows take the
+// decode path (decode.h: decode rows, short chunks; key splits over long caches as for a contiguous
+// one) up to kMaxDecodeQueryRows of them, else the block path (block_forward.h: prefill chunks,
+// whose block products take their keys packed from the pages, as a contiguous call packs its own).
+// A call holding both kinds runs each kind's sequences as a call of their own.
 #include "dtype_dispatch.h"
-#include "geometry.h"
+#include "forward_kernel.h"
 #include "kernel_api.h"
 #include "schedule.h"
-#include "score_modifiers.h"
-#include "split_combine.h"
 
-#include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
@@ -26,35 +21,7 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
 template <typename scalar_t, typename gemm_t>
-class PagedForwardKernel {
-  using acc_t = at::opmath_type<scalar_t>;
-  using Rows = PagedRows<const scalar_t>;
-
- public:
-  explicit PagedForwardKernel(const PagedForwardTensors& t)
-      : dims_(t),
-        q_(t.q, dims_.cu_q),
-        k_(t.k, t.block_table),
-        v_(t.v, t.block_table),
-        modifiers_(t),
-        output_{HeadRows<scalar_t>(t.out, dims_.cu_q), HeadRows<acc_t>(t.lse, dims_.cu_q),
-                dims_.heads_q, dims_.value_dim, modifiers_} {}
-
-  void run() const {
-    if (forward_decodes(dims_)) {
-      DecodeForward<scalar_t, Rows>(dims_, q_, k_, v_, output_, modifiers_).run();
-    } else {
-      BlockForward<scalar_t, gemm_t, Rows>(dims_, q_, k_, v_, output_, modifiers_).run();
-    }
-  }
-
- private:
-  const AttentionDims dims_;
-  const HeadRows<const scalar_t> q_;
-  const Rows k_, v_;
-  const ScoreModifiers<acc_t> modifiers_;
-  const OutputRows<scalar_t, acc_t> output_;
-};
+using PagedForwardKernel = ForwardKernel<scalar_t, gemm_t, PagedForwardTensors>;
 
 // The cumulative counts (int32, size + 1) of counts[i] for i in `picked`, and their largest.
 std::pair<at::Tensor, int64_t> cumulative(const int32_t* cu, const std::vector<int64_t>& picked) {

@@ -1,0 +1,66 @@
+// The forward of one call: few query rows against a long cache take the decode path (decode.h),
+// the others the block path (block_forward.h), both on K/V rows that the call's tensors say where
+// to read: a tensor's (HeadRows, attention_forward_kernel.cpp) or a paged cache's through its
+// block table (PagedRows, paged_forward_kernel.cpp).
+#pragma once
+
+#include "block_forward.h"
+#include "decode.h"
+#include "geometry.h"
+#include "kernel_api.h"
+#include "schedule.h"
+#include "split_combine.h"
+
+#include <ATen/OpMathType.h>
+
+#include <utility>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// The K and V rows of a call: its tensors', row r of a sequence from cu_k where it packs them.
+template <typename scalar_t>
+std::pair<HeadRows<const scalar_t>, HeadRows<const scalar_t>> key_value_rows(
+    const ForwardTensors& t, const AttentionDims& d) {
+  return {HeadRows<const scalar_t>(t.k, d.cu_k), HeadRows<const scalar_t>(t.v, d.cu_k)};
+}
+// A paged cache's, found through the block table.
+template <typename scalar_t>
+std::pair<PagedRows<const scalar_t>, PagedRows<const scalar_t>> key_value_rows(
+    const PagedForwardTensors& t, const AttentionDims& /*d*/) {
+  return {PagedRows<const scalar_t>(t.k, t.block_table),
+          PagedRows<const scalar_t>(t.v, t.block_table)};
+}
+
+template <typename scalar_t, typename gemm_t, typename Tensors>
+class ForwardKernel {
+  using acc_t = at::opmath_type<scalar_t>;
+  using KeyRows = typename decltype(key_value_rows<scalar_t>(
+      std::declval<const Tensors&>(), std::declval<const AttentionDims&>()))::first_type;
+
+ public:
+  explicit ForwardKernel(const Tensors& t)
+      : dims_(t),
+        q_(t.q, dims_.cu_q),
+        kv_(key_value_rows<scalar_t>(t, dims_)),
+        modifiers_(t),
+        output_{HeadRows<scalar_t>(t.out, dims_.cu_q), HeadRows<acc_t>(t.lse, dims_.cu_q),
+                dims_.heads_q, dims_.value_dim, modifiers_} {}
+
+  void run() const {
+    const auto& [k, v] = kv_;
+    if (forward_decodes(dims_)) {
+      DecodeForward<scalar_t, KeyRows>(dims_, q_, k, v, output_, modifiers_).run();
+    } else {
+      BlockForward<scalar_t, gemm_t, KeyRows>(dims_, q_, k, v, output_, modifiers_).run();
+    }
+  }
+
+ private:
+  const AttentionDims dims_;
+  const HeadRows<const scalar_t> q_;
+  const std::pair<KeyRows, KeyRows> kv_;
+  const ScoreModifiers<acc_t> modifiers_;
+  const OutputRows<scalar_t, acc_t> output_;
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
