@@ -98,19 +98,12 @@ class DecodeForward {
     int64_t query_row(int64_t r) const { return (first_row + r) % rows_per_head; }
   };
 
-  // A run of a key block's K and V rows (KeyRows::run_end): keys [offset, offset + count) of the
-  // block, whose rows lie row_stride apart from `keys` and `values`.
-  struct KeyRun {
-    int64_t offset, count;
-    const scalar_t* keys;
-    const scalar_t* values;
-  };
-
   struct Scratch {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
-    std::vector<KeyRun> runs, next_runs;          // of the current block and the next
+    // The runs of K and V rows of the current block and the next (block_runs)
+    std::vector<RowRun<scalar_t>> key_runs, value_runs, next_key_runs, next_value_runs;
     std::vector<int64_t> run_first, run_visible;  // first_visible, visible relative to a run
     std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
@@ -211,38 +204,42 @@ class DecodeForward {
     return std::min(kKeyBlock, key_end - k0);
   }
 
-  // The runs of K/V rows (KeyRows::run_end) that keys [k0, k0 + cols) of KV head h_kv of batch
-  // item b lie on, in order: one, for a tensor's rows. Found once a block, as a page's rows are
-  // found by divisions.
+  // The runs of K and V rows (KeyRows::run_end) that keys [k0, k0 + cols) of KV head h_kv of
+  // batch item b lie on, in order: one, for a tensor's rows. Found once a block, as a page's rows
+  // are found by divisions.
   void block_runs(int64_t b, int64_t h_kv, int64_t k0, int64_t cols,
-                  std::vector<KeyRun>& runs) const {
-    runs.clear();
+                  std::vector<RowRun<scalar_t>>& keys,
+                  std::vector<RowRun<scalar_t>>& values) const {
+    keys.clear();
+    values.clear();
     for (int64_t offset = 0, count; offset < cols; offset += count) {
       const int64_t key = k0 + offset;
       count = std::min({cols - offset, k_.run_end(key) - key, v_.run_end(key) - key});
-      runs.push_back({offset, count, k_.row(b, h_kv, key), v_.row(b, h_kv, key)});
+      keys.push_back({offset, count, k_.row(b, h_kv, key)});
+      values.push_back({offset, count, v_.row(b, h_kv, key)});
     }
   }
 
-  // The prefetches of `run`: its value rows, and the next block's rows from the same offset, up
-  // to the end of the run of `next_runs` holding it (where pages divide the block, the next
-  // block's runs pair with this one's). `next` is that run's index, found on from its value.
-  StreamAhead run_stream(const KeyRun& run, const std::vector<KeyRun>& next_runs,
-                         size_t& next) const {
+  // The prefetches of run i of the block: its value rows, and the next block's rows from the
+  // same offset, up to the end of the next block's run holding it (where pages divide the
+  // block, the next block's runs pair with this one's). `next` is that run's index, found on
+  // from its value.
+  StreamAhead run_stream(const Scratch& s, size_t i, size_t& next) const {
+    const RowRun<scalar_t>& run = s.value_runs[i];
     StreamAhead stream;
-    stream.values = StreamAhead::Rows::of(run.values, run.count, dims_.value_dim, v_.row_stride);
-    while (next < next_runs.size() &&
-           next_runs[next].offset + next_runs[next].count <= run.offset) {
+    stream.values = StreamAhead::Rows::of(run.first, run.count, dims_.value_dim, v_.row_stride);
+    const auto& ahead = s.next_key_runs;
+    while (next < ahead.size() && ahead[next].offset + ahead[next].count <= run.offset) {
       ++next;
     }
-    if (next < next_runs.size()) {
-      const KeyRun& ahead = next_runs[next];
-      const int64_t skipped = run.offset - ahead.offset;
-      const int64_t count = std::min(run.count, ahead.count - skipped);
-      stream.next_keys = StreamAhead::Rows::of(ahead.keys + skipped * k_.row_stride, count,
+    if (next < ahead.size()) {
+      const int64_t skipped = run.offset - ahead[next].offset;
+      const int64_t count = std::min(run.count, ahead[next].count - skipped);
+      stream.next_keys = StreamAhead::Rows::of(ahead[next].first + skipped * k_.row_stride, count,
                                                dims_.head_dim, k_.row_stride);
-      stream.next_values = StreamAhead::Rows::of(ahead.values + skipped * v_.row_stride, count,
-                                                 dims_.value_dim, v_.row_stride);
+      stream.next_values =
+          StreamAhead::Rows::of(s.next_value_runs[next].first + skipped * v_.row_stride, count,
+                                dims_.value_dim, v_.row_stride);
     }
     return stream;
   }
@@ -264,23 +261,26 @@ class DecodeForward {
       s.mask_rows[r] = modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks).mask;
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
-    // S = Q K_j^T, run by run
-    block_runs(b, h_kv, k0, cols, s.runs);
-    s.next_runs.clear();
+    // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches)
+    block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
+    s.next_key_runs.clear();
+    s.next_value_runs.clear();
     if (k0 + cols < key_end) {  // a row past key_end may lie on no page
-      block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_runs);
+      block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
+                 s.next_value_runs);
     }
     size_t next = 0;
-    for (const KeyRun& run : s.runs) {
-      const StreamAhead stream = run_stream(run, s.next_runs, next);
+    for (size_t i = 0; i < s.key_runs.size(); ++i) {
+      const RowRun<scalar_t>& run = s.key_runs[i];
+      const StreamAhead stream = run_stream(s, i, next);
       if (padded(rows) > 0) {
-        const Operand<acc_t> keys = Packing<acc_t>::a(run.keys, run.count, D, k_.row_stride,
+        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
                                                       s.keys.data() + run.offset * D);
         key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld,
                          run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
                          stream);
       } else {
-        query_key_scores(s.queries.data(), D, rows, run.keys, k_.row_stride, run.count, D,
+        query_key_scores(s.queries.data(), D, rows, run.first, k_.row_stride, run.count, D,
                          s.scores.data() + run.offset, cols, stream);
       }
     }
@@ -297,9 +297,16 @@ class DecodeForward {
       s.state.fold_row(s.scores.data() + r * cols, r, range, cols,
                        modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks));
     }
-    // O += P V_j, run by run, each row reading only the value rows it reaches (hidden ones weigh
-    // zero)
-    for (const KeyRun& run : s.runs) {
+    // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
+    if (!attn_mask_read && !kept) {
+      const RunRows<scalar_t> values{s.value_runs.data(), int64_t(s.value_runs.size()),
+                                     v_.row_stride};
+      accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
+                                 s.visible.data(), values, Dv, s.state.out.data(), Dv);
+      return;
+    }
+    // With masks, run by run: the guard leaves a run's non-finite rows out of its products.
+    for (const RowRun<scalar_t>& run : s.value_runs) {
       for (int64_t r = 0; r < rows; ++r) {
         s.run_first[r] = std::clamp<int64_t>(s.first_visible[r] - run.offset, 0, run.count);
         s.run_visible[r] =
@@ -307,14 +314,15 @@ class DecodeForward {
         s.run_mask_rows[r] = s.mask_rows[r].from(run.offset);
       }
       const bool* run_kept = kept ? kept + run.offset : nullptr;
-      const Operand<scalar_t> value_rows{run.values, v_.row_stride};
+      const Operand<scalar_t> value_rows{run.first, v_.row_stride};
       const Operand<scalar_t> values =
-          attn_mask_read ? s.guard.without_non_finite_rows(value_rows, run.count, Dv)
-          : run_kept ? s.guard.without_hidden_non_finite_rows(value_rows, run.count, Dv, run_kept)
-                     : value_rows;
+          attn_mask_read
+              ? s.guard.without_non_finite_rows(value_rows, run.count, Dv)
+              : s.guard.without_hidden_non_finite_rows(value_rows, run.count, Dv, run_kept);
+      const RowRun<scalar_t> cleaned{0, run.count, values.data};
       accumulate_weighted_values(s.scores.data() + run.offset, cols, rows, s.run_first.data(),
-                                 s.run_visible.data(), values.data, values.ld, Dv,
-                                 s.state.out.data(), Dv);
+                                 s.run_visible.data(), RunRows<scalar_t>{&cleaned, 1, values.ld},
+                                 Dv, s.state.out.data(), Dv);
       if (attn_mask_read) {
         s.guard.add_back(rows, Dv,
                          MaskedFactor<acc_t>{s.scores.data() + run.offset, cols, s.run_first.data(),

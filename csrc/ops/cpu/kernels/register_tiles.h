@@ -121,25 +121,43 @@ inline at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized<acc_t>* ac
   return Vec::loadu(sums);
 }
 
-// A register tile of rank-one updates, the one inner loop of both products:
-//   c[i * ldc + x] (= or +=) sum over t in [begin, end) of a[i * lda + t] * b[t * ldb + x]
+// The rows of an operand read in place, in runs: rows [offset, offset + count) lie ld apart from
+// `first`. A tensor's rows are one run, a paged cache's one a page.
+template <typename T>
+struct RowRun {
+  int64_t offset, count;
+  const T* first;
+};
+template <typename T>
+struct RunRows {
+  const RowRun<T>* runs = nullptr;  // by offset
+  int64_t num_runs = 0;
+  int64_t ld = 0;
+
+  // Calls fn(t, n, row) for each stretch [t, t + n) of rows [begin, end) that lies on one run,
+  // `row` the stretch's first, in order.
+  template <typename Fn>
+  void for_each_stretch(int64_t begin, int64_t end, const Fn& fn) const {
+    for (int64_t i = 0; i < num_runs && runs[i].offset < end; ++i) {
+      const RowRun<T>& run = runs[i];
+      const int64_t from = std::max(begin, run.offset), to = std::min(end, run.offset + run.count);
+      if (from < to) {
+        fn(from, to - from, run.first + (from - run.offset) * ld);
+      }
+    }
+  }
+};
+
+// The steps of a register tile of rank-one updates, the one inner loop of both products:
+//   acc[i][x] += sum over t < steps of a[i * lda + t] * b[t * ldb + x * Vec::size() ...]
 // for kRows rows i and kVecs vectors of columns x. Each b vector loaded serves kRows rows, each
 // broadcast a element kVecs vectors. (Scores: a = key rows, b = transposed query rows; values:
 // a = probabilities, b = value rows, read in their own dtype.)
-template <int64_t kRows, int64_t kVecs, bool kAccumulate, typename acc_t, typename a_t,
-          typename b_t>
-inline void rank_one_tile(const a_t* a, int64_t lda, const b_t* b, int64_t ldb, int64_t begin,
-                          int64_t end, acc_t* c, int64_t ldc) {
+template <int64_t kRows, int64_t kVecs, typename acc_t, typename a_t, typename b_t>
+inline void rank_one_steps(at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], const a_t* a,
+                           int64_t lda, const b_t* b, int64_t ldb, int64_t steps) {
   using Vec = at::vec::Vectorized<acc_t>;
-  Vec acc[kRows][kVecs];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kRows; ++i) {
-#pragma GCC unroll 16
-    for (int64_t x = 0; x < kVecs; ++x) {
-      acc[i][x] = kAccumulate ? Vec::loadu(c + i * ldc + x * Vec::size()) : Vec(acc_t(0));
-    }
-  }
-  for (int64_t t = begin; t < end; ++t) {
+  for (int64_t t = 0; t < steps; ++t) {
     Vec columns[kVecs];
 #pragma GCC unroll 16
     for (int64_t x = 0; x < kVecs; ++x) {
@@ -154,13 +172,57 @@ inline void rank_one_tile(const a_t* a, int64_t lda, const b_t* b, int64_t ldb, 
       }
     }
   }
+}
+
+// The tile's accumulators from c (kAccumulate) or zero, and back to c.
+template <int64_t kRows, int64_t kVecs, bool kAccumulate, typename acc_t>
+inline void load_tile(at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], const acc_t* c,
+                      int64_t ldc) {
+  using Vec = at::vec::Vectorized<acc_t>;
 #pragma GCC unroll 16
   for (int64_t i = 0; i < kRows; ++i) {
 #pragma GCC unroll 16
     for (int64_t x = 0; x < kVecs; ++x) {
-      acc[i][x].store(c + i * ldc + x * Vec::size());
+      acc[i][x] = kAccumulate ? Vec::loadu(c + i * ldc + x * Vec::size()) : Vec(acc_t(0));
     }
   }
+}
+template <int64_t kRows, int64_t kVecs, typename acc_t>
+inline void store_tile(const at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], acc_t* c,
+                       int64_t ldc) {
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t x = 0; x < kVecs; ++x) {
+      acc[i][x].store(c + i * ldc + x * at::vec::Vectorized<acc_t>::size());
+    }
+  }
+}
+
+// A register tile of rank-one updates:
+//   c[i * ldc + x] (= or +=) sum over t in [begin, end) of a[i * lda + t] * b[t * ldb + x]
+// for kRows rows i and kVecs vectors of columns x.
+template <int64_t kRows, int64_t kVecs, bool kAccumulate, typename acc_t, typename a_t,
+          typename b_t>
+inline void rank_one_tile(const a_t* a, int64_t lda, const b_t* b, int64_t ldb, int64_t begin,
+                          int64_t end, acc_t* c, int64_t ldc) {
+  at::vec::Vectorized<acc_t> acc[kRows][kVecs];
+  load_tile<kRows, kVecs, kAccumulate>(acc, c, ldc);
+  rank_one_steps<kRows, kVecs>(acc, a + begin, lda, b + begin * ldb, ldb, end - begin);
+  store_tile<kRows, kVecs>(acc, c, ldc);
+}
+
+// The same tile added to c, its b rows in runs (their columns from `col`): the accumulators stay
+// in registers from one run to the next.
+template <int64_t kRows, int64_t kVecs, typename acc_t, typename a_t, typename b_t>
+inline void rank_one_tile_on_runs(const a_t* a, int64_t lda, const RunRows<b_t>& b, int64_t col,
+                                  int64_t begin, int64_t end, acc_t* c, int64_t ldc) {
+  at::vec::Vectorized<acc_t> acc[kRows][kVecs];
+  load_tile<kRows, kVecs, true>(acc, c, ldc);
+  b.for_each_stretch(begin, end, [&](int64_t t, int64_t n, const b_t* row) {
+    rank_one_steps<kRows, kVecs>(acc, a + t, lda, row + col, b.ld, n);
+  });
+  store_tile<kRows, kVecs>(acc, c, ldc);
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -162,45 +162,49 @@ void key_query_scores(const acc_t* q_t, int64_t ld_qt, int64_t padded_rows, cons
   }
 }
 
-// out[c] += sum over j in [begin, end) of p[j] * v[j * ld_v + c] for first_col <= c < dim_v:
-// the columns past the last whole vector, one at a time.
+// out[c] += sum over j in [begin, end) of p[j] * v_j[c] for first_col <= c < dim_v, v_j value
+// row j: the columns past the last whole vector, one at a time.
 template <typename acc_t, typename src_t>
-inline void accumulate_tail_columns(const acc_t* p, int64_t begin, int64_t end, const src_t* v,
-                                    int64_t ld_v, int64_t first_col, int64_t dim_v, acc_t* out) {
+inline void accumulate_tail_columns(const acc_t* p, int64_t begin, int64_t end,
+                                    const RunRows<src_t>& v, int64_t first_col, int64_t dim_v,
+                                    acc_t* out) {
   for (int64_t c = first_col; c < dim_v; ++c) {
     acc_t sum = out[c];
-    for (int64_t j = begin; j < end; ++j) {
-      sum += p[j] * static_cast<acc_t>(v[j * ld_v + c]);
-    }
+    v.for_each_stretch(begin, end, [&](int64_t t, int64_t n, const src_t* row) {
+      for (int64_t j = 0; j < n; ++j) {
+        sum += p[t + j] * static_cast<acc_t>(row[j * v.ld + c]);
+      }
+    });
     out[c] = sum;
   }
 }
 
-// out[c] += sum over j in [begin, end) of p[j] * v[j * ld_v + c] for c < dim_v: one row, for
-// the keys only some rows of a tile see, and for the rows past the last whole tile.
+// out[c] += sum over j in [begin, end) of p[j] * v_j[c] for c < dim_v: one row, for the keys
+// only some rows of a tile see, and for the rows past the last whole tile.
 template <typename acc_t, typename src_t>
-inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const src_t* v,
-                               int64_t ld_v, int64_t dim_v, acc_t* out) {
+inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const RunRows<src_t>& v,
+                               int64_t dim_v, acc_t* out) {
   if (begin >= end) {  // as most calls of a tile's rows are: no output row to load and store
     return;
   }
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
   int64_t c = 0;
   for (; c + 8 * N <= dim_v; c += 8 * N) {
-    rank_one_tile<1, 8, true>(p, 0, v + c, ld_v, begin, end, out + c, 0);
+    rank_one_tile_on_runs<1, 8>(p, 0, v, c, begin, end, out + c, 0);
   }
   for (; c + N <= dim_v; c += N) {
-    rank_one_tile<1, 1, true>(p, 0, v + c, ld_v, begin, end, out + c, 0);
+    rank_one_tile_on_runs<1, 1>(p, 0, v, c, begin, end, out + c, 0);
   }
-  accumulate_tail_columns(p, begin, end, v, ld_v, c, dim_v, out);
+  accumulate_tail_columns(p, begin, end, v, c, dim_v, out);
 }
 
-// out[r * ld_out + c] += sum over j in [first[r], visible[r]) of p[r * ld_p + j] * v[j * ld_v + c],
-// for r < rows and c < dim_v. A row reads only the value rows it sees, so a non-finite value row
-// never reaches a query row the mask hides it from.
+// out[r * ld_out + c] += sum over j in [first[r], visible[r]) of p[r * ld_p + j] * v_j[c], for
+// r < rows and c < dim_v, v_j value row j of `v`'s runs (rows no run holds are left out). A row
+// reads only the value rows it sees, so a non-finite value row never reaches a query row the
+// mask hides it from.
 template <typename acc_t, typename src_t>
 void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, const int64_t* first,
-                                const int64_t* visible, const src_t* v, int64_t ld_v, int64_t dim_v,
+                                const int64_t* visible, const RunRows<src_t>& v, int64_t dim_v,
                                 acc_t* out, int64_t ld_out) {
   // Four rows by two vectors: eight accumulators, six loads per eight FMAs (measured faster
   // than one by eight, two by four and three by four).
@@ -216,25 +220,23 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
     acc_t* out_rows = out + r * ld_out;
     int64_t c = 0;
     for (; c + kVecs * N <= dim_v; c += kVecs * N) {
-      rank_one_tile<kRows, kVecs, true>(weights, ld_p, v + c, ld_v, shared_begin, shared_end,
-                                        out_rows + c, ld_out);
+      rank_one_tile_on_runs<kRows, kVecs>(weights, ld_p, v, c, shared_begin, shared_end,
+                                          out_rows + c, ld_out);
     }
     for (; c + N <= dim_v; c += N) {
-      rank_one_tile<kRows, 1, true>(weights, ld_p, v + c, ld_v, shared_begin, shared_end,
-                                    out_rows + c, ld_out);
+      rank_one_tile_on_runs<kRows, 1>(weights, ld_p, v, c, shared_begin, shared_end, out_rows + c,
+                                      ld_out);
     }
     for (int64_t i = r; i < r + kRows; ++i) {
       const acc_t* row_p = p + i * ld_p;
       acc_t* row_out = out + i * ld_out;
-      accumulate_tail_columns(row_p, shared_begin, shared_end, v, ld_v, c, dim_v, row_out);
-      accumulate_one_row(row_p, first[i], std::min(shared_begin, visible[i]), v, ld_v, dim_v,
-                         row_out);
-      accumulate_one_row(row_p, std::max(shared_end, first[i]), visible[i], v, ld_v, dim_v,
-                         row_out);
+      accumulate_tail_columns(row_p, shared_begin, shared_end, v, c, dim_v, row_out);
+      accumulate_one_row(row_p, first[i], std::min(shared_begin, visible[i]), v, dim_v, row_out);
+      accumulate_one_row(row_p, std::max(shared_end, first[i]), visible[i], v, dim_v, row_out);
     }
   }
   for (; r < rows; ++r) {
-    accumulate_one_row(p + r * ld_p, first[r], visible[r], v, ld_v, dim_v, out + r * ld_out);
+    accumulate_one_row(p + r * ld_p, first[r], visible[r], v, dim_v, out + r * ld_out);
   }
 }
 
