@@ -57,6 +57,13 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& c) 
                  p.max_seqlen_k, c.attn_mask, c.query_offset);
 }
 
+std::tuple<at::Tensor, at::Tensor> call_paged_attention(const PagedCall& c) {
+  static auto op = operator_handle<PagedSignature>("causal_attention::paged_attention");
+  const ScoreOptions& o = c.options;
+  return op.call(c.q, c.k_cache, c.v_cache, c.block_table, c.cache_seqlens, c.cu_seqlens_q,
+                 c.max_seqlen_q, c.scale, o.window, o.softcap, o.alibi_slopes, o.sinks);
+}
+
 namespace {
 
 // attention_gradients and attention_backward through their handle: the call's flat arguments,
@@ -188,6 +195,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   return detail::call_attention_backward(backward_call("causal_attention.attention_backward",
                                                        grad_out, q, k, v, out, lse, scale, options,
                                                        dropout_seed));
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& cache_seqlens, const AttentionOptions& options,
+    const std::optional<at::Tensor>& cu_seqlens_q, std::optional<c10::SymInt> max_seqlen_q) {
+  TORCH_CHECK_VALUE(!options.key_mask().has_value() && !options.attn_mask().has_value() &&
+                        options.dropout_p() == 0 && !options.generator().has_value(),
+                    "causal_attention.paged_attention: key_mask, attn_mask and dropout are not "
+                    "options of the paged op (an inference op over whole sequences: their "
+                    "lengths are cache_seqlens); got key_mask=",
+                    options.key_mask().has_value(), ", attn_mask=", options.attn_mask().has_value(),
+                    ", dropout_p=", options.dropout_p());
+  detail::PagedCall call{q, k_cache, v_cache, block_table, cache_seqlens};
+  call.cu_seqlens_q = cu_seqlens_q;
+  call.max_seqlen_q = std::move(max_seqlen_q);
+  call.scale = options.scale();
+  call.options = score_options(options);
+  return detail::call_paged_attention(call);
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& dropout_seed, c10::SymIntArrayRef shape,

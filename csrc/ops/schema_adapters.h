@@ -154,16 +154,19 @@ std::tuple<at::Tensor, at::Tensor> paged_from_schema(
   return kernel(call);
 }
 
+using PagedSignature = decltype(paged_from_schema<nullptr>);
 using ForwardSignature = decltype(forward_from_schema<nullptr>);
 using GradientsSignature = decltype(gradients_from_schema<nullptr>);
 using BackwardSignature = decltype(backward_from_schema<nullptr>);
 
 // Through the dispatcher (attention.cpp). call_attention serves attention and varlen_attention
-// (packed where call.packed is given), call_attention_weights attention_weights.
+// (packed where call.packed is given), call_attention_weights attention_weights,
+// call_paged_attention paged_attention.
 at::Tensor call_attention(const AttentionCall& call);
 at::Tensor call_attention_weights(const AttentionCall& call);
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const ForwardCall& call);
 Gradients call_attention_gradients(const BackwardCall& call);
 BackwardGradients call_attention_backward(const BackwardCall& call);
+std::tuple<at::Tensor, at::Tensor> call_paged_attention(const PagedCall& call);
 
 }  // namespace causal_attention::detail

@@ -67,6 +67,23 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                             const AttentionOptions& options = {});
 
+// Attention against a paged KV cache, read in place through the block table (inference: no
+// autograd). k_cache (num_pages, page_size, Hkv, D) and v_cache (num_pages, page_size, Hkv, Dv)
+// are flash-attn's (and vLLM's flash) paged layout, any page size; block_table int32 (B,
+// max_pages) lists sequence b's pages in order and cache_seqlens int32 (B,) counts its keys, the
+// first rows of those pages. q is (B, Lq, Hq, D), or packed (total_q, Hq, D) with cu_seqlens_q
+// int32 (B + 1,) and max_seqlen_q: sequence b's queries are the last of its keys (bottom-right),
+// so decode rows and prefill chunks go in one call. Returns (out, lse): out (B, Lq, Hq, Dv) or
+// (total_q, Hq, Dv), lse float32 (B, Hq, Lq) or (Hq, total_q). The options are attention's
+// scale, window, softcap, alibi_slopes ((Hq,) or (B, Hq)) and sinks; key_mask, attn_mask,
+// dropout_p and generator raise ValueError. No copy of the cache is made.
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& cache_seqlens,
+    const AttentionOptions& options = {},
+    const std::optional<at::Tensor>& cu_seqlens_q = std::nullopt,
+    std::optional<c10::SymInt> max_seqlen_q = std::nullopt);
+
 // The kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64
 // inputs). The scale is an argument, not an option; dropout_seed: int64 (2,) (seed, offset),
 // required when options.dropout_p > 0 (options.generator stays unset). The op itself also takes
