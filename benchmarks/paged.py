@@ -6,14 +6,17 @@ Sections (--only):
   decode   one query row per sequence (B in --batches) against caches of --lengths tokens in
            pages of --pages rows (shuffled, as a pool hands them out): paged_attention, our op
            on the same keys contiguous in the KV cache's (B, Hkv, L, D) layout and in the
-           pages' own (B, L, Hkv, D) layout, and the pages gathered + SDPA
+           pages' own (B, L, Hkv, D) layout, the pages gathered + SDPA, and paged_attention
+           on the same pages laid in order (what shuffling them costs)
   mixed    8 decodes and 2 prefill chunks of --chunk queries (caches of --mixed-length tokens)
            in one paged call, against one call per request and against one call for the
            decodes plus one per chunk
   memory   the peak resident memory one decode call of B=8 at the longest --lengths adds (its
            VmHWM above its VmRSS before the call), against the cache's size
 
-Every time is the median of torch.utils.benchmark's blocked_autorange at --threads threads.
+Every time is the median over --rounds rounds of torch.utils.benchmark's blocked_autorange at
+--threads threads, each round timing every compared call of a section in turn (so that a drift
+of a shared machine's speed reaches them alike).
 
     python -m benchmarks.paged                          # the full sizes (minutes)
     python -m benchmarks.paged --quick --out /tmp/p.json  # seconds: every path, tiny sizes
@@ -21,15 +24,16 @@ Every time is the median of torch.utils.benchmark's blocked_autorange at --threa
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.benchmark import Timer
 
 import causal_attention as ca
 
 from .proc import cpu_name, status_kib, write_report
+from .timing import interleaved_median, timer
 
 SECTIONS = ("decode", "mixed", "memory")
 
@@ -49,24 +53,29 @@ def parse_args(argv=None):
     parser.add_argument("--mixed-length", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-run-time", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/paged.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.lengths, args.pages = [2], [256], [16]
-        args.chunk, args.mixed_length, args.min_run_time = 16, 128, 0.01
+        args.chunk, args.mixed_length, args.min_run_time, args.rounds = 16, 128, 0.01, 1
     return args
 
 
-def seconds(fn, args) -> float:
-    timer = Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
-    return timer.blocked_autorange(min_run_time=args.min_run_time).median
+def seconds(calls, args) -> dict:
+    """{label: seconds} of the calls {label: fn}, interleaved over --rounds rounds."""
+    timers = {label: timer(fn, args.threads) for label, fn in calls.items()}
+    return interleaved_median(timers, args.rounds, args.min_run_time)
 
 
-def pool(keys: torch.Tensor, values: torch.Tensor, page: int, seed: int = 0):
-    """(B, Hkv, L, D) keys and values laid into shuffled pages; the pool and the table."""
+def pool(keys: torch.Tensor, values: torch.Tensor, page: int, seed: int = 0,
+         shuffled: bool = True):
+    """(B, Hkv, L, D) keys and values laid into pages, shuffled (as a pool hands them out after
+    a while) or in order; the pool and the table."""
     batch, heads, length, dim = keys.shape
     per_row = -(-length // page)
-    order = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(seed))
+    order = (torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(seed))
+             if shuffled else torch.arange(batch * per_row))
     caches = []
     for t in (keys, values):
         padded = F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, per_row * page - length))
@@ -92,24 +101,33 @@ def section_decode(args) -> list:
             k = torch.randn(batch, args.kv_heads, length, args.head_dim)
             v = torch.randn(batch, args.kv_heads, length, args.head_dim)
             q = torch.randn(batch, args.heads, 1, args.head_dim)
-            contiguous = seconds(lambda: ca.attention(q, k, v), args)
             k_flash, v_flash = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
-            flash_layout = seconds(lambda: ca.attention(q, k_flash, v_flash), args)
+            q_flash = q.transpose(1, 2).contiguous()
+            seqlens = torch.full((batch,), length, dtype=torch.int32)
+            calls = {"contiguous": lambda: ca.attention(q, k, v),
+                     "flash_layout": lambda: ca.attention(q, k_flash, v_flash)}
+            errors = {}
             for page in args.pages:
                 k_cache, v_cache, table = pool(k, v, page)
-                seqlens = torch.full((batch,), length, dtype=torch.int32)
-                q_flash = q.transpose(1, 2).contiguous()
-                paged = seconds(lambda: ca.paged_attention(q_flash, k_cache, v_cache, table,
-                                                           seqlens), args)
-                sdpa = seconds(lambda: gathered_sdpa(q, k_cache, v_cache, table, length), args)
-                out = ca.paged_attention(q_flash, k_cache, v_cache, table, seqlens)
-                error = (out.transpose(1, 2) - ca.attention(q, k, v)).abs().max().item()
+                calls[f"paged{page}"] = partial(ca.paged_attention, q_flash, k_cache, v_cache,
+                                                table, seqlens)
+                calls[f"sdpa{page}"] = partial(gathered_sdpa, q, k_cache, v_cache, table, length)
+                calls[f"in_order{page}"] = partial(ca.paged_attention, q_flash,
+                                                   *pool(k, v, page, shuffled=False), seqlens)
+                out = calls[f"paged{page}"]()
+                errors[page] = (out.transpose(1, 2) - ca.attention(q, k, v)).abs().max().item()
+            times = seconds(calls, args)
+            contiguous, flash_layout = times["contiguous"], times["flash_layout"]
+            for page in args.pages:
+                paged, sdpa = times[f"paged{page}"], times[f"sdpa{page}"]
                 row = {"length": length, "batch": batch, "page": page,
                        "paged_ms": paged * 1e3, "contiguous_ms": contiguous * 1e3,
                        "flash_layout_ms": flash_layout * 1e3, "gather_sdpa_ms": sdpa * 1e3,
                        "contiguous_over_paged": contiguous / paged,
                        "flash_layout_over_paged": flash_layout / paged,
-                       "gather_sdpa_over_paged": sdpa / paged, "max_abs_error": error}
+                       "gather_sdpa_over_paged": sdpa / paged,
+                       "pages_in_order_ms": times[f"in_order{page}"] * 1e3,
+                       "max_abs_error": errors[page]}
                 print(json.dumps(row))
                 rows.append(row)
     return rows
@@ -149,9 +167,8 @@ def section_mixed(args) -> dict:
     # The same attention; the key splits (and so the float32 sums' order) follow the call's
     # shape, so a request batched with others may differ from its own call in the last bits.
     torch.testing.assert_close(torch.cat(per_request()), one_call(), rtol=1e-5, atol=1e-6)
-    times = {name: seconds(fn, args) for name, fn in
-             (("one_call", one_call), ("per_request", per_request),
-              ("decodes_then_chunks", decodes_then_chunks))}
+    times = seconds({"one_call": one_call, "per_request": per_request,
+                     "decodes_then_chunks": decodes_then_chunks}, args)
     result = {f"{name}_ms": t * 1e3 for name, t in times.items()}
     result["per_request_over_one_call"] = times["per_request"] / times["one_call"]
     result["decodes_then_chunks_over_one_call"] = times["decodes_then_chunks"] / times["one_call"]

@@ -202,13 +202,14 @@ def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
 
 
 def test_paged_benchmark_quick_writes_every_section(tmp_path):
-    """python -m benchmarks.paged --quick times every path (paged, contiguous, gathered SDPA,
-    the mixed batch's three ways) and measures a call's memory; the paged output is the
-    contiguous op's."""
+    """python -m benchmarks.paged --quick times every path (paged on shuffled pages and on pages
+    in order, contiguous, gathered SDPA, the mixed batch's three ways) and measures a call's
+    memory; the paged output is the contiguous op's."""
     report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
     assert decode["max_abs_error"] < 1e-5
-    assert {"paged_ms", "contiguous_ms", "flash_layout_ms", "gather_sdpa_ms"} <= decode.keys()
+    assert {"paged_ms", "pages_in_order_ms", "contiguous_ms", "flash_layout_ms",
+            "gather_sdpa_ms"} <= decode.keys()
     assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
     assert {"peak_added_mib", "added_over_cache"} <= report["memory"].keys()
 
