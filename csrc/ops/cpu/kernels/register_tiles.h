@@ -20,9 +20,9 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // decoding 16 rows against a 4096-key cache took 35 % longer). The next block's rows go to L2,
 // not L1: with the current block's they outgrow L1 (32-48 KiB); and they are requested a share
 // at a time while the scores compute, not at once, so that the misses keep flowing at a steady
-// rate. Both measured on Zen 4 against requesting the next block's keys into L1 at once while
-// the values accumulated: the decode of 8 rows against 8 x 32768 keys took 15 instead of 20 ms
-// contiguous, and 22 instead of 31 ms on 16-row pages.
+// rate. Measured on Zen 4 (runs a minute apart on a shared machine): 4 query rows a KV head
+// against 8 x 32768 keys in shuffled 16-row pages took 21 ms with the next block's K and V
+// requested into L2, 30 ms with its K requested into L1 at once while the values accumulated.
 struct StreamAhead {
   struct Rows {
     const char* data = nullptr;
