@@ -1,5 +1,6 @@
 """The machine a run measures: the CPU, the block-product limit the kernels' shares are taken of
-(the probe library built from block_gemm_probe.cpp), and the bandwidth of a large copy."""
+(the probe library built from block_gemm_probe.cpp and page_read_probe.cpp), and the bandwidth
+of a large copy."""
 
 import os
 import platform
@@ -57,14 +58,20 @@ def cpu_environment():
     }
 
 
-def block_gemm_gflops():
-    """torch.ops.causal_attention_bench.block_gemm_gflops, from the probe library."""
+def probe(name):
+    """torch.ops.causal_attention_bench.<name>, from the probe library (block_gemm_probe.cpp,
+    page_read_probe.cpp)."""
     if not PROBE_LIBRARY.exists():
         raise SystemExit(f"{PROBE_LIBRARY} is missing: configure CMake with "
                          "-DCAUSAL_ATTENTION_BUILD_BENCH_PROBE=ON and build (scripts/setup_env.sh "
                          "does)")
     torch.ops.load_library(str(PROBE_LIBRARY))
-    return torch.ops.causal_attention_bench.block_gemm_gflops
+    return getattr(torch.ops.causal_attention_bench, name)
+
+
+def block_gemm_gflops():
+    """The block-product probe: GFLOP/s of the kernels' block product, every thread at once."""
+    return probe("block_gemm_gflops")
 
 
 def measure_limit(preset):

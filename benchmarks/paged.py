@@ -7,7 +7,9 @@ Sections (--only):
            pages of --pages rows (shuffled, as a pool hands them out): paged_attention, our op
            on the same keys contiguous in the KV cache's (B, Hkv, L, D) layout and in the
            pages' own (B, L, Hkv, D) layout, the pages gathered + SDPA, and paged_attention
-           on the same pages laid in order (what shuffling them costs)
+           on the same pages laid in order (what shuffling them costs); and a bare read of
+           every K and V page, shuffled and in order (read_pages in the probe library,
+           page_read_probe.cpp: what the memory system alone charges for the shuffling)
   mixed    8 decodes and 2 prefill chunks of --chunk queries (caches of --mixed-length tokens)
            in one paged call, against one call per request and against one call for the
            decodes plus one per chunk
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 import causal_attention as ca
 
+from .limits import probe
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
@@ -94,6 +97,18 @@ def gathered_sdpa(q, k_cache, v_cache, table, length):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+def page_reads(k_cache, v_cache, table):
+    """{prefetching: a call reading every element of the K and V pages the table lists, in its
+    order}: without and with each next page requested into L2 (the faster of the two is the
+    memory system's charge for that order)."""
+    read = probe("read_pages")
+
+    def read_both(prefetch):
+        return read(k_cache, table, prefetch) + read(v_cache, table, prefetch)
+
+    return {prefetch: partial(read_both, prefetch) for prefetch in (False, True)}
+
+
 def section_decode(args) -> list:
     rows = []
     for length in args.lengths:
@@ -112,8 +127,13 @@ def section_decode(args) -> list:
                 calls[f"paged{page}"] = partial(ca.paged_attention, q_flash, k_cache, v_cache,
                                                 table, seqlens)
                 calls[f"sdpa{page}"] = partial(gathered_sdpa, q, k_cache, v_cache, table, length)
-                calls[f"in_order{page}"] = partial(ca.paged_attention, q_flash,
-                                                   *pool(k, v, page, shuffled=False), seqlens)
+                in_order = pool(k, v, page, shuffled=False)
+                calls[f"in_order{page}"] = partial(ca.paged_attention, q_flash, *in_order,
+                                                   seqlens)
+                for name, pages in (("read", (k_cache, v_cache, table)),
+                                    ("read_in_order", in_order)):
+                    for prefetch, read in page_reads(*pages).items():
+                        calls[f"{name}{page}_{prefetch}"] = read
                 out = calls[f"paged{page}"]()
                 errors[page] = (out.transpose(1, 2) - ca.attention(q, k, v)).abs().max().item()
             times = seconds(calls, args)
@@ -127,6 +147,9 @@ def section_decode(args) -> list:
                        "flash_layout_over_paged": flash_layout / paged,
                        "gather_sdpa_over_paged": sdpa / paged,
                        "pages_in_order_ms": times[f"in_order{page}"] * 1e3,
+                       **{f"{name}_pages_ms": 1e3 * min(times[f"{name}{page}_{prefetch}"]
+                                                         for prefetch in (False, True))
+                          for name in ("read", "read_in_order")},
                        "max_abs_error": errors[page]}
                 print(json.dumps(row))
                 rows.append(row)

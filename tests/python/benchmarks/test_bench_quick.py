@@ -166,6 +166,30 @@ def test_the_block_product_probe_is_its_own_library():
     assert not hasattr(torch.ops.causal_attention, "block_gemm_gflops")
 
 
+@pytest.mark.parametrize("prefetch_next", [False, True])
+def test_the_page_read_probe_sums_the_listed_pages_in_any_order(prefetch_next):
+    """read_pages sums every element of the pages the table lists (a page listed twice, twice),
+    split among the threads, and refuses tables that leave the pool with a ValueError."""
+    from benchmarks.limits import probe
+
+    read = probe("read_pages")
+    cache = torch.randn(40, 16, 2, 8)
+    table = torch.tensor([[3, 39, 0, 7], [7, 12, 25, 1]], dtype=torch.int32)
+    expected = cache[table.flatten().long()].double().sum().item()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)  # float32 sums of 2048 elements
+            assert read(cache, table, prefetch_next) == pytest.approx(expected, abs=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 40\), got -1 to 38"):
+        read(cache, table - 1, prefetch_next)
+    with pytest.raises(TypeError, match="block_table int32"):
+        read(cache, table.long(), prefetch_next)
+    assert not hasattr(torch.ops.causal_attention, "read_pages")
+
+
 def test_breakdown_quick_reports_both_views():
     """`python -m benchmarks.breakdown --quick`: the products' time at their probe rate against
     the call's, and (where perf is installed) the sampling profile's categories; perf missing is
@@ -203,13 +227,13 @@ def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
 
 def test_paged_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.paged --quick times every path (paged on shuffled pages and on pages
-    in order, contiguous, gathered SDPA, the mixed batch's three ways) and measures a call's
-    memory; the paged output is the contiguous op's."""
+    in order, contiguous, gathered SDPA, the bare reads of the pages, the mixed batch's three
+    ways) and measures a call's memory; the paged output is the contiguous op's."""
     report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
     assert decode["max_abs_error"] < 1e-5
     assert {"paged_ms", "pages_in_order_ms", "contiguous_ms", "flash_layout_ms",
-            "gather_sdpa_ms"} <= decode.keys()
+            "gather_sdpa_ms", "read_pages_ms", "read_in_order_pages_ms"} <= decode.keys()
     assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
     assert {"peak_added_mib", "added_over_cache"} <= report["memory"].keys()
 
