@@ -11,6 +11,7 @@
 #include <ATen/ops/aminmax.h>
 #include <torch/library.h>
 
+#include <numeric>
 #include <vector>
 
 namespace causal_attention::bench {
@@ -26,8 +27,9 @@ double sum_page(const float* page, int64_t numel) {
       acc[a] = acc[a] + Vec::loadu(page + e + a * N);
     }
   }
-  double sum = at::vec::vec_reduce_all([](Vec x, Vec y) { return x + y; },
-                                       acc[0] + acc[1] + acc[2] + acc[3]);
+  float lanes[N];
+  (acc[0] + acc[1] + acc[2] + acc[3]).store(lanes);
+  double sum = std::accumulate(lanes, lanes + N, 0.0);
   for (; e < numel; ++e) {
     sum += page[e];
   }
