@@ -151,9 +151,51 @@ def test_bad_calls_name_what_is_wrong():
         PagedKVCache(num_pages=2.0, page_size=4, num_kv_heads=1, head_dim=2)
 
 
+def runs(pages):
+    """The stretches of consecutive pages a request's pages make."""
+    return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
+
+
+def test_a_request_growing_alone_holds_its_pages_in_order():
+    cache = PagedKVCache(num_pages=32, page_size=4, num_kv_heads=1, head_dim=1)
+    cache.allocate("a")
+    for _ in range(50):
+        cache.reserve("a", 1)
+    assert cache.pages_of("a") == list(range(13))
+
+
+def test_requests_decoding_together_each_grow_into_a_stretch_of_their_own():
+    """Four requests taking a token each in turn (as decodes do): each takes its next page
+    right after its last, in a stretch of the pool of its own; a pool that handed out free pages
+    in any fixed order would interleave them."""
+    cache = PagedKVCache(num_pages=256, page_size=4, num_kv_heads=1, head_dim=1)
+    requests = ["a", "b", "c", "d"]
+    for r in requests:
+        cache.allocate(r)
+    for _ in range(200):
+        cache.step(requests, [1] * 4)
+    assert [runs(cache.pages_of(r)) for r in requests] == [1, 1, 1, 1]
+    assert [cache.pages_of(r)[0] for r in requests] == [0, 128, 64, 192]
+
+
+def test_a_request_meeting_a_taken_page_goes_on_in_the_middle_of_the_longest_free_stretch():
+    cache = PagedKVCache(num_pages=16, page_size=1, num_kv_heads=1, head_dim=1)
+    for r in "abc":
+        cache.allocate(r)
+    cache.reserve("a", 3)
+    cache.reserve("b", 1)  # free: 3-15, the middle 9
+    cache.reserve("c", 1)  # free: 3-8 and 10-15, the first's middle 6
+    cache.reserve("a", 4)  # 3, 4, 5, then 6 is c's: free 7-8 and 10-15
+    assert [cache.pages_of(r) for r in "abc"] == [[0, 1, 2, 3, 4, 5, 13], [9], [6]]
+    cache.free("a")
+    cache.allocate("d")
+    cache.reserve("d", 2)  # free: 0-5, 7-8 and 10-15 (13 is back); the first longest: 0-5
+    assert cache.pages_of("d") == [0, 1]
+
+
 def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly():
     """Requests come, grow, fork and go at random; after every operation each page's holder
-    count is the number of requests listing it, the free list is exactly the pages nobody
+    count is the number of requests listing it, the free pages are exactly the pages nobody
     holds, and (every 50 operations, and at the end) every request reads back its own tokens."""
     rng = random.Random(0)
     pages, page_size = 64, 5
@@ -169,7 +211,7 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly():
             assert len(cache.pages_of(r)) == -(-cache.length(r) // page_size)
         assert [cache.holders(p) for p in range(pages)] == listed
         assert cache.free_pages == listed.count(0)
-        assert sorted(cache._free) == [p for p in range(pages) if listed[p] == 0]
+        assert list(cache._is_free) == [int(n == 0) for n in listed]
 
     def check_tokens():
         for r, tokens in expected.items():
