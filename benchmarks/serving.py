@@ -15,7 +15,9 @@ that is what the queue has.
            Pages are drawn as tokens come, and a request is admitted only if the free pages hold
            the whole remaining length of every running request plus its own (prompt + output),
            so no request is ever preempted; the pool holds --max-batch requests of the longest
-           total length, so in this queue the batch size is what limits admission.
+           total length, so in this queue the batch size is what limits admission. It also
+           counts how many of the pairs of consecutive pages the steps read lie in order in
+           the pool (page p, then p + 1), which a decode reads as one stream.
   padded   the queue in batches of --max-batch in queue order: each batch left-pads its prompts
            to its longest, runs the prompt once, then decodes every row until the batch's
            longest output is done (finished rows keep being computed), with contiguous
@@ -94,16 +96,29 @@ def held_tokens(prompt_len: int, new: int) -> int:
     return prompt_len + new - 1
 
 
+def pages_in_order(step) -> tuple:
+    """Of the pairs of consecutive pages a step's requests read (their block table up to each
+    one's length), how many, and how many of them lie in order in the pool (page p, then p + 1:
+    what a decode reads as one stream)."""
+    page = step.cache.page_size
+    used = (step.seqlens.long() + page - 1) // page
+    table = step.block_table.long()
+    counted = torch.arange(table.shape[1] - 1)[None, :] < used[:, None] - 1
+    in_order = table[:, 1:] == table[:, :-1] + 1
+    return int(counted.sum()), int((counted & in_order).sum())
+
+
 def serve_continuous(model: GPT, queue: list, args) -> dict:
     """Continuous batching (module docstring): each request's output tokens, the steps, the
-    pages in use after each step and after the run."""
+    pages in use after each step and after the run, and the pairs of consecutive pages the
+    steps read that lie in order (pages_in_order), out of all."""
     page = args.page_size
     num_pages = args.max_batch * pages(held_tokens(args.max_len, args.max_len), page)
     cache = model.make_paged_cache(num_pages, page)
     waiting = deque(range(len(queue)))
     running = {}  # request -> tokens it holds once done
     outputs = {r: [] for r in range(len(queue))}
-    in_use = []
+    in_use, pairs, pairs_in_order = [], 0, 0
     with torch.no_grad():
         while waiting or running:
             # Pages the running requests still draw before they finish: kept free for them.
@@ -132,6 +147,8 @@ def serve_continuous(model: GPT, queue: list, args) -> dict:
             logits = model.forward_paged(torch.cat(feed), step)
             picked = logits[step.cu_seqlens_q[1:].long() - 1].argmax(-1).tolist()
             in_use.append(cache.pages_in_use)
+            counted, in_order = pages_in_order(step)
+            pairs, pairs_in_order = pairs + counted, pairs_in_order + in_order
             for r, token in zip(requests, picked):
                 outputs[r].append(token)
                 if len(outputs[r]) == queue[r][1]:
@@ -139,6 +156,7 @@ def serve_continuous(model: GPT, queue: list, args) -> dict:
                     cache.free(r)
     return {"outputs": [outputs[r] for r in range(len(queue))], "steps": len(in_use),
             "pages_in_use": in_use, "pages_in_use_after": cache.pages_in_use,
+            "page_pairs_in_order": pairs_in_order / max(pairs, 1),
             "num_pages": num_pages, "computed_tokens": sum(held_tokens(p.numel(), n)
                                                            for p, n in queue)}
 
@@ -243,6 +261,7 @@ def main(argv=None) -> dict:
                       "mean_pages_in_use": sum(in_use) / len(in_use),
                       "peak_in_use_mib": max(in_use) * page_bytes / 2**20,
                       "pages_in_use_after": ours["pages_in_use_after"],
+                      "page_pairs_in_order": ours["page_pairs_in_order"],
                       "computed_tokens": ours["computed_tokens"]}
     print(json.dumps(report["ours"]))
 

@@ -253,4 +253,5 @@ def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_p
     assert ours["tokens_per_s"] > 0 and padded["tokens_per_s"] > 0
     assert 0 < ours["peak_pages_in_use"] <= ours["pool_pages"]
     assert ours["pages_in_use_after"] == 0
+    assert 0 <= ours["page_pairs_in_order"] <= 1
     assert padded["computed_tokens"] >= padded["needed_tokens"] == ours["computed_tokens"]
