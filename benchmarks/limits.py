@@ -2,6 +2,7 @@
 (the probe library built from block_gemm_probe.cpp and page_read_probe.cpp), and the bandwidth
 of a large copy."""
 
+import functools
 import os
 import platform
 import subprocess
@@ -58,9 +59,10 @@ def cpu_environment():
     }
 
 
+@functools.cache
 def probe(name):
     """torch.ops.causal_attention_bench.<name>, from the probe library (block_gemm_probe.cpp,
-    page_read_probe.cpp)."""
+    page_read_probe.cpp), loaded once."""
     if not PROBE_LIBRARY.exists():
         raise SystemExit(f"{PROBE_LIBRARY} is missing: configure CMake with "
                          "-DCAUSAL_ATTENTION_BUILD_BENCH_PROBE=ON and build (scripts/setup_env.sh "

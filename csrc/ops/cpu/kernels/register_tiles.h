@@ -174,8 +174,8 @@ inline void rank_one_steps(at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], cons
   }
 }
 
-// The tile's accumulators from c (kAccumulate) or zero, and back to c.
-template <int64_t kRows, int64_t kVecs, bool kAccumulate, typename acc_t>
+// The tile's accumulators from c, and back to c.
+template <int64_t kRows, int64_t kVecs, typename acc_t>
 inline void load_tile(at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], const acc_t* c,
                       int64_t ldc) {
   using Vec = at::vec::Vectorized<acc_t>;
@@ -183,7 +183,7 @@ inline void load_tile(at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], const acc
   for (int64_t i = 0; i < kRows; ++i) {
 #pragma GCC unroll 16
     for (int64_t x = 0; x < kVecs; ++x) {
-      acc[i][x] = kAccumulate ? Vec::loadu(c + i * ldc + x * Vec::size()) : Vec(acc_t(0));
+      acc[i][x] = Vec::loadu(c + i * ldc + x * Vec::size());
     }
   }
 }
@@ -200,14 +200,19 @@ inline void store_tile(const at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], ac
 }
 
 // A register tile of rank-one updates:
-//   c[i * ldc + x] (= or +=) sum over t in [begin, end) of a[i * lda + t] * b[t * ldb + x]
+//   c[i * ldc + x] = sum over t in [begin, end) of a[i * lda + t] * b[t * ldb + x]
 // for kRows rows i and kVecs vectors of columns x.
-template <int64_t kRows, int64_t kVecs, bool kAccumulate, typename acc_t, typename a_t,
-          typename b_t>
+template <int64_t kRows, int64_t kVecs, typename acc_t, typename a_t, typename b_t>
 inline void rank_one_tile(const a_t* a, int64_t lda, const b_t* b, int64_t ldb, int64_t begin,
                           int64_t end, acc_t* c, int64_t ldc) {
   at::vec::Vectorized<acc_t> acc[kRows][kVecs];
-  load_tile<kRows, kVecs, kAccumulate>(acc, c, ldc);
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t x = 0; x < kVecs; ++x) {
+      acc[i][x] = at::vec::Vectorized<acc_t>(acc_t(0));
+    }
+  }
   rank_one_steps<kRows, kVecs>(acc, a + begin, lda, b + begin * ldb, ldb, end - begin);
   store_tile<kRows, kVecs>(acc, c, ldc);
 }
@@ -218,7 +223,7 @@ template <int64_t kRows, int64_t kVecs, typename acc_t, typename a_t, typename b
 inline void rank_one_tile_on_runs(const a_t* a, int64_t lda, const RunRows<b_t>& b, int64_t col,
                                   int64_t begin, int64_t end, acc_t* c, int64_t ldc) {
   at::vec::Vectorized<acc_t> acc[kRows][kVecs];
-  load_tile<kRows, kVecs, true>(acc, c, ldc);
+  load_tile<kRows, kVecs>(acc, c, ldc);
   b.for_each_stretch(begin, end, [&](int64_t t, int64_t n, const b_t* row) {
     rank_one_steps<kRows, kVecs>(acc, a + t, lda, row + col, b.ld, n);
   });

@@ -103,12 +103,12 @@ inline void key_query_tile(const acc_t* q_t, int64_t ld_qt, const acc_t* keys, i
                            int64_t dim, acc_t* scores, int64_t ld_st) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = kVecs * Vec::size();
-  rank_one_tile<kKeys, kVecs, false>(keys, ld_k, q_t, ld_qt, 0, std::min(dim, kShortScoreChain),
-                                     scores, ld_st);
+  rank_one_tile<kKeys, kVecs>(keys, ld_k, q_t, ld_qt, 0, std::min(dim, kShortScoreChain), scores,
+                              ld_st);
   for (int64_t d0 = kShortScoreChain; d0 < dim; d0 += kShortScoreChain) {
     __at_align__ acc_t chunk[kKeys * kWidth];
-    rank_one_tile<kKeys, kVecs, false>(keys, ld_k, q_t, ld_qt, d0,
-                                       std::min(dim, d0 + kShortScoreChain), chunk, kWidth);
+    rank_one_tile<kKeys, kVecs>(keys, ld_k, q_t, ld_qt, d0, std::min(dim, d0 + kShortScoreChain),
+                                chunk, kWidth);
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kKeys; ++i) {
 #pragma GCC unroll 16
