@@ -1,6 +1,7 @@
 """The README's "Use it in your model" section cannot rot: its Python blocks run here, and its C++
 block is, character for character, tests/cpp/nn/readme_use_in_model.h, which the GoogleTest case
-ReadmeExample.CompilesAndRuns compiles and runs."""
+ReadmeExample.CompilesAndRuns compiles and runs. The deployment example of docs/reference.md runs
+here too."""
 
 import re
 import runpy
@@ -11,8 +12,8 @@ SECTION = "## Use it in your model"
 DEPLOYMENT_SECTION = "## Deploying to C++"
 
 
-def section_blocks(language, section_title=SECTION):
-    readme = (ROOT / "README.md").read_text()
+def section_blocks(language, section_title=SECTION, document="README.md"):
+    readme = (ROOT / document).read_text()
     start = readme.index(section_title)
     end = readme.find("\n## ", start + len(section_title))
     section = readme[start : end if end != -1 else len(readme)]
@@ -38,7 +39,7 @@ def test_python_blocks_run(tmp_path, monkeypatch):
 
 
 def test_deployment_block_compiles_a_package_that_matches_eager(tmp_path, monkeypatch):
-    blocks = section_blocks("python", DEPLOYMENT_SECTION)
+    blocks = section_blocks("python", DEPLOYMENT_SECTION, "docs/reference.md")
     assert len(blocks) == 1, f"expected one python block under {DEPLOYMENT_SECTION!r}"
     assert "assert_close" in blocks[0]
     monkeypatch.chdir(tmp_path)  # the example writes gpt.pt2
