@@ -22,7 +22,6 @@ from attention_testing.paged import paged
 from attention_testing.parameters import dtype_params
 from causal_attention._masks import visible_keys
 from nn_testing import ROOT
-from causal_attention.integrations import flash_attn as flash_attn_module
 from causal_attention.integrations.flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -32,6 +31,7 @@ from causal_attention.integrations.flash_attn import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+from causal_attention.integrations.flash_attn import _dense, _varlen
 
 FLOATS = dtype_params((torch.float64, torch.float32))
 
@@ -893,15 +893,15 @@ def test_packed_functions_hand_views_of_the_packed_tensor_to_the_unpacked_code(f
                                                                              monkeypatch):
     """No copy of the packed tensor: its parts reach the shared code as views of its storage."""
     case = PackedCase(function, torch.float32)
-    shared = "_varlen_call" if "varlen" in function else "_dense_call"
+    module, shared = (_varlen, "_varlen_call") if "varlen" in function else (_dense, "_dense_call")
     seen = []
-    original = getattr(flash_attn_module, shared)
+    original = getattr(module, shared)
 
     def spy(fn, q, k, v, *args, **kwargs):
         seen.append((fn, q, k, v))
         return original(fn, q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(flash_attn_module, shared, spy)
+    monkeypatch.setattr(module, shared, spy)
     case.packed(causal=True)
     (fn, q, k, v), = seen
     assert fn.endswith(f".{function}")
