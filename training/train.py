@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-from causal_attention.distributed import _check_divisible, shard_sequence
+from causal_attention.distributed import shard_sequence
+from causal_attention.distributed.layout import _check_divisible
 from causal_attention.models import GPT
 from causal_attention.models.gpt import ATTENTION_MODULES
 

@@ -71,7 +71,7 @@ struct ForwardCall {
   ScoreOptions options;
   PackedLengths packed;
   // The key position of query row 0 (dense calls): row i sits at key position i + query_offset
-  // for the window and ALiBi. None: Lk - Lq, bottom-right. A ring step (distributed.py) gives
+  // for the window and ALiBi. None: Lk - Lq, bottom-right. A ring step (distributed/ring.py) gives
   // its shards' global offset, so that the caller's window and ALiBi apply unchanged.
   std::optional<c10::SymInt> query_offset;
 };

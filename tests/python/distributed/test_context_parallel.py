@@ -14,6 +14,8 @@ import torch
 import causal_attention as ca
 from attention_testing.ranks import run_ranks, whole_sequence
 from causal_attention import distributed as cp
+from causal_attention.distributed import call_checks
+from causal_attention.distributed.ring_schedule import _Ring
 
 B, HQ, HKV, D, DV = 1, 4, 2, 16, 8
 
@@ -210,12 +212,12 @@ def test_zigzag_gives_every_rank_the_same_causal_work():
 def test_ring_steps_whose_shards_no_row_sees_are_not_run():
     """A sliding window of 16 keys over shards of 64: contiguous rank r needs only shards r and
     r - 1, so 2 of 4 steps run (their shards travel once); causal attention runs all 4."""
-    assert cp._Ring.steps_needed(64, 4, "contiguous", (15, 0)) == 2
-    assert cp._Ring.steps_needed(64, 4, "contiguous", (-1, 0)) == 4
-    assert cp._Ring.steps_needed(64, 4, "zigzag", (-1, 0)) == 4
+    assert _Ring.steps_needed(64, 4, "contiguous", (15, 0)) == 2
+    assert _Ring.steps_needed(64, 4, "contiguous", (-1, 0)) == 4
+    assert _Ring.steps_needed(64, 4, "zigzag", (-1, 0)) == 4
     # A window back 64 keys reaches one shard back.
-    assert cp._Ring.steps_needed(64, 4, "contiguous", (64, 0)) == 2
-    assert cp._Ring.steps_needed(64, 4, "contiguous", (65, 0)) == 3
+    assert _Ring.steps_needed(64, 4, "contiguous", (64, 0)) == 2
+    assert _Ring.steps_needed(64, 4, "contiguous", (65, 0)) == 3
 
 
 # --- bad calls ------------------------------------------------------------------------------
@@ -251,7 +253,7 @@ def bad_calls_worker(rank: int, world: int) -> dict:
         except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
             errors[name] = (type(error).__name__, str(error))
     # A peer that never calls: the caller gives up after the handshake's timeout.
-    cp.HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=2)
+    call_checks.HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=2)
     if rank == 0:
         try:
             cp.ring_attention(q(), kv(), kv())

@@ -22,7 +22,7 @@
 //   and delta = sum_j P_ij dP'_ij / l, so that dS is exact to float32 rounding, and a row that
 //   sees one key gets dS = 0 exactly (SDPA's rowsum(dO o O) over a rounded O keeps its error).
 //   For bfloat16 it measured dq's error at 0.016 against SDPA's 0.136 with values of mean 3.
-// - Any dtype, when the caller gives delta: a ring step (causal_attention/distributed.py) holds
+// - Any dtype, when the caller gives delta: a ring step (distributed/ring.py) holds
 //   some of its rows' keys, and its lse and delta are over all of them, so both are taken as they
 //   are (normalizer 1): statistics recomputed from the step's own keys would be a softmax of those
 //   keys alone.

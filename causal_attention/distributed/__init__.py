@@ -1,0 +1,69 @@
+"""Context parallelism: exact attention over a sequence sharded across the ranks of a
+``torch.distributed`` process group, forward and backward, on torch.distributed's own backends
+(gloo on the CPU; NCCL or any other unchanged where the tensors live elsewhere).
+
+- :func:`ring_attention`: each rank keeps its queries; the K/V shards travel the ring with
+  ``batch_isend_irecv``, the next shard in flight while the current one is computed, and each
+  step's partial output is merged with the running one by their log-sum-exp. The backward passes
+  dK/dV around the ring with the shards (ring-flash-attention's scheme), recomputing every block
+  from the merged lse. A rank holds at most two K/V shards (and two dK/dV) at once.
+- :func:`ulysses_attention` (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head
+  shards, the op runs on whole sequences for ``H / N`` heads, and an all-to-all turns the output
+  back.
+
+Layouts. ``"contiguous"``: rank ``r`` holds tokens ``[r L/N, (r + 1) L/N)``. ``"zigzag"`` (the
+default, for causal load balance): the sequence is cut into ``2N`` chunks and rank ``r`` holds
+chunks ``r`` and ``2N - 1 - r``, so every rank sees the same number of (query, key) pairs.
+:func:`shard_sequence`, :func:`unshard_sequence` and :func:`shard_positions` (the global
+positions of a shard, for rotary embeddings) convert.
+
+Every step calls the kernel ops with ``query_offset``, the key position of its first query row,
+so the caller's window and ALiBi apply to global positions unchanged; the backward gives the
+kernel the rows' delta, which is over all the keys a row sees, not the step's. Steps whose key
+shard lies outside every local row's window are skipped, and steps dead for every rank are not
+run, so their shards are never sent. Sinks join each row once, after the merge.
+
+Each call first exchanges a description of its arguments (dtypes, shapes, options) among the
+ranks, with a timeout, and every rank raises the same error when they disagree, so no rank is
+left waiting in a collective its peers never reach.
+
+The package holds one concept a module, each importing only those listed before it:
+``collectives`` (the differentiable all-to-all and all-gather), ``layout`` (the group, the
+layouts and sharding), ``call_checks`` (the handshake), ``ring_schedule``, ``ring_streams`` and
+``ring`` (ring attention), ``ulysses``, and ``context_parallel`` (what a module uses).
+"""
+
+from .call_checks import HANDSHAKE_TIMEOUT, handshake
+from .context_parallel import METHODS, ContextParallel
+from .layout import (
+    LAYOUTS,
+    Chunk,
+    resolve_group,
+    shard_chunks,
+    shard_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from .ring import ring_attention
+from .ring_schedule import MAX_PARTS, MIN_PART_KEYS, MIN_PART_ROWS
+from .ulysses import rank_generator, ulysses_attention
+
+__all__ = [
+    "ring_attention",
+    "ulysses_attention",
+    "shard_sequence",
+    "unshard_sequence",
+    "shard_positions",
+    "shard_chunks",
+    "Chunk",
+    "resolve_group",
+    "handshake",
+    "rank_generator",
+    "ContextParallel",
+    "LAYOUTS",
+    "METHODS",
+    "HANDSHAKE_TIMEOUT",
+    "MIN_PART_KEYS",
+    "MAX_PARTS",
+    "MIN_PART_ROWS",
+]
