@@ -26,94 +26,18 @@ calls under their former names (lengths after ``v`` resp. ``lse``), kept for sav
 """
 
 import inspect
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ._arguments import refuse_tensor_requiring_grad
-
-
-class ScoreOptions(NamedTuple):
-    """The score options every op takes, under their schema names and with their defaults,
-    applied in FlashAttention's order: ``S = scale * q k^T`` -> softcap -> ALiBi -> visibility
-    (window, key mask) -> softmax (sinks join the denominator) -> dropout.
-
-    window: ``(left, right)``: query row ``i`` sees key ``j`` iff
-        ``i + off - left <= j <= i + off + right``, ``off = Lk - Lq`` (bottom-right alignment),
-        ``-1`` unbounded on that side. The default ``(-1, 0)`` is causal attention, ``(-1, -1)``
-        full attention, ``(W - 1, 0)`` a sliding window of ``W`` keys; key blocks outside every
-        row's window are never touched.
-    softcap: ``S -> softcap * tanh(S / softcap)`` (Gemma 2's logit soft-capping), ``> 0``.
-    alibi_slopes: float32 ``(Hq,)`` or ``(*batch, Hq)``: adds ``-slope * |i + off - j|``. Not
-        differentiable.
-    sinks: ``(Hq,)`` logits (q's dtype or float32) that join each row's softmax denominator and
-        nothing else (gpt-oss); differentiable. ``lse`` includes them.
-    dropout_p: drops each probability with probability ``p`` in ``[0, 1)`` and scales the kept
-        ones by ``1 / (1 - p)``, with a counter-based mask regenerated in the backward (nothing
-        of size ``L^2`` is stored; bitwise the same at any thread count). The differentiable ops
-        draw its ``(seed, offset)`` from ``generator`` (the default CPU generator when None) as
-        ``torch.empty(2, dtype=torch.int64).random_(generator=generator)``, only when
-        ``dropout_p > 0``: the same generator state gives the same mask.
-    """
-
-    window: Tuple[int, int] = (-1, 0)
-    softcap: Optional[float] = None
-    alibi_slopes: Optional[Tensor] = None
-    sinks: Optional[Tensor] = None
-    dropout_p: float = 0.0
-
-
-# The float arguments that the schema parser would also take as a tensor, dropping its gradient.
-_FLOAT_ARGUMENTS = ("scale", "softcap", "dropout_p")
-
-
-def check_window(caller: str, window: Sequence[int]) -> Tuple[int, int]:
-    """``window`` as the ops' ``int[2]``, refusing anything but two ints with a TypeError naming
-    ``caller`` (the schema would broadcast a single int to both sides)."""
-    if type(window) is tuple and len(window) == 2 and type(window[0]) is type(window[1]) is int:
-        return window  # the common case, without the slower Sequence check below
-    if (
-        isinstance(window, (str, bytes))
-        or not isinstance(window, Sequence)
-        or len(window) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
-    ):
-        raise TypeError(f"{caller}: window must be two ints (left, right), got window={window!r}")
-    return (window[0], window[1])
-
-
-# Each op, and where the arguments the schema parser cannot check sit among its positional
-# arguments, read once from its schema (torch.compile traces the wrappers, not a schema).
-_OPS = {
-    name: getattr(torch.ops.causal_attention, name)
-    for name in ("attention", "attention_weights", "varlen_attention", "attention_forward",
-                 "attention_backward", "attention_gradients", "varlen_attention_forward",
-                 "varlen_attention_backward", "paged_attention")
-}
-_CHECKED_POSITIONS = {
-    name: tuple((a.name, i) for i, a in enumerate(op.default._schema.arguments)
-                if a.name in ("window",) + _FLOAT_ARGUMENTS)
-    for name, op in _OPS.items()
-}
-
-
-def _call(name: str, *args: Any, **kwargs: Any) -> Any:
-    """``torch.ops.causal_attention.<name>`` after the checks the schema parser cannot make."""
-    caller = "causal_attention." + name
-    for argument, position in _CHECKED_POSITIONS[name]:
-        value = args[position] if position < len(args) else kwargs.get(argument)
-        if argument == "window":
-            if value is not None:
-                check_window(caller, value)
-        else:
-            refuse_tensor_requiring_grad(caller, argument, value)
-    return _OPS[name](*args, **kwargs)
+# ScoreOptions and check_window are this module's names too: callers and tests import them here.
+from ._op_arguments import ScoreOptions, call_op, check_window  # noqa: F401
 
 
 def _kernel_alias(name: str):
     def kernel_op(*args: Any, **kwargs: Any) -> Any:
-        return _call(name, *args, **kwargs)
+        return call_op(name, *args, **kwargs)
 
     kernel_op.__name__ = kernel_op.__qualname__ = name
     kernel_op.__doc__ = f"``torch.ops.causal_attention.{name}``: see the module's docstring."
@@ -145,10 +69,9 @@ def _dense_op(name: str, doc: str):
         dropout_p: float = 0.0,
         generator: Optional[torch.Generator] = None,
     ) -> Tensor:
-        return _call(name, q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
-                     window=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                     dropout_p=dropout_p, generator=generator)
+        return call_op(name, q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                       dropout_p=dropout_p, generator=generator)
 
     dense_op.__name__ = dense_op.__qualname__ = name
     dense_op.__doc__ = doc
@@ -239,8 +162,8 @@ def varlen_attention(
     lengths, never to ``N * max_seqlen ** 2``. Bad cumulative lengths raise ``ValueError``
     (``TypeError`` if not int32).
     """
-    return _call("varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, **options)
+    return call_op("varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, **options)
 
 
 # Its options are the dense ops' but the key mask, keyword-only: its signature says so (help,
@@ -291,7 +214,7 @@ def paged_attention(
     q's rows, or tables that are not int32 on the CPU raise ``ValueError`` (``TypeError`` for
     dtypes) naming the argument.
     """
-    out, lse = _call("paged_attention", q, k_cache, v_cache, block_table, cache_seqlens,
-                     cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
-                     window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    out, lse = call_op("paged_attention", q, k_cache, v_cache, block_table, cache_seqlens,
+                       cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_lse else out
