@@ -40,6 +40,8 @@ from transformers.masking_utils import (
 
 import causal_attention
 import causal_attention.integrations.transformers as backend
+# The module whose calls of the op and of read_mask the spies below replace.
+import causal_attention.integrations.transformers.backend as backend_module
 from causal_attention._masks import visible_keys
 
 VOCAB = 128
@@ -122,13 +124,13 @@ def spy_on(monkeypatch, name, record):
     """Replaces the backend's op ``name`` with one that calls it and appends
     ``record(*args, **kwargs)`` to the list returned."""
     calls = []
-    op = getattr(backend, name)
+    op = getattr(backend_module, name)
 
     def spy(*args, **kwargs):
         calls.append(record(*args, **kwargs))
         return op(*args, **kwargs)
 
-    monkeypatch.setattr(backend, name, spy)
+    monkeypatch.setattr(backend_module, name, spy)
     return calls
 
 
@@ -157,8 +159,10 @@ def varlen_calls(monkeypatch):
 def read_masks(monkeypatch):
     """Records the layout the backend reads from every mask it is given."""
     layouts = []
-    read = backend.read_mask
-    monkeypatch.setattr(backend, "read_mask", lambda *a: layouts.append(read(*a)) or layouts[-1])
+    read = backend_module.read_mask
+    monkeypatch.setattr(
+        backend_module, "read_mask", lambda *a: layouts.append(read(*a)) or layouts[-1]
+    )
     return layouts
 
 
