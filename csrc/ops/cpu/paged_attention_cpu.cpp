@@ -1,0 +1,115 @@
+// The CPU entry of paged_attention: checks the block table and the sequences' lengths where it
+// reads them, views q and the caches as the kernels take them and runs the paged forward
+// (kernels/paged_forward_kernel.cpp).
+#include "../checks.h"
+#include "../schema_adapters.h"
+#include "../shapes.h"
+#include "kernel_call.h"
+#include "kernels/kernel_api.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+namespace causal_attention::cpu {
+namespace {
+
+// What paged_attention's checks leave to the host (checks.h), read here: each sequence's keys
+// fit the pages its row of the table holds and every one of those pages lies in the pool.
+// Returns the sequences as the kernels read them: cu_q (given,
+// or Lq each for a dense q) and cu_k, the running count of the keys.
+PackedSequences paged_sequences(const detail::PagedCall& call, const at::Tensor& table) {
+  constexpr const char* op = "causal_attention.paged_attention";
+  const at::Tensor seqlens = call.cache_seqlens.contiguous();
+  const int64_t batch = seqlens.size(0), width = table.size(1);
+  const int64_t pages = call.k_cache.size(0), page_size = call.k_cache.size(1);
+  PackedSequences sequences;
+  if (call.packed()) {
+    sequences.cu_q = call.cu_seqlens_q->contiguous();
+    sequences.max_len_q =
+        detail::check_cumulative_lengths(op, "cu_seqlens_q", sequences.cu_q, call.q.size(0),
+                                         "max_seqlen_q", call.max_seqlen_q->expect_int());
+  } else {
+    sequences.max_len_q = call.q.size(1);
+    sequences.cu_q = at::arange(batch + 1, seqlens.options()).mul_(sequences.max_len_q);
+  }
+  sequences.cu_k = at::zeros({batch + 1}, seqlens.options());
+  const int32_t* lengths = seqlens.data_ptr<int32_t>();
+  const int32_t* rows = table.data_ptr<int32_t>();
+  int32_t* cu_k = sequences.cu_k.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t keys = lengths[b];
+    TORCH_CHECK_VALUE(keys >= 0 && keys <= width * page_size, op, ": cache_seqlens[", b, "]=", keys,
+                      " must lie in [0, ", width * page_size,
+                      "], the keys block_table's row holds (max_pages * page_size = ", width, " * ",
+                      page_size, ")");
+    for (int64_t j = 0; j < (keys + page_size - 1) / page_size; ++j) {
+      const int64_t page = rows[b * width + j];
+      TORCH_CHECK_VALUE(page >= 0 && page < pages, op, ": block_table[", b, "][", j, "]=", page,
+                        " names no page of the pool (k_cache.shape[0]=", pages, "); sequence ", b,
+                        "'s ", keys, " keys lie on its first ", (keys + page_size - 1) / page_size,
+                        " entries");
+    }
+    // The kernels count keys in int32 (cu_k): a table naming one page many times can say more.
+    TORCH_CHECK_VALUE(cu_k[b] + keys <= std::numeric_limits<int32_t>::max(), op,
+                      ": the sequences hold more than 2^31 - 1 keys in all (cache_seqlens sums to ",
+                      cu_k[b] + keys, " by sequence ", b, ")");
+    cu_k[b + 1] = static_cast<int32_t>(cu_k[b] + keys);
+    sequences.max_len_k = std::max(sequences.max_len_k, keys);
+  }
+  return sequences;
+}
+
+// paged_attention: every sequence's query rows, one after the other as packed q's, against its
+// keys read in place through the block table (kernels/paged_forward_kernel.cpp).
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const detail::PagedCall& call) {
+  const double scale = detail::check_paged_call(call);
+  const bool packed = call.packed();
+  const at::Tensor table = call.block_table.contiguous();
+  const int64_t batch = table.size(0), heads_q = call.q.size(-2);
+  const int64_t total_q = packed ? call.q.size(0) : call.q.size(0) * call.q.size(1);
+  const auto kernel_rows = [](const at::Tensor& rows) {  // (total, H, D) as (1, H, total, D)
+    return as_batch_heads_rows(rows.transpose(0, 1).unsqueeze(0));
+  };
+  // The caches as (num_pages, Hkv, page_size, D): views, but for a cache whose last dim is
+  // strided.
+  const auto kernel_cache = [](const at::Tensor& cache) {
+    return (cache.stride(3) == 1 ? cache : cache.contiguous()).permute({0, 2, 1, 3});
+  };
+  PagedForwardTensors t(
+      ForwardTensors::of(kernel_rows(call.q.reshape({total_q, heads_q, call.q.size(-1)})),
+                         kernel_cache(call.k_cache), kernel_cache(call.v_cache)));
+  t.block_table = table;
+  t.scale = scale;
+  t.sequences = paged_sequences(call, table);
+  t.options = kernel_options(t, call.options);
+  const int64_t value_dim = call.v_cache.size(3);
+  at::Tensor out = at::empty({total_q, heads_q, value_dim}, call.q.options());
+  at::Tensor lse = at::empty({heads_q, total_q}, detail::lse_options(call.q));
+  t.out = kernel_rows(out);
+  t.lse = lse.unsqueeze(0);
+  if (total_q > 0 && batch > 0) {
+    run_kernel(paged_forward_kernel, std::move(t));
+  }
+  if (packed) {
+    return {out, lse};
+  }
+  // flash-attn's dense layout: out (B, Lq, Hq, Dv), lse (B, Hq, Lq).
+  const int64_t len_q = call.q.size(1);
+  return {out.view({batch, len_q, heads_q, value_dim}),
+          lse.view({heads_q, batch, len_q}).permute({1, 0, 2}).contiguous()};
+}
+
+}  // namespace
+}  // namespace causal_attention::cpu
+
+TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
+  using namespace causal_attention;
+  m.impl("paged_attention", detail::paged_from_schema<cpu::paged_attention_cpu>);
+}
