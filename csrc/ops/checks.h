@@ -4,6 +4,8 @@
 // c10::NotImplementedError (nested, sparse). Each check takes the call's struct
 // (op_arguments.h). Written against sym_sizes() so that the Meta kernels run it under symbolic
 // shapes (torch.compile, torch.export). What a valid call's outputs look like is shapes.h.
+// The checks of the dense and packed calls' ops, built on tensor_checks.h and option_checks.h;
+// paged_attention's are paged_checks.h.
 #pragma once
 
 #include "op_arguments.h"
@@ -52,18 +54,5 @@ void check_dropout_keep_mask_call(const at::Tensor& dropout_seed, c10::SymIntArr
 // none.
 std::optional<at::Tensor> draw_dropout_seed(double dropout_p,
                                             const std::optional<at::Generator>& generator);
-
-// Everything paged_attention checks of its arguments' shapes, dtypes and devices (op_arguments.h
-// says what they are: the caches of one floating dtype with q, block_table and cache_seqlens
-// int32 on the CPU, Hq % Hkv == 0, the score options as attention's); returns the scale. What
-// their values must be (cache_seqlens within the table's pages, every page a sequence reads in
-// the pool, cu_seqlens_q a running count of q's rows) the CPU kernel checks, where it reads
-// them.
-double check_paged_call(const PagedCall& call);
-
-// The values of one cumulative-lengths tensor (contiguous int32 on the CPU): starts at 0, never
-// decreases, ends at `total` rows, no length above `max_seqlen`. Returns the longest length.
-int64_t check_cumulative_lengths(const char* op, const char* name, const at::Tensor& cu_seqlens,
-                                 int64_t total, const char* max_name, int64_t max_seqlen);
 
 }  // namespace causal_attention::detail

@@ -1,6 +1,5 @@
 #include "tensor_checks.h"
 
-#include "checks.h"
 #include "shapes.h"
 
 #include <c10/util/Exception.h>

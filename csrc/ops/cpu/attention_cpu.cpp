@@ -6,6 +6,7 @@
 #include "../checks.h"
 #include "../schema_adapters.h"
 #include "../shapes.h"
+#include "../tensor_checks.h"
 #include "attn_mask.h"
 #include "kernel_call.h"
 #include "kernels/kernel_api.h"

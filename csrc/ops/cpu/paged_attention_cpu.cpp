@@ -1,9 +1,10 @@
 // The CPU entry of paged_attention: checks the block table and the sequences' lengths where it
 // reads them, views q and the caches as the kernels take them and runs the paged forward
 // (kernels/paged_forward_kernel.cpp).
-#include "../checks.h"
+#include "../paged_checks.h"
 #include "../schema_adapters.h"
 #include "../shapes.h"
+#include "../tensor_checks.h"
 #include "kernel_call.h"
 #include "kernels/kernel_api.h"
 
@@ -20,7 +21,7 @@
 namespace causal_attention::cpu {
 namespace {
 
-// What paged_attention's checks leave to the host (checks.h), read here: each sequence's keys
+// What paged_attention's checks leave to the host (paged_checks.h), read here: each sequence's keys
 // fit the pages its row of the table holds and every one of those pages lies in the pool.
 // Returns the sequences as the kernels read them: cu_q (given,
 // or Lq each for a dense q) and cu_k, the running count of the keys.

@@ -3,6 +3,7 @@
 // cu_seqlens are data, checked by the CPU kernels only. attention and varlen_attention reach
 // these through their one kernel (ops/attention.cpp).
 #include "../checks.h"
+#include "../paged_checks.h"
 #include "../schema_adapters.h"
 #include "../shapes.h"
 

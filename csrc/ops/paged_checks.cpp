@@ -1,0 +1,89 @@
+#include "paged_checks.h"
+
+#include "option_checks.h"
+#include "tensor_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+#include <vector>
+
+namespace causal_attention::detail {
+
+double check_paged_call(const PagedCall& call) {
+  constexpr const char* op = "causal_attention.paged_attention";
+  const at::Tensor &q = call.q, &k = call.k_cache, &v = call.v_cache;
+  // The tables are checked with cu_seqlens_q below.
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor&>{"q", q}, {"k_cache", k}, {"v_cache", v}}) {
+    check_dense_tensor(op, name, t);
+  }
+  const bool packed = call.packed();
+  const char* q_layout = packed ? "(total_q, Hq, D)" : "(B, Lq, Hq, D)";
+  TORCH_CHECK_VALUE(q.dim() == (packed ? 3 : 4), op, ": q must be ", q_layout,
+                    packed ? " with cu_seqlens_q" : " (or packed with cu_seqlens_q)",
+                    ", got q.shape=", q.sym_sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4 && v.dim() == 4 && k.sym_size(0) == v.sym_size(0) &&
+                        k.sym_size(1) == v.sym_size(1) && k.sym_size(2) == v.sym_size(2) &&
+                        k.sym_size(3) == q.sym_size(-1),
+                    op,
+                    ": k_cache and v_cache must be (num_pages, page_size, Hkv, D) and (num_pages, "
+                    "page_size, Hkv, Dv) with q's D, got q.shape=",
+                    q.sym_sizes(), ", k_cache.shape=", k.sym_sizes(),
+                    ", v_cache.shape=", v.sym_sizes());
+  TORCH_CHECK_VALUE(k.sym_size(2) != 0 && q.sym_size(-2) % k.sym_size(2) == 0, op,
+                    ": q's heads Hq must be a multiple of the caches' Hkv, got q.shape=",
+                    q.sym_sizes(), ", k_cache.shape=", k.sym_sizes());
+  TORCH_CHECK_TYPE(
+      at::isFloatingType(q.scalar_type()), op,
+      ": q must be floating (float32, float64, bfloat16, float16), got q.dtype=", q.scalar_type());
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor&>{"k_cache", k}, {"v_cache", v}}) {
+    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ",
+                     q.scalar_type(), ", got ", name, ".dtype=", t.scalar_type());
+    TORCH_CHECK_VALUE(t.device() == q.device(), op, ": ", name, " must be on q's device ",
+                      q.device(), ", got ", name, ".device=", t.device());
+  }
+  const c10::SymInt batch = packed ? call.cu_seqlens_q->sym_size(0) - 1 : q.sym_size(0);
+  // The tables are read on the host, as the kernels walk the pages.
+  const std::vector<std::pair<const char*, const at::Tensor*>> tables = {
+      {"block_table", &call.block_table},
+      {"cache_seqlens", &call.cache_seqlens},
+      {"cu_seqlens_q", packed ? &*call.cu_seqlens_q : nullptr}};
+  for (const auto& [name, t] : tables) {
+    if (t == nullptr) {
+      continue;
+    }
+    check_dense_tensor(op, name, *t);
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", name,
+                     ".dtype=", t->scalar_type());
+    TORCH_CHECK_VALUE(t->is_cpu() || (q.is_meta() && t->is_meta()), op, ": ", name,
+                      " must be a CPU tensor (read on the host), got ", name,
+                      ".device=", t->device());
+  }
+  TORCH_CHECK_VALUE(call.block_table.dim() == 2 && call.block_table.sym_size(0) == batch, op,
+                    ": block_table must be (B, max_pages) with B=", batch,
+                    " sequences, got "
+                    "block_table.shape=",
+                    call.block_table.sym_sizes());
+  TORCH_CHECK_VALUE(call.cache_seqlens.dim() == 1 && call.cache_seqlens.sym_size(0) == batch, op,
+                    ": cache_seqlens must be (B,) with B=", batch,
+                    " sequences, got "
+                    "cache_seqlens.shape=",
+                    call.cache_seqlens.sym_sizes());
+  if (packed) {
+    TORCH_CHECK_VALUE(
+        call.cu_seqlens_q->dim() == 1 && call.cu_seqlens_q->sym_size(0) >= 1, op,
+        ": cu_seqlens_q must be (B + 1,), got cu_seqlens_q.shape=", call.cu_seqlens_q->sym_sizes());
+    TORCH_CHECK_VALUE(call.max_seqlen_q.has_value() && *call.max_seqlen_q >= 0, op,
+                      ": packed q needs max_seqlen_q >= 0 with cu_seqlens_q");
+  } else {
+    TORCH_CHECK_VALUE(!call.max_seqlen_q.has_value(), op,
+                      ": max_seqlen_q goes with cu_seqlens_q (packed q), got it for a dense q");
+  }
+  // Alibi slopes (Hq,) or (B, Hq), as a packed call's: one row per sequence.
+  check_score_options(op, q, {batch}, q.sym_size(-2), call.options);
+  return resolve_scale(op, q, call.scale);
+}
+
+}  // namespace causal_attention::detail

@@ -1,0 +1,18 @@
+// The checks of a paged_attention call (op_arguments.h's PagedCall), shared by its CPU and Meta
+// kernels: c10::ValueError or c10::TypeError naming the argument, as the other calls' (checks.h).
+// Written against sym_sizes() so that the Meta kernel runs them under symbolic shapes.
+#pragma once
+
+#include "op_arguments.h"
+
+namespace causal_attention::detail {
+
+// Everything paged_attention checks of its arguments' shapes, dtypes and devices (op_arguments.h
+// says what they are: the caches of one floating dtype with q, block_table and cache_seqlens
+// int32 on the CPU, Hq % Hkv == 0, the score options as attention's); returns the scale. What
+// their values must be (cache_seqlens within the table's pages, every page a sequence reads in
+// the pool, cu_seqlens_q a running count of q's rows) the CPU kernel checks, where it reads
+// them.
+double check_paged_call(const PagedCall& call);
+
+}  // namespace causal_attention::detail
