@@ -159,7 +159,7 @@ using ForwardSignature = decltype(forward_from_schema<nullptr>);
 using GradientsSignature = decltype(gradients_from_schema<nullptr>);
 using BackwardSignature = decltype(backward_from_schema<nullptr>);
 
-// Through the dispatcher (attention.cpp). call_attention serves attention and varlen_attention
+// Through the dispatcher (api.cpp). call_attention serves attention and varlen_attention
 // (packed where call.packed is given), call_attention_weights attention_weights,
 // call_paged_attention paged_attention.
 at::Tensor call_attention(const AttentionCall& call);
