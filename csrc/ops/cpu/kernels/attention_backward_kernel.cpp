@@ -41,6 +41,7 @@
 #include "dtype_dispatch.h"
 #include "kernel_api.h"
 #include "row_ops.h"
+#include "row_sources.h"
 #include "schedule.h"
 
 #include <ATen/OpMathType.h>

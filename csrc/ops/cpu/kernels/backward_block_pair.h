@@ -14,12 +14,14 @@
 // error of SDPA's math path (which computes in float32) and out above SDPA's flash kernel's.
 #pragma once
 
+#include "attn_mask_view.h"
 #include "geometry.h"
 #include "kernel_api.h"
 #include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
 #include "packed_kv.h"
+#include "row_sources.h"
 #include "schedule.h"
 #include "score_modifiers.h"
 

@@ -7,11 +7,13 @@
 // KeyRows, a tensor's or a paged cache's (the packing reads the pages in place, page by page).
 #pragma once
 
+#include "attn_mask_view.h"
 #include "geometry.h"
 #include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
 #include "packed_kv.h"
+#include "row_sources.h"
 #include "schedule.h"
 #include "split_combine.h"
 

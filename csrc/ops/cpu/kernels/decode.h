@@ -9,11 +9,13 @@
 // task carries every KV head of its sequence through each key block instead (heads_together).
 #pragma once
 
+#include "attn_mask_view.h"
 #include "geometry.h"
 #include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
 #include "row_products.h"
+#include "row_sources.h"
 #include "schedule.h"
 #include "split_combine.h"
 

@@ -8,6 +8,7 @@
 #include "decode.h"
 #include "geometry.h"
 #include "kernel_api.h"
+#include "row_sources.h"
 #include "schedule.h"
 #include "split_combine.h"
 

@@ -1,21 +1,21 @@
-// The problem's geometry: its sizes, strided row access to its tensors, and visibility, the one
-// place that says which keys a query row sees. Block skipping, the masked entries of a block pair
-// and the rows that reach a key block are all derived here; a mask (padding, windows, packed
-// sequences) extends these functions and nothing else re-derives them.
+// The problem's geometry: its sizes and visibility, the one place that says which keys a query
+// row sees. Block skipping, the masked entries of a block pair and the rows that reach a key
+// block are all derived here; a mask (padding, windows, packed sequences, attn_mask's tiles of
+// attn_mask_view.h) extends these functions and nothing else re-derives them. Where the rows of
+// the tensors lie is row_sources.h.
 //
 // Included only by the per-instruction-set kernel sources: everything here lives in the
 // namespace named by CPU_CAPABILITY, so that inline code compiled with AVX-512 flags is never
 // merged by the linker with its AVX2 or baseline twin.
 #pragma once
 
+#include "attn_mask_view.h"
 #include "kernel_api.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
-#include <utility>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -26,89 +26,6 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
 // Keys [begin, end) of a block, relative to its first key; begin == end when empty.
 struct KeyRange {
   int64_t begin, end;
-};
-
-// attn_mask's entries of one query row from a block's first key: key c (relative) is
-// bools[c * stride] (true: visible) or values[c * stride] (added to the score; -inf hides it).
-// Inactive (both null) where the block needs no entry read.
-template <typename acc_t>
-struct MaskRow {
-  const bool* bools = nullptr;
-  const acc_t* values = nullptr;
-  int64_t stride = 0;
-
-  bool active() const { return bools != nullptr || values != nullptr; }
-  // The same row's entries from key c (relative) on.
-  MaskRow from(int64_t c) const {
-    return {bools ? bools + c * stride : nullptr, values ? values + c * stride : nullptr, stride};
-  }
-  bool hides(int64_t c) const {
-    return bools    ? !bools[c * stride]
-           : values ? values[c * stride] == -std::numeric_limits<acc_t>::infinity()
-                    : false;
-  }
-};
-
-// attn_mask (kernel_api.h) as the kernels read it: its entries and tile summary by element
-// strides, 0 along broadcast dims. absent() without a mask.
-class AttentionMaskView {
- public:
-  AttentionMaskView() = default;
-  explicit AttentionMaskView(const KernelAttentionMask& m) {
-    if (!m.defined()) {
-      return;
-    }
-    (m.values.scalar_type() == at::kBool ? bools_ : values_) = m.values.data_ptr();
-    for (int d = 0; d < 4; ++d) {
-      stride_[d] = m.values.stride(d);
-      tile_stride_[d] = m.tiles.size(d) == 1 ? 0 : m.tiles.stride(d);
-    }
-    tiles_ = m.tiles.data_ptr<uint8_t>();
-    // A mask broadcast along query rows (keys) has one tile along them: every row (key) reads it.
-    rows_per_tile_ = m.tiles.size(2) == 1 ? 0 : KernelAttentionMask::kTileRows;
-    keys_per_tile_ = m.tiles.size(3) == 1 ? 0 : KernelAttentionMask::kTileKeys;
-  }
-
-  bool absent() const { return bools_ == nullptr && values_ == nullptr; }
-
-  // The mask over rows [q0, q0 + rows) and keys [k0, k0 + cols) of (b, h): hidden (visible)
-  // where every tile it meets is, else mixed. O(tiles met).
-  MaskTile block(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
-    const uint8_t* head = tiles_ + b * tile_stride_[0] + h * tile_stride_[1];
-    const auto [first_row_tile, last_row_tile] = tile_span(q0, rows, rows_per_tile_);
-    const auto [first_key_tile, last_key_tile] = tile_span(k0, cols, keys_per_tile_);
-    const uint8_t first = head[first_row_tile * tile_stride_[2] + first_key_tile * tile_stride_[3]];
-    for (int64_t i = first_row_tile; i <= last_row_tile; ++i) {
-      for (int64_t j = first_key_tile; j <= last_key_tile; ++j) {
-        if (head[i * tile_stride_[2] + j * tile_stride_[3]] != first) {
-          return kTileMixed;
-        }
-      }
-    }
-    return MaskTile(first);
-  }
-
-  // Query row `row` of (b, h) from key k0.
-  template <typename acc_t>
-  MaskRow<acc_t> row(int64_t b, int64_t h, int64_t row, int64_t k0) const {
-    const int64_t offset = b * stride_[0] + h * stride_[1] + row * stride_[2] + k0 * stride_[3];
-    return {bools_ ? static_cast<const bool*>(bools_) + offset : nullptr,
-            values_ ? static_cast<const acc_t*>(values_) + offset : nullptr, stride_[3]};
-  }
-
- private:
-  static std::pair<int64_t, int64_t> tile_span(int64_t first, int64_t count, int64_t per_tile) {
-    return per_tile == 0
-               ? std::pair<int64_t, int64_t>{0, 0}
-               : std::pair<int64_t, int64_t>{first / per_tile, (first + count - 1) / per_tile};
-  }
-
-  const void* bools_ = nullptr;
-  const void* values_ = nullptr;
-  int64_t stride_[4] = {0, 0, 0, 0};
-  const uint8_t* tiles_ = nullptr;
-  int64_t tile_stride_[4] = {0, 0, 0, 0};
-  int64_t rows_per_tile_ = 0, keys_per_tile_ = 0;
 };
 
 // What hides keys of one block pair besides the window: the key mask of its keys where it hides
@@ -320,70 +237,6 @@ struct AttentionDims {
 
  private:
   int64_t dense_offset_;  // off() of a dense call
-};
-
-// Row pointers into a (batch, head, row, col) tensor with unit stride along col; for packed
-// sequences, a (1, head, total rows, col) tensor whose batch item b starts at row offsets[b].
-template <typename T>
-struct HeadRows {
-  T* data;
-  int64_t batch_stride;
-  int64_t head_stride;
-  int64_t row_stride;
-  const int32_t* offsets;
-
-  explicit HeadRows(const at::Tensor& t, const int32_t* row_offsets = nullptr)
-      : data(static_cast<T*>(t.data_ptr())),
-        batch_stride(t.stride(0)),
-        head_stride(t.stride(1)),
-        row_stride(t.stride(2)),
-        offsets(row_offsets) {}
-
-  T* row(int64_t b, int64_t h, int64_t r) const {
-    const int64_t first = offsets ? offsets[b] * row_stride : b * batch_stride;
-    return data + first + h * head_stride + r * row_stride;
-  }
-  // The end of the run of rows from row r that lie row_stride apart: every row of (b, h) here.
-  int64_t run_end(int64_t /*r*/) const { return std::numeric_limits<int64_t>::max(); }
-  // Whether the heads' rows interleave in memory (decode.h reads them together where they do):
-  // taken as not, the (batch, heads, rows) layouts' usual case.
-  static constexpr bool kInterleavedHeads = false;
-  // Whether every row of a (b, h) lies in one run, so that a block of rows may be read in place
-  // at row_stride whatever its size (packed_kv.h).
-  static constexpr bool kOneRun = true;
-};
-
-// Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
-// along col: row r of batch item b is row r % page_size of page block_table[b][r / page_size].
-// Rows lie row_stride apart within a page only: what reads rows at that stride stops at run_end.
-template <typename T>
-struct PagedRows {
-  T* data;
-  int64_t page_stride;
-  int64_t head_stride;
-  int64_t row_stride;
-  const int32_t* block_table;  // (batch, table_width), every page a row reads checked in range
-  int64_t table_width;
-  int64_t page_size;
-
-  PagedRows(const at::Tensor& cache, const at::Tensor& table)
-      : data(static_cast<T*>(cache.data_ptr())),
-        page_stride(cache.stride(0)),
-        head_stride(cache.stride(1)),
-        row_stride(cache.stride(2)),
-        block_table(table.data_ptr<int32_t>()),
-        table_width(table.size(1)),
-        page_size(cache.size(2)) {}
-
-  T* row(int64_t b, int64_t h, int64_t r) const {
-    const int64_t page = block_table[b * table_width + r / page_size];
-    return data + page * page_stride + (r % page_size) * row_stride + h * head_stride;
-  }
-  int64_t run_end(int64_t r) const { return (r / page_size + 1) * page_size; }
-  // A page holds the rows of every head side by side: (page_size, heads, col) in flash-attn's
-  // layout.
-  static constexpr bool kInterleavedHeads = true;
-  static constexpr bool kOneRun = false;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -22,7 +22,7 @@ struct PackedSequences {
 };
 
 // The score options as the kernels read them, resolved from the op's (op_arguments.h) by
-// attention_cpu.cpp, applied in FlashAttention's order: scale -> softcap -> ALiBi -> visibility
+// kernel_call.h, applied in FlashAttention's order: scale -> softcap -> ALiBi -> visibility
 // -> softmax with sinks -> dropout. Query row i sees key j iff
 // i + off - window_left <= j <= i + off + window_right (off = len_k - len_q of its sequence, or
 // ForwardTensors::query_offset), -1 meaning unbounded on that side. softcap 0 is off. alibi_slopes:

@@ -8,7 +8,7 @@
 // so the rows the mask protects get bitwise the results they get without the non-finite values.
 #pragma once
 
-#include "geometry.h"
+#include "attn_mask_view.h"
 #include "operands.h"
 
 #include <algorithm>

@@ -11,6 +11,7 @@
 
 #include "geometry.h"
 #include "operands.h"
+#include "row_sources.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

@@ -8,6 +8,7 @@
 //   P = exp(x - lse), lse including exp(sink);  P *= keep / (1 - p).
 #pragma once
 
+#include "attn_mask_view.h"
 #include "dropout_hash.h"
 #include "geometry.h"
 #include "kernel_api.h"

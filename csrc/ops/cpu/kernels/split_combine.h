@@ -7,6 +7,7 @@
 #include "geometry.h"
 #include "online_softmax.h"
 #include "row_ops.h"
+#include "row_sources.h"
 #include "score_modifiers.h"
 
 #include <ATen/Parallel.h>

@@ -1,0 +1,80 @@
+// The rows of the kernels' tensors: where row r of head h of batch item b lies, in a tensor
+// (HeadRows) or in a paged KV cache through its block table (PagedRows). The kernels read K and V
+// through either (a KeyRows source), never knowing which: both give row(), run_end() (where rows
+// stop lying row_stride apart) and the layout traits kInterleavedHeads and kOneRun.
+//
+// Included only by the per-instruction-set kernel sources (see geometry.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+// Row pointers into a (batch, head, row, col) tensor with unit stride along col; for packed
+// sequences, a (1, head, total rows, col) tensor whose batch item b starts at row offsets[b].
+template <typename T>
+struct HeadRows {
+  T* data;
+  int64_t batch_stride;
+  int64_t head_stride;
+  int64_t row_stride;
+  const int32_t* offsets;
+
+  explicit HeadRows(const at::Tensor& t, const int32_t* row_offsets = nullptr)
+      : data(static_cast<T*>(t.data_ptr())),
+        batch_stride(t.stride(0)),
+        head_stride(t.stride(1)),
+        row_stride(t.stride(2)),
+        offsets(row_offsets) {}
+
+  T* row(int64_t b, int64_t h, int64_t r) const {
+    const int64_t first = offsets ? offsets[b] * row_stride : b * batch_stride;
+    return data + first + h * head_stride + r * row_stride;
+  }
+  // The end of the run of rows from row r that lie row_stride apart: every row of (b, h) here.
+  int64_t run_end(int64_t /*r*/) const { return std::numeric_limits<int64_t>::max(); }
+  // Whether the heads' rows interleave in memory (decode.h reads them together where they do):
+  // taken as not, the (batch, heads, rows) layouts' usual case.
+  static constexpr bool kInterleavedHeads = false;
+  // Whether every row of a (b, h) lies in one run, so that a block of rows may be read in place
+  // at row_stride whatever its size (packed_kv.h).
+  static constexpr bool kOneRun = true;
+};
+
+// Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
+// along col: row r of batch item b is row r % page_size of page block_table[b][r / page_size].
+// Rows lie row_stride apart within a page only: what reads rows at that stride stops at run_end.
+template <typename T>
+struct PagedRows {
+  T* data;
+  int64_t page_stride;
+  int64_t head_stride;
+  int64_t row_stride;
+  const int32_t* block_table;  // (batch, table_width), every page a row reads checked in range
+  int64_t table_width;
+  int64_t page_size;
+
+  PagedRows(const at::Tensor& cache, const at::Tensor& table)
+      : data(static_cast<T*>(cache.data_ptr())),
+        page_stride(cache.stride(0)),
+        head_stride(cache.stride(1)),
+        row_stride(cache.stride(2)),
+        block_table(table.data_ptr<int32_t>()),
+        table_width(table.size(1)),
+        page_size(cache.size(2)) {}
+
+  T* row(int64_t b, int64_t h, int64_t r) const {
+    const int64_t page = block_table[b * table_width + r / page_size];
+    return data + page * page_stride + (r % page_size) * row_stride + h * head_stride;
+  }
+  int64_t run_end(int64_t r) const { return (r / page_size + 1) * page_size; }
+  // A page holds the rows of every head side by side: (page_size, heads, col) in flash-attn's
+  // layout.
+  static constexpr bool kInterleavedHeads = true;
+  static constexpr bool kOneRun = false;
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
