@@ -10,6 +10,7 @@
 #pragma once
 
 #include "attn_mask_view.h"
+#include "decode_tasks.h"
 #include "geometry.h"
 #include "non_finite_guard.h"
 #include "online_softmax.h"
@@ -31,6 +32,8 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 template <typename scalar_t, typename KeyRows = HeadRows<const scalar_t>>
 class DecodeForward {
   using acc_t = at::opmath_type<scalar_t>;
+  using Tasks = DecodeTasks<KeyRows>;
+  using TaskRows = typename Tasks::TaskRows;
 
  public:
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
@@ -39,24 +42,25 @@ class DecodeForward {
       : dims_(d), q_(q), k_(k), v_(v), output_(output), modifiers_(modifiers) {}
 
   void run() const {
-    const int64_t items = dims_.batch * dims_.heads_kv / heads_together() * row_chunks(dims_);
+    const int64_t items =
+        dims_.batch * dims_.heads_kv / Tasks::heads_together(dims_) * Tasks::row_chunks(dims_);
     KeySplits<scalar_t, acc_t> splits(dims_, key_splits(dims_, items, sizeof(scalar_t)), output_);
     // An item's cost: its rows times (one more than) the keys they reach; zero for a chunk past
     // the rows of its (batch, KV head), which has nothing to do.
     const auto cost = [&](int64_t item, int64_t split) -> int64_t {
-      const TaskRows t = task(head_item(item, 0));
+      const TaskRows t = Tasks::task(dims_, Tasks::head_item(dims_, item, 0));
       if (t.rows <= 0) {
         return 0;
       }
       const auto [key_begin, key_end] = task_keys(t, split, splits);
       const int64_t keys =
           key_end > key_begin ? dims_.kept_keys(t.b, key_begin, key_end - key_begin) : 0;
-      return heads_together() * t.rows * (1 + keys);
+      return Tasks::heads_together(dims_) * t.rows * (1 + keys);
     };
     const auto make_scratch = [this] {
       std::vector<Scratch> scratch;
-      scratch.reserve(heads_together());
-      for (int64_t h = 0; h < heads_together(); ++h) {
+      scratch.reserve(Tasks::heads_together(dims_));
+      for (int64_t h = 0; h < Tasks::heads_together(dims_); ++h) {
         scratch.emplace_back(dims_);
       }
       return scratch;
@@ -73,32 +77,12 @@ class DecodeForward {
   // float32 at D = 64, in L2) before the next block streams in; measured a few % faster than 64.
   static constexpr int64_t kKeyBlock = 128;
 
-  // At most this many query rows a task: with D = Dv = 64 its scratch then takes ~0.5 MiB.
-  static constexpr int64_t kMaxTaskRows = 256;
-
-  // The query rows of a (batch, KV head): row g is query row g % rows_q of query head
-  // h_kv * group + g / rows_q. Tasks take chunks of them (sized for the longest sequence).
-  static int64_t group_rows(const AttentionDims& d) { return d.group() * d.len_q; }
-  static int64_t row_chunks(const AttentionDims& d) {
-    return ceil_div(group_rows(d), kMaxTaskRows);
-  }
-  static int64_t task_rows(const AttentionDims& d) { return std::min(group_rows(d), kMaxTaskRows); }
   // The vector-padded count of `rows` that key_query_scores computes with (query_key_scores
   // serves fewer rows than a vector holds). The scores of the padding rows are discarded.
   static int64_t padded(int64_t rows) {
     constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
     return rows < N ? 0 : ceil_div(rows, N) * N;
   }
-
-  // Rows [first_row, first_row + rows) of a (batch, KV head), whose query heads have
-  // rows_per_head rows each.
-  struct TaskRows {
-    int64_t b, h_kv, first_row, rows, rows_per_head;
-    int64_t head(int64_t r, const AttentionDims& d) const {
-      return h_kv * d.group() + (first_row + r) / rows_per_head;
-    }
-    int64_t query_row(int64_t r) const { return (first_row + r) % rows_per_head; }
-  };
 
   struct Scratch {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
@@ -112,38 +96,19 @@ class DecodeForward {
     NonFiniteRowGuard<scalar_t> guard;
     TaskRows task{};  // the rows this scratch serves in the current item
     explicit Scratch(const AttentionDims& d)
-        : queries(task_rows(d) * d.head_dim),
-          queries_t(padded(task_rows(d)) * d.head_dim),
+        : queries(Tasks::task_rows(d) * d.head_dim),
+          queries_t(padded(Tasks::task_rows(d)) * d.head_dim),
           keys(kKeyBlock * d.head_dim),
-          scores(task_rows(d) * kKeyBlock),
-          scores_t(padded(task_rows(d)) * kKeyBlock),
-          first_visible(task_rows(d)),
-          visible(task_rows(d)),
-          mask_rows(task_rows(d)),
-          run_first(task_rows(d)),
-          run_visible(task_rows(d)),
-          run_mask_rows(task_rows(d)),
-          state(task_rows(d), d.value_dim) {}
+          scores(Tasks::task_rows(d) * kKeyBlock),
+          scores_t(padded(Tasks::task_rows(d)) * kKeyBlock),
+          first_visible(Tasks::task_rows(d)),
+          visible(Tasks::task_rows(d)),
+          mask_rows(Tasks::task_rows(d)),
+          run_first(Tasks::task_rows(d)),
+          run_visible(Tasks::task_rows(d)),
+          run_mask_rows(Tasks::task_rows(d)),
+          state(Tasks::task_rows(d), d.value_dim) {}
   };
-
-  // The KV heads one task carries through each key block: every one of its sequence's where
-  // KeyRows interleaves the heads' rows (a paged cache's pages hold the rows of every head side
-  // by side, so a block of them is then read as one stream; one head a task reads every Hkv-th
-  // stretch: 1.2-1.5x the time on that row layout in benchmarks.paged), else one.
-  int64_t heads_together() const { return KeyRows::kInterleavedHeads ? dims_.heads_kv : 1; }
-  // The (batch, KV head, row chunk) of KV head `head` of an item of heads_together() heads.
-  int64_t head_item(int64_t item, int64_t head) const {
-    const int64_t chunk = item % row_chunks(dims_), first = item / row_chunks(dims_);
-    return (first * heads_together() + head) * row_chunks(dims_) + chunk;
-  }
-
-  TaskRows task(int64_t item) const {
-    const int64_t b_hkv = item / row_chunks(dims_), chunk = item % row_chunks(dims_);
-    const int64_t b = b_hkv / dims_.heads_kv, first_row = chunk * kMaxTaskRows;
-    const int64_t rows_per_head = dims_.rows_q(b);
-    return {b, b_hkv % dims_.heads_kv, first_row,
-            std::min(kMaxTaskRows, dims_.group() * rows_per_head - first_row), rows_per_head};
-  }
 
   // The keys of chunk `split` that the task's rows see, from the first key block one of them
   // sees.
@@ -165,14 +130,14 @@ class DecodeForward {
   // keys (their query rows are the same), so each head's sums run as its own task's would.
   void run_item(int64_t item, int64_t split, KeySplits<scalar_t, acc_t>& splits,
                 std::vector<Scratch>& scratch) const {
-    const TaskRows first = task(head_item(item, 0));
+    const TaskRows first = Tasks::task(dims_, Tasks::head_item(dims_, item, 0));
     if (first.rows <= 0) {
       return;
     }
     const int64_t D = dims_.head_dim;
-    for (int64_t h = 0; h < heads_together(); ++h) {
+    for (int64_t h = 0; h < Tasks::heads_together(dims_); ++h) {
       Scratch& s = scratch[h];
-      const TaskRows& t = s.task = task(head_item(item, h));
+      const TaskRows& t = s.task = Tasks::task(dims_, Tasks::head_item(dims_, item, h));
       for (int64_t r = 0; r < t.rows; ++r) {
         convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
       }
