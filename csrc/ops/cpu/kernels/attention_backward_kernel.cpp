@@ -1,31 +1,8 @@
 // CPU backward, FlashAttention-2 style (the steps of a block pair: backward_block_pair.h), in two
 // steps: the row statistics (delta, and where needed a normalizer), one value each per query row,
 // then the gradients. Every gradient element is summed by exactly one task in a fixed order:
-// bitwise identical results at any thread count, no atomics, no per-thread partial sums.
-//
-// The row statistics. dS = P o (dP - delta) needs delta = rowsum(dO o O) before the first block
-// pair, and P = exp(x - lse) assumes the forward's lse normalizes the backward's scores.
-// - float32, float64, when the forward ran the block path: delta from the output, whose rounding
-//   error is far below the gradients' own; P as it is (the forward's scores are the backward's,
-//   from the same block products).
-// - bfloat16, float16: O was rounded to 8 or 11 bits, and that rounding error would reach every
-//   dS, hence dQ and dK, most of all where a row sees few keys or the values share a large mean
-//   (dP - delta then cancels). And float32/float64 when the forward decoded (few query rows):
-//   its scores were summed in another order than the backward's block products, so lse does not
-//   normalize the backward's P, which with a peaked softmax measured 3-12x SDPA's gradient error.
-//   And float32/float64 when attn_mask's gradient is asked for: that gradient is dS itself, entry
-//   by entry, and a delta from O would carry the forward's exponentials' error (exp_u20) into
-//   every entry (measured up to 5x SDPA's error in float32).
-//   There a step before the gradients sums, over the very P and dP the gradients recompute (S
-//   and dP, 2 block products a pair, one task per query block), l = sum_j P_ij (with the sink's
-//   share) and sum_j P_ij dP'_ij: the gradients then use P / l, a softmax of their own scores,
-//   and delta = sum_j P_ij dP'_ij / l, so that dS is exact to float32 rounding, and a row that
-//   sees one key gets dS = 0 exactly (SDPA's rowsum(dO o O) over a rounded O keeps its error).
-//   For bfloat16 it measured dq's error at 0.016 against SDPA's 0.136 with values of mean 3.
-// - Any dtype, when the caller gives delta: a ring step (distributed/ring.py) holds
-//   some of its rows' keys, and its lse and delta are over all of them, so both are taken as they
-//   are (normalizer 1): statistics recomputed from the step's own keys would be a softmax of those
-//   keys alone.
+// bitwise identical results at any thread count, no atomics, no per-thread partial sums. The
+// row statistics, and when each way of forming them is taken, are backward_row_statistics.h.
 //
 // The gradients step, two schedules, chosen from the shapes:
 // - One pass (enough (batch, KV head) items to share between threads): a task owns a (batch, KV
@@ -38,9 +15,12 @@
 //   tasks own a (batch, query head, query block) and sum dQ_i. Pass 2 recomputes S and dP once
 //   more: 7 block products, for parallelism over blocks.
 #include "backward_block_pair.h"
+#include "backward_block_walks.h"
+#include "backward_row_statistics.h"
 #include "dtype_dispatch.h"
+#include "geometry.h"
+#include "gradient_rows.h"
 #include "kernel_api.h"
-#include "row_ops.h"
 #include "row_sources.h"
 #include "schedule.h"
 
@@ -54,33 +34,6 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
-// Where dq, dk or dv is stored: in q's dtype, rounded once, or, where the call gave delta (a
-// step of a larger call, whose shares its caller sums), in acc_t as summed.
-template <typename scalar_t, typename acc_t>
-class GradientRows {
- public:
-  GradientRows(const at::Tensor& t, const int32_t* offsets)
-      : rounded_(t.scalar_type() == c10::CppTypeToScalarType<scalar_t>::value),
-        rows_(t, offsets),
-        sums_(t, offsets) {}
-
-  // factor * src (n values) as row r of head h of batch item b.
-  void store(const acc_t* src, int64_t n, acc_t factor, int64_t b, int64_t h, int64_t r) const {
-    if (rounded_) {
-      store_scaled_row(src, n, factor, rows_.row(b, h, r));
-    } else {
-      store_scaled_row(src, n, factor, sums_.row(b, h, r));
-    }
-  }
-  // The rows in q's dtype, for float32/float64 (where acc_t is that dtype).
-  const HeadRows<scalar_t>& rows() const { return rows_; }
-
- private:
-  bool rounded_;
-  HeadRows<scalar_t> rows_;
-  HeadRows<acc_t> sums_;
-};
-
 template <typename scalar_t, typename gemm_t>
 class BackwardKernel {
   using acc_t = at::opmath_type<scalar_t>;
@@ -90,13 +43,10 @@ class BackwardKernel {
 
  public:
   explicit BackwardKernel(const BackwardTensors& t)
-      : recomputed_statistics_(kReducedPrecision || forward_decodes(AttentionDims(t)) ||
-                               t.dattn_mask.defined()),
-        given_delta_(t.delta),
-        delta_(padded_query_rows(AttentionDims(t))),
-        normalizers_(delta_.size(), acc_t(1)),
+      : statistics_(t),
         dsinks_(t.dsinks),
-        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), delta_.data(), normalizers_.data()),
+        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), statistics_.delta(),
+              statistics_.normalizers()),
         dq_(t.dq, pair_.dims.cu_q),
         dk_(t.dk, pair_.dims.cu_k),
         dv_(t.dv, pair_.dims.cu_k),
@@ -104,13 +54,7 @@ class BackwardKernel {
         blocks_(pair_.blocks) {}
 
   void run() {
-    if (given_delta_.defined()) {
-      delta_as_given();
-    } else if (recomputed_statistics_) {
-      row_statistics_from_probabilities();
-    } else {
-      delta_from_output();
-    }
+    statistics_.compute(pair_);
     gradients();
     if (pair_.modifiers.has_sinks()) {
       sink_gradients();
@@ -118,65 +62,6 @@ class BackwardKernel {
   }
 
  private:
-  // delta_[row] = row_delta(b, h, r) for every query row, one task per (batch, query head): O(Lq)
-  // memory.
-  template <typename RowDelta>
-  void set_delta(const RowDelta& row_delta) {
-    at::parallel_for(0, dims_.batch * dims_.heads_q, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
-        for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
-          delta_[bh * dims_.len_q + r] = row_delta(b, h, r);
-        }
-      }
-    });
-  }
-
-  // delta = rowsum(dO o O) in acc_t.
-  void delta_from_output() {
-    set_delta([&](int64_t b, int64_t h, int64_t r) {
-      return dot_row(pair_.out.row(b, h, r), pair_.grad_out.row(b, h, r), dims_.value_dim);
-    });
-  }
-
-  // The caller's delta, over every key its rows see, of which this call holds some (a ring
-  // step: lse too is over all of them, so the normalizers stay 1).
-  void delta_as_given() {
-    const HeadRows<const acc_t> given(given_delta_, dims_.cu_q);
-    set_delta([&](int64_t b, int64_t h, int64_t r) { return *given.row(b, h, r); });
-  }
-
-  // Each row's normalizer 1 / l, with l = sum_j P_ij (+ the sink's P) over the P = exp(x - lse)
-  // the gradients recompute, and delta = sum_j P_ij dP'_ij / l (see the file comment); one task
-  // per (batch, query head, query block), its key blocks summed in order.
-  void row_statistics_from_probabilities() {
-    for_each_query_block([&](int64_t bh, int64_t q0, Scratch& s) {
-      const int64_t b = bh / dims_.heads_q, h = bh % dims_.heads_q;
-      const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
-      const auto qo = pair_.query_operands(b, h, q0, rows, s);
-      acc_t* delta = delta_.data() + bh * dims_.len_q + q0;
-      acc_t* normalizer = normalizers_.data() + bh * dims_.len_q + q0;
-      std::fill_n(delta, rows, acc_t(0));
-      std::fill_n(normalizer, rows, acc_t(0));
-      for_each_visible_key_block(b, h, q0, rows, [&](const PairPart& part) {
-        const int64_t r = part.q0 - q0;
-        pair_.add_row_shares(bh, Pair::rows_from(qo, r),
-                             pair_.key_operands(b, h / dims_.group(), part.k0), part.q0, part.rows,
-                             part.k0, part.cols, normalizer + r, delta + r, s);
-      });
-      const acc_t* lse = pair_.lse.row(b, h, q0);
-      const bool sinks = pair_.modifiers.has_sinks();
-      const acc_t sink = sinks ? pair_.modifiers.sink(h) : acc_t(0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const acc_t mass =
-            normalizer[r] + (sinks ? std::exp(sink - lse[r * pair_.lse.row_stride]) : acc_t(0));
-        // A row that sees nothing (mass 0) has no gradient: any finite normalizer serves.
-        normalizer[r] = mass > acc_t(0) ? acc_t(1) / mass : acc_t(1);
-        delta[r] *= normalizer[r];
-      }
-    });
-  }
-
   void gradients() {
     if (dims_.batch * dims_.heads_kv >= kMinOnePassItems) {
       const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
@@ -206,47 +91,9 @@ class BackwardKernel {
         [&](int64_t bh_kv, int64_t block, Scratch& s) {
           key_tile_gradients(bh_kv, block * blocks_.keys, 1, nullptr, s);
         });
-    for_each_query_block(
-        [&](int64_t bh, int64_t q0, Scratch& s) { query_block_gradient(bh, q0, s); });
-  }
-
-  // Calls fn(bh, q0, scratch) for every query block of every (batch, query head), in parallel.
-  template <typename Fn>
-  void for_each_query_block(const Fn& fn) {
-    // A query block costs its visible pairs plus its rows; zero past the end of a packed
-    // sequence.
-    const auto query_block_cost = [&](int64_t bh, int64_t block) -> int64_t {
-      const int64_t b = bh / dims_.heads_q, q0 = block * blocks_.query_rows;
-      const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
-      return rows <= 0 ? 0 : rows + dims_.visible_pairs(b, q0, q0 + rows, 0, dims_.rows_k(b));
-    };
-    schedule_head_blocks(
-        dims_, dims_.batch * dims_.heads_q, ceil_div(dims_.len_q, blocks_.query_rows),
-        query_block_cost, [this] { return Scratch(dims_, blocks_, /*tile=*/1); },
-        [&](int64_t bh, int64_t block, Scratch& s) { fn(bh, block * blocks_.query_rows, s); });
-  }
-
-  // A part of a block pair (AttentionDims::for_each_part).
-  struct PairPart {
-    int64_t q0, rows, k0, cols;
-  };
-
-  // Calls fn(part) for the parts of each key block that a row of query rows [q0, q0 + rows) of
-  // batch item b, query head h, sees, in order (blocks the key mask or attn_mask hides entirely
-  // are skipped).
-  template <typename Fn>
-  void for_each_visible_key_block(int64_t b, int64_t h, int64_t q0, int64_t rows,
-                                  const Fn& fn) const {
-    const int64_t key_end = dims_.key_end(b, q0 + rows - 1);
-    const int64_t first_block = dims_.key_begin(b, q0) / blocks_.keys * blocks_.keys;
-    for (int64_t k0 = first_block; k0 < key_end; k0 += blocks_.keys) {
-      const int64_t cols = std::min(blocks_.keys, key_end - k0);
-      if (dims_.kept_keys(b, k0, cols) > 0) {
-        dims_.for_each_part(
-            b, h, q0, rows, k0, cols,
-            [&](int64_t q, int64_t r, int64_t k, int64_t c) { fn(PairPart{q, r, k, c}); });
-      }
-    }
+    for_each_query_block<Scratch>(dims_, blocks_, [&](int64_t bh, int64_t q0, Scratch& s) {
+      query_block_gradient(bh, q0, s);
+    });
   }
 
   // dsink_h = -sum over the rows of head h of P_sink delta, P_sink = exp(sink_h - lse) times the
@@ -263,17 +110,14 @@ class BackwardKernel {
           const acc_t* lse = pair_.lse.row(b, h, 0);
           const int64_t first_row = (b * dims_.heads_q + h) * dims_.len_q;
           for (int64_t r = 0; r < dims_.rows_q(b); ++r) {
-            sum += std::exp(sink - lse[r * pair_.lse.row_stride]) * normalizers_[first_row + r] *
-                   delta_[first_row + r];
+            sum += std::exp(sink - lse[r * pair_.lse.row_stride]) *
+                   statistics_.normalizers()[first_row + r] * statistics_.delta()[first_row + r];
           }
         }
         dsinks[h] = -sum;
       }
     });
   }
-
-  // One delta per query row of every (batch, query head), the longest sequence's rows each.
-  static int64_t padded_query_rows(const AttentionDims& d) { return d.batch * d.heads_q * d.len_q; }
 
   // Where a one-pass task sums dQ of the query heads of its GQA group: rows of D values in acc_t.
   struct QuerySums {
@@ -388,7 +232,7 @@ class BackwardKernel {
     const auto qo = pair_.query_operands(b, h, q0, rows, s);
     acc_t* dq = s.grad_a.data();  // sum_j dS_ij K_j
     std::fill_n(dq, rows * D, acc_t(0));
-    for_each_visible_key_block(b, h, q0, rows, [&](const PairPart& part) {
+    for_each_visible_key_block(dims_, blocks_, b, h, q0, rows, [&](const PairPart& part) {
       const int64_t r = part.q0 - q0;
       // Pass 1 recorded attn_mask's gradient of this pair.
       pair_.probabilities_and_gradients(bh, Pair::rows_from(qo, r),
@@ -403,11 +247,7 @@ class BackwardKernel {
     }
   }
 
-  // Whether the row statistics come from the probabilities (see the file comment), where the
-  // call gave no delta; else every normalizer stays 1.
-  const bool recomputed_statistics_;
-  const at::Tensor given_delta_;
-  std::vector<acc_t> delta_, normalizers_;
+  RowStatistics<scalar_t, gemm_t> statistics_;
   const at::Tensor dsinks_;
   const Pair pair_;
   const GradientRows<scalar_t, acc_t> dq_, dk_, dv_;

@@ -91,7 +91,7 @@ class BlockPairGradients {
   };
 
   // delta: one value per query row; normalizers: one factor per query row that P is scaled by
-  // (attention_backward_kernel.cpp).
+  // (backward_row_statistics.h).
   BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta,
                      const acc_t* normalizers)
       : dims(t),

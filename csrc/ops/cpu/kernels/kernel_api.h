@@ -98,7 +98,7 @@ struct PagedForwardTensors : ForwardTensors {
 // for dattn_mask: zeros (batch, heads_q, len_q, len_k) in the accumulation dtype, contiguous, into
 // which the kernel writes dS at every pair it computes (the caller sums it over broadcast dims).
 // delta, where the call gives it, is rowsum(dO o O) laid out as lse: the rows' statistics over
-// keys of which the call holds only some, taken as they are (attention_backward_kernel.cpp).
+// keys of which the call holds only some, taken as they are (backward_row_statistics.h).
 struct BackwardTensors : ForwardTensors {
   at::Tensor grad_out, dq, dk, dv, dsinks, dattn_mask, delta;
 

@@ -169,7 +169,7 @@ struct RecomputedRow {
 
 // P = exp(x - lse) over the row's keys, zeros elsewhere, with x the modified scores (and their
 // softcap factors into scratch.softcap_grad), times `normalizer` where it is not 1 (the
-// backward's own normalization, attention_backward_kernel.cpp); then, under dropout,
+// backward's own normalization, backward_row_statistics.h); then, under dropout,
 // dP' = dP o keep / (1 - p) (the keep factors left in scratch.keep_factors). Returns the keys the
 // row reaches (none when lse = -inf: a row that sees nothing) and the sum of P before
 // `normalizer`.
