@@ -95,11 +95,13 @@ torch_cmake_prefix() {
   "$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)'
 }
 
-# configure PRESET: configures the build of a preset in CMakePresets.json (the one spelling of
-# every CMake build here) against the environment's torch.
+# configure PRESET [CMAKE ARGS...]: configures the build of a preset in CMakePresets.json (the one
+# spelling of every CMake build here) against the environment's torch.
 configure() {
-  echo "==> configuring (preset $1)"
-  (cd "$ROOT" && cmake --preset "$1" -DCMAKE_PREFIX_PATH="$(torch_cmake_prefix)" >/dev/null)
+  local preset="$1"
+  shift
+  echo "==> configuring (preset $preset)"
+  (cd "$ROOT" && cmake --preset "$preset" -DCMAKE_PREFIX_PATH="$(torch_cmake_prefix)" "$@" >/dev/null)
 }
 
 build() {

@@ -28,19 +28,24 @@ echo "==> pytest"
 cd "$ROOT"
 "$PY" -m pytest -q "$@"
 
-# The bfloat16/float16 tests once more on other block products (csrc/ops/cpu/block_gemm.h), so
-# that every chip tests the paths other chips take: the widened products everywhere, and where
-# the kernels run their AVX-512 build, oneDNN capped below avx512_bf16 (Skylake to Ice Lake
-# servers: no native bf16 kernel) and at AVX2. Only for the whole suite (no pytest arguments).
+# The bfloat16/float16 tests once more on the block products other chips take
+# (csrc/ops/cpu/block_gemm.h), where this chip multiplies them natively (avx512_bf16, AMX): with
+# oneDNN capped at AVX2 they run on the widened products (the same code that
+# CAUSAL_ATTENTION_REDUCED_PRODUCTS=widened selects) beside oneDNN's AVX2 float32 kernels, which
+# is every other chip's path; a chip whose products are already widened ran that path above.
+# The block products' own tests run under each cap that changes their choice. Only for the whole
+# suite (no pytest arguments).
 if [ $# -eq 0 ]; then
-  reduced=(tests/python/ops tests/python/integrations -k "bf16 or f16" -p no:cacheprovider)
-  echo "==> bfloat16/float16 tests with CAUSAL_ATTENTION_REDUCED_PRODUCTS=widened"
-  CAUSAL_ATTENTION_REDUCED_PRODUCTS=widened "$PY" -m pytest -q "${reduced[@]}"
-  if [ "$("$PY" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" = AVX512 ]; then
+  native="$("$PY" -c 'import torch, causal_attention
+print(" ".join(d for d in ("bfloat16", "float16")
+               if torch.ops.causal_attention.block_products(getattr(torch, d)) == "native"))')"
+  if [ -n "$native" ]; then
     for isa in AVX512_CORE_VNNI AVX2; do
-      echo "==> bfloat16/float16 tests and block products with ONEDNN_MAX_CPU_ISA=$isa"
+      echo "==> block products with ONEDNN_MAX_CPU_ISA=$isa"
       (cd "$ROOT/build" && ONEDNN_MAX_CPU_ISA=$isa ctest --output-on-failure -R BlockGemm)
-      ONEDNN_MAX_CPU_ISA=$isa "$PY" -m pytest -q "${reduced[@]}"
     done
+    echo "==> bfloat16/float16 tests with ONEDNN_MAX_CPU_ISA=AVX2 (native here: $native)"
+    ONEDNN_MAX_CPU_ISA=AVX2 "$PY" -m pytest -q tests/python/ops tests/python/integrations \
+      -k "bf16 or f16" -p no:cacheprovider
   fi
 fi

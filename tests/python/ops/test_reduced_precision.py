@@ -3,8 +3,9 @@
 The block products of bfloat16/float16 are native (oneDNN's bf16/f16 dot products) where this
 process has them and widened to float32 elsewhere (csrc/ops/cpu/block_gemm.h); what is rounded
 is the same either way. ``CAUSAL_ATTENTION_REDUCED_PRODUCTS=widened`` forces the widened
-products, so a chip with native ones runs both here, and CI runs the reduced-precision suite
-under it (and under ``ONEDNN_MAX_CPU_ISA`` caps) on every chip.
+products, so a chip with native ones runs both here, and on such a chip CI runs the
+reduced-precision suite again on the widened products (scripts/test.sh, under an
+``ONEDNN_MAX_CPU_ISA`` cap).
 """
 
 import os

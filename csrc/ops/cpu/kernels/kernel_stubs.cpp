@@ -33,7 +33,10 @@ void KernelStub<Tensors>::operator()(const Tensors& tensors) const {
   if (chosen != InstructionSet::kDefault && avx2 != nullptr) {
     return avx2(tensors);
   }
-  TORCH_CHECK(baseline != nullptr, "causal_attention: a CPU kernel was not built");
+  TORCH_CHECK(baseline != nullptr,
+              "causal_attention: this library was built without the CPU kernels "
+              "for capability ",
+              at::get_cpu_capability(), " (CAUSAL_ATTENTION_ONLY_CAPABILITY)");
   baseline(tensors);
 }
 
