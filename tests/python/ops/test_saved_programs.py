@@ -1,7 +1,8 @@
 """Programs saved with an earlier library keep loading and running: a TorchScript program that
 calls the kernel ops positionally, and the packed ones under the names they had before
 attention_forward and attention_backward took packed sequences (varlen_attention_forward,
-varlen_attention_backward), saved with that library (tests/fixtures/saved_programs/)."""
+varlen_attention_backward), and a scripted CausalSelfAttention saved before its code became the
+package causal_attention/nn/, each saved with that library (tests/fixtures/saved_programs/)."""
 
 from pathlib import Path
 
@@ -19,6 +20,16 @@ def test_a_program_saved_with_the_former_kernel_ops_gives_what_it_gave_then():
     assert len(got) == len(expected["outputs"])
     for index, (a, b) in enumerate(zip(got, expected["outputs"])):
         assert torch.equal(a, b), f"result {index} differs"
+
+
+def test_a_module_scripted_before_the_nn_package_gives_what_it_gave_then():
+    module = torch.jit.load(str(SAVED / "scripted_module.pt"))
+    expected = torch.load(SAVED / "scripted_module_expected.pt")
+    x = expected["x"].clone().requires_grad_()
+    out = module(x)
+    (grad_x,) = torch.autograd.grad(out.square().sum(), x)
+    assert torch.equal(out, expected["out"])
+    assert torch.equal(grad_x, expected["grad_x"])
 
 
 def test_the_former_packed_names_are_the_merged_kernel_ops():
