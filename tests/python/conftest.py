@@ -1,4 +1,8 @@
-"""Fixtures shared by the causal_attention Python tests."""
+"""Fixtures shared by the causal_attention Python tests.
+
+Time budget: CI (.ci/run on a fresh clone) stays under 25 minutes, this suite about 6 of them. A
+test that takes over 30 s on the CI machine (``pytest --durations=40`` shows them) says why in its
+docstring; tests that only repeat an input at a larger size are cut instead."""
 
 import pytest
 import torch

@@ -214,7 +214,10 @@ def test_breakdown_quick_reports_both_views():
 
 def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.context_parallel --quick runs every section on real processes and
-    writes them; the bytes it measures at the socket are the formula's, within the handshake."""
+    writes them; the bytes it measures at the socket are the formula's, within the handshake.
+    About 30 s on 2 cores (the suite's longest): its four sections start ten sets of freshly
+    spawned processes, each importing torch, at sizes already the smallest that run every path;
+    it is the only test of the benchmark's own process handling."""
     report = quick_report("context_parallel", tmp_path)
     # At the quick sizes a call adds about a page to the resident set, within the kernel's
     # counting: the figures are there, their size is not the point.
