@@ -26,7 +26,7 @@ calls under their former names (lengths after ``v`` resp. ``lse``), kept for sav
 """
 
 import inspect
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -191,6 +191,8 @@ def paged_attention(
     softcap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    k_scale: Union[float, Tensor, None] = None,
+    v_scale: Union[float, Tensor, None] = None,
     return_lse: bool = False,
 ):
     """Attention against a paged KV cache, read in place through the block table (inference:
@@ -213,8 +215,19 @@ def paged_attention(
     the pool, ``cache_seqlens`` beyond the pages of a row, ``cu_seqlens_q`` that does not count
     q's rows, or tables that are not int32 on the CPU raise ``ValueError`` (``TypeError`` for
     dtypes) naming the argument.
+
+    The caches may be 8-bit, ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``torch.int8``
+    (both of one dtype, beside a float32, bfloat16 or float16 ``q``), read in place: each key
+    block is widened once into the kernel's scratch. ``k_scale`` and ``v_scale`` dequantize them
+    (stored value x scale = key or value): one per tensor (a float or a one-element tensor, vLLM's
+    ``k_scale``) or float32 ``(num_pages, page_size, Hkv)``, one per token and KV head (what
+    :func:`paged_cache_append` computes); 1 where not given. A scale a sequence reads must be
+    positive and finite (``ValueError``).
     """
+    k_scale, v_scale = (torch.tensor(float(s)) if isinstance(s, (int, float)) else s
+                        for s in (k_scale, v_scale))
     out, lse = call_op("paged_attention", q, k_cache, v_cache, block_table, cache_seqlens,
                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
-                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                       k_scale=k_scale, v_scale=v_scale)
     return (out, lse) if return_lse else out

@@ -98,13 +98,18 @@ struct BackwardCall : ForwardCall {
 // cu_seqlens_q (B + 1,) and max_seqlen_q; sequence b's queries are the last of its keys
 // (bottom-right: with more queries than keys, the first ones see none), so decode rows (one
 // query) and prefill chunks share one call. The options are
-// the score options but dropout (an inference op draws none).
+// the score options but dropout (an inference op draws none). The caches may instead be 8-bit
+// (float8_e4m3fn, float8_e5m2 or int8, both of one dtype, beside a float32, bfloat16 or float16
+// q), with k_scale and v_scale their dequantization scales (stored value x scale = key or value):
+// one per tensor (a one-element floating tensor) or one per token and KV head (float32
+// (num_pages, page_size, Hkv)); 1 where not given.
 struct PagedCall {
   at::Tensor q, k_cache, v_cache, block_table, cache_seqlens;
   std::optional<at::Tensor> cu_seqlens_q;
   std::optional<c10::SymInt> max_seqlen_q;
   std::optional<double> scale;
   ScoreOptions options;
+  std::optional<at::Tensor> k_scale, v_scale;
 
   bool packed() const { return cu_seqlens_q.has_value(); }
 };

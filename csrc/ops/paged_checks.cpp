@@ -9,6 +9,70 @@
 #include <vector>
 
 namespace causal_attention::detail {
+namespace {
+
+// The caches' dtypes: both q's, or both one 8-bit dtype beside a float32, bfloat16 or float16 q;
+// scales only with 8-bit caches.
+void check_cache_dtypes(const char* op, const PagedCall& call) {
+  const at::Tensor &q = call.q, &k = call.k_cache, &v = call.v_cache;
+  if (!is_eight_bit_cache(k.scalar_type()) && !is_eight_bit_cache(v.scalar_type())) {
+    for (const auto& [name, t] :
+         {std::pair<const char*, const at::Tensor&>{"k_cache", k}, {"v_cache", v}}) {
+      TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ",
+                       q.scalar_type(), " (or be 8-bit: float8_e4m3fn, float8_e5m2, int8), got ",
+                       name, ".dtype=", t.scalar_type());
+    }
+    for (const auto& [name, scale] :
+         {std::pair<const char*, const std::optional<at::Tensor>&>{"k_scale", call.k_scale},
+          {"v_scale", call.v_scale}}) {
+      TORCH_CHECK_VALUE(!scale.has_value(), op, ": ", name,
+                        " dequantizes an 8-bit cache (float8_e4m3fn, float8_e5m2, int8); the "
+                        "caches are ",
+                        k.scalar_type(), ", q's dtype");
+    }
+    return;
+  }
+  TORCH_CHECK_TYPE(k.scalar_type() == v.scalar_type(), op,
+                   ": 8-bit caches must share one dtype, got k_cache.dtype=", k.scalar_type(),
+                   ", v_cache.dtype=", v.scalar_type());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                       q.scalar_type() == at::kHalf,
+                   op, ": q must be float32, bfloat16 or float16 beside ", k.scalar_type(),
+                   " caches, got q.dtype=", q.scalar_type());
+  for (const auto& [name, scale] :
+       {std::pair<const char*, const std::optional<at::Tensor>&>{"k_scale", call.k_scale},
+        {"v_scale", call.v_scale}}) {
+    if (!scale.has_value()) {
+      continue;
+    }
+    const at::Tensor& s = *scale;
+    TORCH_CHECK_VALUE(s.is_cpu() || (q.is_meta() && s.is_meta()), op, ": ", name,
+                      " must be a CPU tensor (read on the host), got ", name,
+                      ".device=", s.device());
+    if (s.sym_numel() == 1 && s.dim() <= 1) {
+      TORCH_CHECK_TYPE(at::isFloatingType(s.scalar_type()), op, ": ", name,
+                       " (one scale per tensor) must be floating, got ", name,
+                       ".dtype=", s.scalar_type());
+      continue;
+    }
+    // One scale a token and KV head, beside the pages.
+    TORCH_CHECK_VALUE(s.dim() == 3 && s.sym_size(0) == k.sym_size(0) &&
+                          s.sym_size(1) == k.sym_size(1) && s.sym_size(2) == k.sym_size(2),
+                      op, ": ", name,
+                      " must be one scale per tensor (a float or a one-element tensor) or one per "
+                      "token and KV head, (num_pages, page_size, Hkv)=",
+                      k.sym_sizes().slice(0, 3), ", got ", name, ".shape=", s.sym_sizes());
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": ", name,
+                     " (one scale per token and KV head) must be float32, got ", name,
+                     ".dtype=", s.scalar_type());
+  }
+}
+
+}  // namespace
+
+bool is_eight_bit_cache(at::ScalarType dtype) {
+  return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kChar;
+}
 
 double check_paged_call(const PagedCall& call) {
   constexpr const char* op = "causal_attention.paged_attention";
@@ -37,10 +101,9 @@ double check_paged_call(const PagedCall& call) {
   TORCH_CHECK_TYPE(
       at::isFloatingType(q.scalar_type()), op,
       ": q must be floating (float32, float64, bfloat16, float16), got q.dtype=", q.scalar_type());
+  check_cache_dtypes(op, call);
   for (const auto& [name, t] :
        {std::pair<const char*, const at::Tensor&>{"k_cache", k}, {"v_cache", v}}) {
-    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ",
-                     q.scalar_type(), ", got ", name, ".dtype=", t.scalar_type());
     TORCH_CHECK_VALUE(t.device() == q.device(), op, ": ", name, " must be on q's device ",
                       q.device(), ", got ", name, ".device=", t.device());
   }

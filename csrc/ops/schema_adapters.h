@@ -141,7 +141,8 @@ std::tuple<at::Tensor, at::Tensor> paged_from_schema(
     const at::Tensor& block_table, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& cu_seqlens_q, std::optional<c10::SymInt> max_seqlen_q,
     std::optional<double> scale, at::IntArrayRef window, std::optional<double> softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   PagedCall call{q,
                  k_cache,
                  v_cache,
@@ -150,7 +151,9 @@ std::tuple<at::Tensor, at::Tensor> paged_from_schema(
                  cu_seqlens_q,
                  std::move(max_seqlen_q),
                  scale,
-                 score_options(window, softcap, alibi_slopes, sinks, 0.0, std::nullopt)};
+                 score_options(window, softcap, alibi_slopes, sinks, 0.0, std::nullopt),
+                 k_scale,
+                 v_scale};
   return kernel(call);
 }
 

@@ -76,13 +76,18 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // so decode rows and prefill chunks go in one call. Returns (out, lse): out (B, Lq, Hq, Dv) or
 // (total_q, Hq, Dv), lse float32 (B, Hq, Lq) or (Hq, total_q). The options are attention's
 // scale, window, softcap, alibi_slopes ((Hq,) or (B, Hq)) and sinks; key_mask, attn_mask,
-// dropout_p and generator raise ValueError. No copy of the cache is made.
+// dropout_p and generator raise ValueError. No copy of the cache is made. The caches may be 8-bit
+// (float8_e4m3fn, float8_e5m2 or int8, both of one dtype, beside a float32, bfloat16 or float16
+// q): k_scale and v_scale dequantize them (stored value x scale), one per tensor (a one-element
+// tensor) or float32 (num_pages, page_size, Hkv), one per token and KV head; 1 where not given.
 std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const at::Tensor& cache_seqlens,
     const AttentionOptions& options = {},
     const std::optional<at::Tensor>& cu_seqlens_q = std::nullopt,
-    std::optional<c10::SymInt> max_seqlen_q = std::nullopt);
+    std::optional<c10::SymInt> max_seqlen_q = std::nullopt,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 // The kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64
 // inputs). The scale is an argument, not an option; dropout_seed: int64 (2,) (seed, offset),

@@ -1,6 +1,7 @@
 // The CPU entry of paged_attention: checks the block table and the sequences' lengths where it
 // reads them, views q and the caches as the kernels take them and runs the paged forward
-// (kernels/paged_forward_kernel.cpp).
+// (kernels/paged_forward_kernel.cpp), with an 8-bit cache's scales checked and viewed as the
+// kernels read them.
 #include "../paged_checks.h"
 #include "../schema_adapters.h"
 #include "../shapes.h"
@@ -10,12 +11,15 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <utility>
 
 namespace causal_attention::cpu {
@@ -67,6 +71,40 @@ PackedSequences paged_sequences(const detail::PagedCall& call, const at::Tensor&
   return sequences;
 }
 
+// The dequantization scale `name` of an 8-bit cache as the kernels read it (kernel_api.h): float32
+// (num_pages, Hkv, page_size), one per tensor expanded along every dim, 1 where not given. Each
+// scale the sequences read (the first cache_seqlens[b] rows of their pages) must be positive and
+// finite: a scale of a page or slot no sequence reads yet is never looked at.
+at::Tensor kernel_scale(const char* name, const std::optional<at::Tensor>& given,
+                        const at::Tensor& cache, const at::Tensor& table,
+                        const at::Tensor& cache_seqlens) {
+  constexpr const char* op = "causal_attention.paged_attention";
+  const int64_t pages = cache.size(0), page_size = cache.size(1), heads = cache.size(2);
+  if (!given.has_value() || given->numel() == 1) {
+    const double value = given.has_value() ? given->item<double>() : 1.0;
+    const float single = static_cast<float>(value);
+    TORCH_CHECK_VALUE(single > 0 && std::isfinite(single), op, ": ", name,
+                      " must be positive and finite (in float32), got ", value);
+    return at::full({1, 1, 1}, single, at::kFloat).expand({pages, heads, page_size});
+  }
+  const auto scales = given->accessor<float, 3>();
+  const int32_t* lengths = cache_seqlens.data_ptr<int32_t>();
+  const int32_t* rows = table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < table.size(0); ++b) {
+    for (int64_t key = 0; key < lengths[b]; ++key) {
+      const int64_t page = rows[b * table.size(1) + key / page_size];
+      for (int64_t h = 0; h < heads; ++h) {
+        const float s = scales[page][key % page_size][h];
+        TORCH_CHECK_VALUE(s > 0 && std::isfinite(s), op, ": ", name,
+                          " must be positive and finite where the sequences read it, got ", name,
+                          "[", page, "][", key % page_size, "][", h, "]=", s, " (sequence ", b,
+                          "'s key ", key, ", block_table[", b, "][", key / page_size, "])");
+      }
+    }
+  }
+  return given->permute({0, 2, 1});
+}
+
 // paged_attention: every sequence's query rows, one after the other as packed q's, against its
 // keys read in place through the block table (kernels/paged_forward_kernel.cpp).
 std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const detail::PagedCall& call) {
@@ -89,6 +127,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const detail::PagedCall& 
   t.block_table = table;
   t.scale = scale;
   t.sequences = paged_sequences(call, table);
+  if (detail::is_eight_bit_cache(call.k_cache.scalar_type())) {
+    const at::Tensor seqlens = call.cache_seqlens.contiguous();
+    t.k_scale = kernel_scale("k_scale", call.k_scale, call.k_cache, table, seqlens);
+    t.v_scale = kernel_scale("v_scale", call.v_scale, call.v_cache, table, seqlens);
+  }
   t.options = kernel_options(t, call.options);
   const int64_t value_dim = call.v_cache.size(3);
   at::Tensor out = at::empty({total_q, heads_q, value_dim}, call.q.options());

@@ -7,6 +7,8 @@
 // come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut a key
 // block's products into runs, one a page). Where KeyRows interleaves the heads' rows (a page), a
 // task carries every KV head of its sequence through each key block instead (heads_together).
+// Rows of an 8-bit cache (quantized_rows.h) are widened block by block, with their scales, into
+// the task's scratch, and the products read those (one run a block, kv_t float32).
 #pragma once
 
 #include "attn_mask_view.h"
@@ -34,6 +36,8 @@ class DecodeForward {
   using acc_t = at::opmath_type<scalar_t>;
   using Tasks = DecodeTasks<KeyRows>;
   using TaskRows = typename Tasks::TaskRows;
+  // The K and V rows the products read: KeyRows' own, or float32 rows widened into the scratch.
+  using kv_t = typename KeyRows::row_t;
 
  public:
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
@@ -44,7 +48,8 @@ class DecodeForward {
   void run() const {
     const int64_t items =
         dims_.batch * dims_.heads_kv / Tasks::heads_together(dims_) * Tasks::row_chunks(dims_);
-    KeySplits<scalar_t, acc_t> splits(dims_, key_splits(dims_, items, sizeof(scalar_t)), output_);
+    KeySplits<scalar_t, acc_t> splits(
+        dims_, key_splits(dims_, items, sizeof(typename KeyRows::stored_t)), output_);
     // An item's cost: its rows times (one more than) the keys they reach; zero for a chunk past
     // the rows of its (batch, KV head), which has nothing to do.
     const auto cost = [&](int64_t item, int64_t split) -> int64_t {
@@ -89,12 +94,13 @@ class DecodeForward {
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs)
-    std::vector<RowRun<scalar_t>> key_runs, value_runs, next_key_runs, next_value_runs;
+    std::vector<RowRun<kv_t>> key_runs, value_runs, next_key_runs, next_value_runs;
     std::vector<int64_t> run_first, run_visible;  // first_visible, visible relative to a run
     std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
-    NonFiniteRowGuard<scalar_t> guard;
-    TaskRows task{};  // the rows this scratch serves in the current item
+    NonFiniteRowGuard<kv_t> guard;
+    std::vector<kv_t> wide_keys, wide_values;  // the current block's rows, where KeyRows widens
+    TaskRows task{};                           // the rows this scratch serves in the current item
     explicit Scratch(const AttentionDims& d)
         : queries(Tasks::task_rows(d) * d.head_dim),
           queries_t(padded(Tasks::task_rows(d)) * d.head_dim),
@@ -107,7 +113,9 @@ class DecodeForward {
           run_first(Tasks::task_rows(d)),
           run_visible(Tasks::task_rows(d)),
           run_mask_rows(Tasks::task_rows(d)),
-          state(Tasks::task_rows(d), d.value_dim) {}
+          state(Tasks::task_rows(d), d.value_dim),
+          wide_keys(KeyRows::kWidens ? kKeyBlock * d.head_dim : 0),
+          wide_values(KeyRows::kWidens ? kKeyBlock * d.value_dim : 0) {}
   };
 
   // The keys of chunk `split` that the task's rows see, from the first key block one of them
@@ -171,12 +179,40 @@ class DecodeForward {
     return std::min(kKeyBlock, key_end - k0);
   }
 
+  // Where the products read the rows of K and V: in place (KeyRows' row_stride apart), or from
+  // the scratch they were widened into.
+  int64_t key_stride() const {
+    if constexpr (KeyRows::kWidens) {
+      return dims_.head_dim;
+    } else {
+      return k_.row_stride;
+    }
+  }
+  int64_t value_stride() const {
+    if constexpr (KeyRows::kWidens) {
+      return dims_.value_dim;
+    } else {
+      return v_.row_stride;
+    }
+  }
+
+  // Keys [k0, k0 + cols) of KV head h_kv of batch item b widened into the scratch: then one run
+  // of K and one of V rows. The next block is not requested ahead (its bytes are a quarter of
+  // float32's, and a page's rows lie in order for the hardware's prefetcher).
+  void widen_block(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
+    k_.widen(b, h_kv, k0, cols, dims_.head_dim, s.wide_keys.data(), dims_.head_dim);
+    v_.widen(b, h_kv, k0, cols, dims_.value_dim, s.wide_values.data(), dims_.value_dim);
+    s.key_runs.assign({{0, cols, s.wide_keys.data()}});
+    s.value_runs.assign({{0, cols, s.wide_values.data()}});
+    s.next_key_runs.clear();
+    s.next_value_runs.clear();
+  }
+
   // The runs of K and V rows (KeyRows::run_end) that keys [k0, k0 + cols) of KV head h_kv of
   // batch item b lie on, in order: one, for a tensor's rows. Found once a block, as a page's rows
   // are found by divisions.
   void block_runs(int64_t b, int64_t h_kv, int64_t k0, int64_t cols,
-                  std::vector<RowRun<scalar_t>>& keys,
-                  std::vector<RowRun<scalar_t>>& values) const {
+                  std::vector<RowRun<kv_t>>& keys, std::vector<RowRun<kv_t>>& values) const {
     keys.clear();
     values.clear();
     for (int64_t offset = 0, count; offset < cols; offset += count) {
@@ -192,9 +228,9 @@ class DecodeForward {
   // block, the next block's runs pair with this one's). `next` is that run's index, found on
   // from its value.
   StreamAhead run_stream(const Scratch& s, size_t i, size_t& next) const {
-    const RowRun<scalar_t>& run = s.value_runs[i];
+    const RowRun<kv_t>& run = s.value_runs[i];
     StreamAhead stream;
-    stream.values = StreamAhead::Rows::of(run.first, run.count, dims_.value_dim, v_.row_stride);
+    stream.values = StreamAhead::Rows::of(run.first, run.count, dims_.value_dim, value_stride());
     const auto& ahead = s.next_key_runs;
     while (next < ahead.size() && ahead[next].offset + ahead[next].count <= run.offset) {
       ++next;
@@ -202,11 +238,11 @@ class DecodeForward {
     if (next < ahead.size()) {
       const int64_t skipped = run.offset - ahead[next].offset;
       const int64_t count = std::min(run.count, ahead[next].count - skipped);
-      stream.next_keys = StreamAhead::Rows::of(ahead[next].first + skipped * k_.row_stride, count,
-                                               dims_.head_dim, k_.row_stride);
+      stream.next_keys = StreamAhead::Rows::of(ahead[next].first + skipped * key_stride(), count,
+                                               dims_.head_dim, key_stride());
       stream.next_values =
-          StreamAhead::Rows::of(s.next_value_runs[next].first + skipped * v_.row_stride, count,
-                                dims_.value_dim, v_.row_stride);
+          StreamAhead::Rows::of(s.next_value_runs[next].first + skipped * value_stride(), count,
+                                dims_.value_dim, value_stride());
     }
     return stream;
   }
@@ -229,25 +265,29 @@ class DecodeForward {
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
     // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches)
-    block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
-    s.next_key_runs.clear();
-    s.next_value_runs.clear();
-    if (k0 + cols < key_end) {  // a row past key_end may lie on no page
-      block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
-                 s.next_value_runs);
+    if constexpr (KeyRows::kWidens) {
+      widen_block(b, h_kv, k0, cols, s);
+    } else {
+      block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
+      s.next_key_runs.clear();
+      s.next_value_runs.clear();
+      if (k0 + cols < key_end) {  // a row past key_end may lie on no page
+        block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
+                   s.next_value_runs);
+      }
     }
     size_t next = 0;
     for (size_t i = 0; i < s.key_runs.size(); ++i) {
-      const RowRun<scalar_t>& run = s.key_runs[i];
+      const RowRun<kv_t>& run = s.key_runs[i];
       const StreamAhead stream = run_stream(s, i, next);
       if (padded(rows) > 0) {
-        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
+        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, key_stride(),
                                                       s.keys.data() + run.offset * D);
         key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld,
                          run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
                          stream);
       } else {
-        query_key_scores(s.queries.data(), D, rows, run.first, k_.row_stride, run.count, D,
+        query_key_scores(s.queries.data(), D, rows, run.first, key_stride(), run.count, D,
                          s.scores.data() + run.offset, cols, stream);
       }
     }
@@ -266,14 +306,13 @@ class DecodeForward {
     }
     // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
     if (!attn_mask_read && !kept) {
-      const RunRows<scalar_t> values{s.value_runs.data(), int64_t(s.value_runs.size()),
-                                     v_.row_stride};
+      const RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), value_stride()};
       accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
                                  s.visible.data(), values, Dv, s.state.out.data(), Dv);
       return;
     }
     // With masks, run by run: the guard leaves a run's non-finite rows out of its products.
-    for (const RowRun<scalar_t>& run : s.value_runs) {
+    for (const RowRun<kv_t>& run : s.value_runs) {
       for (int64_t r = 0; r < rows; ++r) {
         s.run_first[r] = std::clamp<int64_t>(s.first_visible[r] - run.offset, 0, run.count);
         s.run_visible[r] =
@@ -281,15 +320,15 @@ class DecodeForward {
         s.run_mask_rows[r] = s.mask_rows[r].from(run.offset);
       }
       const bool* run_kept = kept ? kept + run.offset : nullptr;
-      const Operand<scalar_t> value_rows{run.first, v_.row_stride};
-      const Operand<scalar_t> values =
+      const Operand<kv_t> value_rows{run.first, value_stride()};
+      const Operand<kv_t> values =
           attn_mask_read
               ? s.guard.without_non_finite_rows(value_rows, run.count, Dv)
               : s.guard.without_hidden_non_finite_rows(value_rows, run.count, Dv, run_kept);
-      const RowRun<scalar_t> cleaned{0, run.count, values.data};
+      const RowRun<kv_t> cleaned{0, run.count, values.data};
       accumulate_weighted_values(s.scores.data() + run.offset, cols, rows, s.run_first.data(),
-                                 s.run_visible.data(), RunRows<scalar_t>{&cleaned, 1, values.ld},
-                                 Dv, s.state.out.data(), Dv);
+                                 s.run_visible.data(), RunRows<kv_t>{&cleaned, 1, values.ld}, Dv,
+                                 s.state.out.data(), Dv);
       if (attn_mask_read) {
         s.guard.add_back(rows, Dv,
                          MaskedFactor<acc_t>{s.scores.data() + run.offset, cols, s.run_first.data(),

@@ -86,9 +86,14 @@ struct ForwardTensors {
 // sequences (every sequence's query rows one after the other, cu_q; its keys counted by cu_k,
 // their pages found through block_table), and k, v the cache itself viewed as (num_pages,
 // heads_kv, page_size, dim) with unit stride along dim. block_table: contiguous int32
-// (sequences, table_width), every page a sequence's keys lie on checked in range.
+// (sequences, table_width), every page a sequence's keys lie on checked in range. k and v may
+// instead be 8-bit (float8_e4m3fn, float8_e5m2, int8; both of one dtype) beside a floating q, with
+// k_scale and v_scale their dequantization scales (stored value x scale = key or value): float32
+// viewed as (num_pages, heads_kv, page_size), stride 0 along every dim for one per tensor;
+// undefined for caches in q's dtype.
 struct PagedForwardTensors : ForwardTensors {
   at::Tensor block_table;
+  at::Tensor k_scale, v_scale;
 
   explicit PagedForwardTensors(ForwardTensors forward) : ForwardTensors(std::move(forward)) {}
 };

@@ -6,7 +6,8 @@
 // reuses the block packed for its (batch, KV head), instead of repacking it per pair. The copy
 // has the size of K and V, O(L) memory, and is freed with the call. K and V rows come from
 // KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows), whose blocks are packed run by
-// run (a page's rows after the other) into one operand, V then always copied.
+// run (a page's rows after the other) into one operand, V then always copied; or an 8-bit
+// cache's (QuantizedPagedRows), whose blocks are widened with their scales first.
 #pragma once
 
 #include "geometry.h"
@@ -61,6 +62,7 @@ class PackedKeyValues {
     gemm_t* keys = keys_.data_ptr<gemm_t>();
     value_t* values = values_.data_ptr<value_t>();
     at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+      WideRows wide(KeyRows::kWidens ? key_block : 0, d.head_dim);
       for (int64_t slot = begin; slot < end; ++slot) {
         const int64_t b =
             std::upper_bound(first_block_.begin(), first_block_.end(), slot / d.heads_kv) -
@@ -71,13 +73,19 @@ class PackedKeyValues {
         if (d.kept_keys(b, k0, cols) == 0) {
           continue;
         }
-        pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + slot * key_slot_);
-        if constexpr (kTransposedValues) {
-          pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_);
-        } else if constexpr (kPacksValues) {
-          for (int64_t r = 0; r < cols; ++r) {  // widened row by row, each where it lies
-            convert_row(v.row(b, h_kv, k0 + r), values + slot * value_slot_ + r * d.value_dim,
-                        d.value_dim);
+        if constexpr (KeyRows::kWidens) {
+          static_assert(!kTransposedValues, "8-bit caches are read by the forward only");
+          pack_widened(k, b, h_kv, k0, cols, keys + slot * key_slot_, wide);
+          v.widen(b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_, d.value_dim);
+        } else {
+          pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + slot * key_slot_);
+          if constexpr (kTransposedValues) {
+            pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_);
+          } else if constexpr (kPacksValues) {
+            for (int64_t r = 0; r < cols; ++r) {  // widened row by row, each where it lies
+              convert_row(v.row(b, h_kv, k0 + r), values + slot * value_slot_ + r * d.value_dim,
+                          d.value_dim);
+            }
           }
         }
       }
@@ -116,6 +124,30 @@ class PackedKeyValues {
   }
 
  private:
+  // A key block widened from an 8-bit cache: float32 rows, and gemm_t's where that differs.
+  struct WideRows {
+    std::vector<float> rows;
+    std::vector<gemm_t> converted;
+    WideRows(int64_t keys, int64_t width)
+        : rows(keys * width), converted(std::is_same_v<gemm_t, float> ? 0 : keys * width) {}
+  };
+
+  // As pack_transposed, from an 8-bit cache: the block's rows widened, then packed as
+  // one run (the rows of a reduced gemm_t rounded from the dequantized values).
+  void pack_widened(const KeyRows& rows, int64_t b, int64_t h, int64_t k0, int64_t cols,
+                    gemm_t* dst, WideRows& wide) const {
+    const int64_t width = dims_.head_dim;
+    rows.widen(b, h, k0, cols, width, wide.rows.data(), width);
+    const gemm_t* block = nullptr;
+    if constexpr (std::is_same_v<gemm_t, float>) {
+      block = wide.rows.data();
+    } else {
+      convert_row(wide.rows.data(), wide.converted.data(), cols * width);
+      block = wide.converted.data();
+    }
+    Pack::b_transposed(block, cols, width, width, dst, cols);
+  }
+
   // The `cols` rows of (b, h) from k0, width `width`, as one B operand of their transpose at
   // `dst` (leading dim cols): each run of rows (KeyRows::run_end) packed into its columns.
   static void pack_transposed(const KeyRows& rows, int64_t b, int64_t h, int64_t k0, int64_t cols,

@@ -3,7 +3,8 @@
 // decode path (decode.h: decode rows, short chunks; key splits over long caches as for a contiguous
 // one) up to kMaxDecodeQueryRows of them, else the block path (block_forward.h: prefill chunks,
 // whose block products take their keys packed from the pages, as a contiguous call packs its own).
-// A call holding both kinds runs each kind's sequences as a call of their own.
+// A call holding both kinds runs each kind's sequences as a call of their own. 8-bit pages are
+// widened block by block with their scales (quantized_rows.h), on either path.
 #include "dtype_dispatch.h"
 #include "forward_kernel.h"
 #include "kernel_api.h"
@@ -14,14 +15,35 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
+// The forward over pages in q's dtype, or over 8-bit pages (k_scale given), whose rows are widened
+// with their scales as they are read (quantized_rows.h). The checks refuse 8-bit caches beside a
+// float64 q, the one dtype without a kernel for them.
 template <typename scalar_t, typename gemm_t>
-using PagedForwardKernel = ForwardKernel<scalar_t, gemm_t, PagedForwardTensors>;
+class PagedForwardKernel {
+ public:
+  explicit PagedForwardKernel(const PagedForwardTensors& t) : t_(t) {}
+
+  void run() const {
+    if (!t_.k_scale.defined()) {
+      ForwardKernel<scalar_t, gemm_t, PagedForwardTensors>(t_).run();
+    } else if constexpr (!std::is_same_v<scalar_t, double>) {
+      ForwardKernel<scalar_t, gemm_t, PagedForwardTensors, QuantizedPagedRows>(
+          t_, [](const PagedForwardTensors& t,
+                 const AttentionDims&) { return paged_key_value_rows<QuantizedPagedRows>(t); })
+          .run();
+    }
+  }
+
+ private:
+  const PagedForwardTensors& t_;
+};
 
 // The cumulative counts (int32, size + 1) of counts[i] for i in `picked`, and their largest.
 std::pair<at::Tensor, int64_t> cumulative(const int32_t* cu, const std::vector<int64_t>& picked) {

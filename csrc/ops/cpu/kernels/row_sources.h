@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -42,6 +43,10 @@ struct HeadRows {
   // Whether every row of a (b, h) lies in one run, so that a block of rows may be read in place
   // at row_stride whatever its size (packed_kv.h).
   static constexpr bool kOneRun = true;
+  // The products read these rows in place, in their own dtype (quantized_rows.h widens instead).
+  using row_t = std::remove_const_t<T>;
+  using stored_t = row_t;
+  static constexpr bool kWidens = false;
 };
 
 // Row pointers into a paged KV cache viewed as (num_pages, heads, page_size, col) with unit stride
@@ -75,6 +80,9 @@ struct PagedRows {
   // layout.
   static constexpr bool kInterleavedHeads = true;
   static constexpr bool kOneRun = false;
+  using row_t = std::remove_const_t<T>;
+  using stored_t = row_t;
+  static constexpr bool kWidens = false;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
