@@ -158,6 +158,9 @@ class DecodeForward {
     for (int64_t k0 = key_begin, cols; k0 < key_end; k0 += cols) {
       cols = block_keys(k0, key_end);
       if (dims_.kept_keys(first.b, k0, cols) > 0) {  // a block the key mask hides is skipped
+        if constexpr (KeyRows::kWidens) {
+          widen_block(first.b, k0, cols, key_end, scratch);
+        }
         for (Scratch& s : scratch) {
           key_block(s.task, k0, cols, key_end, s);
         }
@@ -196,17 +199,33 @@ class DecodeForward {
     }
   }
 
-  // Keys [k0, k0 + cols) of KV head h_kv of batch item b widened into the scratch: then one run
-  // of K and one of V rows. The next block is not requested ahead (its bytes are a quarter of
-  // float32's, and a page's rows lie in order for the hardware's prefetcher).
-  void widen_block(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
-    k_.widen(b, h_kv, k0, cols, dims_.head_dim, s.wide_keys.data(), dims_.head_dim);
-    v_.widen(b, h_kv, k0, cols, dims_.value_dim, s.wide_values.data(), dims_.value_dim);
-    s.key_runs.assign({{0, cols, s.wide_keys.data()}});
-    s.value_runs.assign({{0, cols, s.wide_values.data()}});
-    s.next_key_runs.clear();
-    s.next_value_runs.clear();
+  // Keys [k0, k0 + cols) of batch item b widened into the scratch of every KV head of the item
+  // (scratch[h] for KV head h, heads_together()), in one sweep through the pages' bytes (the
+  // heads' rows interleave in a page), while the next block's bytes are requested into L2.
+  void widen_block(int64_t b, int64_t k0, int64_t cols, int64_t key_end,
+                   std::vector<Scratch>& scratch) const {
+    float *keys[kMaxWidenedHeads], *values[kMaxWidenedHeads];
+    const int64_t heads = int64_t(scratch.size());
+    for (int64_t first = 0; first < heads; first += kMaxWidenedHeads) {
+      const int64_t n = std::min(kMaxWidenedHeads, heads - first);
+      for (int64_t i = 0; i < n; ++i) {
+        Scratch& s = scratch[first + i];
+        keys[i] = s.wide_keys.data();
+        values[i] = s.wide_values.data();
+        s.key_runs.assign({{0, cols, s.wide_keys.data()}});
+        s.value_runs.assign({{0, cols, s.wide_values.data()}});
+      }
+      const int64_t h_kv = scratch[first].task.h_kv;
+      k_.widen_heads(b, h_kv, n, k0, cols, dims_.head_dim, keys, dims_.head_dim);
+      v_.widen_heads(b, h_kv, n, k0, cols, dims_.value_dim, values, dims_.value_dim);
+    }
+    if (k0 + cols < key_end) {  // a row past key_end may lie on no page
+      const int64_t next = block_keys(k0 + cols, key_end);
+      k_.prefetch(b, heads, k0 + cols, next, dims_.head_dim);
+      v_.prefetch(b, heads, k0 + cols, next, dims_.value_dim);
+    }
   }
+  static constexpr int64_t kMaxWidenedHeads = 16;
 
   // The runs of K and V rows (KeyRows::run_end) that keys [k0, k0 + cols) of KV head h_kv of
   // batch item b lie on, in order: one, for a tensor's rows. Found once a block, as a page's rows
@@ -265,9 +284,7 @@ class DecodeForward {
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
     // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches)
-    if constexpr (KeyRows::kWidens) {
-      widen_block(b, h_kv, k0, cols, s);
-    } else {
+    if constexpr (!KeyRows::kWidens) {  // else widened by run_item
       block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
       s.next_key_runs.clear();
       s.next_value_runs.clear();

@@ -121,23 +121,36 @@ struct QuantizedPagedRows {
 
   int64_t run_end(int64_t r) const { return rows.run_end(r); }
 
-  // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart:
-  // page by page.
+  // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart.
   void widen(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,
              int64_t ld) const {
-    for (int64_t first = r, end; first < r + count; first = end) {
-      end = std::min(r + count, run_end(first));
-      float* run_dst = dst + (first - r) * ld;
-      switch (format) {
-        case EightBit::kE4M3:
-          widen_run<EightBit::kE4M3>(b, h, first, end - first, width, run_dst, ld);
-          break;
-        case EightBit::kE5M2:
-          widen_run<EightBit::kE5M2>(b, h, first, end - first, width, run_dst, ld);
-          break;
-        case EightBit::kInt8:
-          widen_run<EightBit::kInt8>(b, h, first, end - first, width, run_dst, ld);
-          break;
+    widen_heads(b, h, 1, r, count, width, &dst, ld);
+  }
+
+  // As widen(), for heads [h, h + heads), head h + i's rows into dst[i]: a page's rows in the
+  // order they lie (row by row, each row's heads side by side), one sweep through its bytes.
+  void widen_heads(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
+                   float* const* dst, int64_t ld) const {
+    switch (format) {
+      case EightBit::kE4M3:
+        return widen_runs<EightBit::kE4M3>(b, h, heads, r, count, width, dst, ld);
+      case EightBit::kE5M2:
+        return widen_runs<EightBit::kE5M2>(b, h, heads, r, count, width, dst, ld);
+      case EightBit::kInt8:
+        return widen_runs<EightBit::kInt8>(b, h, heads, r, count, width, dst, ld);
+    }
+  }
+
+  // Requests rows [r, r + count) of every head (`heads`, `width` values each) into L2, for a
+  // block widened next.
+  void prefetch(int64_t b, int64_t heads, int64_t r, int64_t count, int64_t width) const {
+    constexpr int64_t kLineBytes = 64;
+    for (int64_t key = r; key < r + count; ++key) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const char* row = reinterpret_cast<const char*>(rows.row(b, h, key));
+        for (int64_t c = 0; c < width; c += kLineBytes) {
+          __builtin_prefetch(row + c, /*rw=*/0, /*locality=*/2);
+        }
       }
     }
   }
@@ -151,18 +164,21 @@ struct QuantizedPagedRows {
   static constexpr bool kOneRun = false;
 
  private:
-  // Rows [r, r + count) of one page.
   template <EightBit kFormat>
-  void widen_run(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,
-                 int64_t ld) const {
-    const int64_t page = rows.block_table[b * rows.table_width + r / rows.page_size];
-    const int64_t first = r % rows.page_size;
-    const uint8_t* src = rows.row(b, h, r);
-    const float* scale =
-        scales + page * scale_page_stride + h * scale_head_stride + first * scale_row_stride;
-    for (int64_t i = 0; i < count; ++i) {
-      widen_scaled<kFormat>(src + i * rows.row_stride, width, scale[i * scale_row_stride],
-                            dst + i * ld);
+  void widen_runs(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
+                  float* const* dst, int64_t ld) const {
+    for (int64_t key = r, end; key < r + count; key = end) {  // a page at a time
+      end = std::min(r + count, run_end(key));
+      const int64_t page = rows.block_table[b * rows.table_width + key / rows.page_size];
+      const float* page_scales = scales + page * scale_page_stride;
+      for (int64_t k = key; k < end; ++k) {
+        const uint8_t* src = rows.row(b, h, k);
+        const float* scale = page_scales + (k % rows.page_size) * scale_row_stride;
+        for (int64_t i = 0; i < heads; ++i) {
+          widen_scaled<kFormat>(src + i * rows.head_stride, width,
+                                scale[(h + i) * scale_head_stride], dst[i] + (k - r) * ld);
+        }
+      }
     }
   }
 };
