@@ -1,0 +1,254 @@
+"""paged_attention on 8-bit caches (float8_e4m3fn, float8_e5m2, int8) with a dequantization
+scale per tensor or per token and KV head: against a float64 reference on the dequantized cache
+(stored value x scale), within the error of the op in q's dtype on that cache, for decode rows,
+prefill chunks and mixed packed batches, every score option, GQA and MQA, pages of 1 to 272
+rows; bitwise the same at one and two threads; bad dtypes and scales refused with typed errors
+naming the argument. The quantization is written here in torch, apart from the library's."""
+
+import pytest
+import torch
+
+import causal_attention as ca
+from attention_testing.paged import paged
+from causal_attention import paged_attention
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+FORMATS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+Q_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def quantize(cache, dtype, layout):
+    """A float cache (num_pages, page_size, Hkv, D) stored in `dtype` with its scales: one per
+    tensor (a float) or per token and KV head ((num_pages, page_size, Hkv) float32). Pages no
+    sequence reads hold NaN (paged()): their scales are NaN too, and must not be read."""
+    fmax = FORMATS[dtype]
+    if layout == "tensor":
+        scale = cache.nan_to_num(0).abs().amax().item() / fmax
+        scaled = cache / scale
+    else:
+        scale = (cache.abs().amax(-1) / fmax).float()
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        scaled = cache / scale[..., None]
+    if dtype == torch.int8:
+        stored = scaled.nan_to_num(0).round().clamp(-fmax, fmax).to(dtype)
+    else:
+        stored = scaled.clamp(-fmax, fmax).to(dtype)
+    return stored, scale
+
+
+def dequantized(stored, scale):
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    return stored.float() * (scale[..., None] if scale.dim() else scale)
+
+
+def sequences(lengths_q, lengths_k, hq=4, hkv=2, d=32, dv=16, q_dtype=torch.float32):
+    queries = [torch.randn(lq, hq, d).to(q_dtype) for lq in lengths_q]
+    keys = [torch.randn(lk, hkv, d) * 2 for lk in lengths_k]
+    values = [torch.randn(lk, hkv, dv) for lk in lengths_k]
+    return queries, keys, values
+
+
+def call(queries, k_cache, v_cache, table, lengths_k, **options):
+    cu = torch.tensor([0] + [q.shape[0] for q in queries], dtype=torch.int32).cumsum(0).int()
+    out = paged_attention(torch.cat(queries), k_cache, v_cache, table,
+                          torch.tensor(lengths_k, dtype=torch.int32), cu_seqlens_q=cu,
+                          max_seqlen_q=max(q.shape[0] for q in queries), **options)
+    return [out[cu[b]:cu[b + 1]] for b in range(len(queries))]
+
+
+def pages_of(lengths, keys_cache, table, page_size):
+    """Sequence b's rows of a (num_pages, page_size, Hkv, D) cache, as (Lk_b, Hkv, D)."""
+    return [keys_cache[table[b, :-(-n // page_size)].long()].flatten(0, 1)[:n]
+            for b, n in enumerate(lengths)]
+
+
+def check(queries, keys, values, fmt, layout, page_size=16, **options):
+    """The 8-bit call against float64 on its dequantized cache, as close as the contiguous op
+    in q's dtype on that cache is (twice, for the summation order)."""
+    q_dtype = queries[0].dtype
+    lengths_k = [k.shape[0] for k in keys]
+    k_cache, v_cache, table = paged(keys, values, page_size)
+    k8, k_scale = quantize(k_cache, fmt, layout)
+    v8, v_scale = quantize(v_cache, fmt, layout)
+    got = call(queries, k8, v8, table, lengths_k, k_scale=k_scale, v_scale=v_scale, **options)
+    k_real = pages_of(lengths_k, dequantized(k8, k_scale), table, page_size)
+    v_real = pages_of(lengths_k, dequantized(v8, v_scale), table, page_size)
+    for b, (g, q, k, v) in enumerate(zip(got, queries, k_real, v_real)):
+        assert g.dtype == q_dtype and g.shape == (q.shape[0], q.shape[1], v.shape[-1])
+        if g.numel() == 0:
+            continue
+
+        def contiguous(dtype):
+            out = ca.attention(*(t.to(dtype).transpose(0, 1) for t in (q, k, v)), **options)
+            return out.transpose(0, 1).double()
+
+        exact, own_dtype = contiguous(torch.float64), contiguous(q_dtype)
+        bound = 2 * (own_dtype - exact).abs().max().item() + TOLERANCE[q_dtype] / 10
+        error = (g.double() - exact).abs().max().item()
+        assert error <= bound, f"sequence {b}: {error:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["tensor", "token"])
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=str)
+@pytest.mark.parametrize("page_size", [1, 16, 64, 272])
+def test_decode_rows_chunks_and_mixed_batches(page_size, fmt, layout, q_dtype):
+    """One packed call holding decode rows (the decode path: each key block widened into the
+    task's scratch) and chunks of 40 and 120 rows (the block path: blocks widened as they are
+    packed), a sequence without keys and one with more queries than keys."""
+    torch.manual_seed(page_size)
+    lengths_q, lengths_k = [1, 40, 1, 120, 0, 9, 3], [300, 40, 5, 700, 0, 70, 2]
+    queries, keys, values = sequences(lengths_q, lengths_k, q_dtype=q_dtype)
+    check(queries, keys, values, fmt, layout, page_size)
+
+
+OPTIONS = {
+    "window": {"window": (20, 0)},
+    "softcap": {"softcap": 3.0},
+    "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+    "sinks": {"sinks": torch.tensor([0.3, -1.0, 2.0, 0.0])},
+    "full": {"window": (-1, -1)},
+}
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=str)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_every_score_option(option, fmt, q_dtype):
+    torch.manual_seed(0)
+    queries, keys, values = sequences([1, 50, 3], [200, 90, 33], q_dtype=q_dtype)
+    check(queries, keys, values, fmt, "token", **OPTIONS[option])
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1), (32, 1)],
+                         ids=["MHA", "GQA", "MQA", "MQA32"])
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=str)
+def test_grouped_heads(fmt, heads):
+    torch.manual_seed(1)
+    hq, hkv = heads
+    queries, keys, values = sequences([1, 9, 1], [50, 60, 300], hq=hq, hkv=hkv, d=64, dv=64)
+    check(queries, keys, values, fmt, "tensor", page_size=16, window=(100, 0), softcap=5.0)
+
+
+def test_the_lse_is_the_dequantized_caches():
+    torch.manual_seed(2)
+    queries, keys, values = sequences([1, 4], [20, 45])
+    k_cache, v_cache, table = paged(keys, values, 16)
+    k8, k_scale = quantize(k_cache, torch.float8_e4m3fn, "token")
+    v8, v_scale = quantize(v_cache, torch.float8_e4m3fn, "token")
+    cu = torch.tensor([0, 1, 5], dtype=torch.int32)
+    lengths = torch.tensor([20, 45], dtype=torch.int32)
+    _, lse = paged_attention(torch.cat(queries), k8, v8, table, lengths, cu_seqlens_q=cu,
+                             max_seqlen_q=4, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    k_real = pages_of([20, 45], dequantized(k8, k_scale), table, 16)
+    v_real = pages_of([20, 45], dequantized(v8, v_scale), table, 16)
+    for b in range(2):
+        q, k, v = (t.transpose(0, 1) for t in (queries[b], k_real[b], v_real[b]))
+        torch.testing.assert_close(lse[:, cu[b]:cu[b + 1]], ca.attention_forward(q, k, v, 32**-0.5)[1])
+
+
+def test_scales_given_as_floats_tensors_or_not_at_all():
+    """A per-tensor scale as a float, a 0-d or a one-element tensor gives the same result;
+    without scales the stored values are the keys and values (scale 1)."""
+    torch.manual_seed(3)
+    queries, keys, values = sequences([1, 2], [40, 17])
+    k_cache, v_cache, table = paged(keys, values, 16)
+    k8, v8 = (t.clamp(-8, 8).to(torch.float8_e5m2) for t in (k_cache, v_cache))
+    results = [call(queries, k8, v8, table, [40, 17], k_scale=s, v_scale=s)
+               for s in (0.5, torch.tensor(0.5), torch.tensor([0.5], dtype=torch.float64))]
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    unscaled = call(queries, k8, v8, table, [40, 17])
+    widened = call(queries, k8.float(), v8.float(), table, [40, 17])
+    for a, b in zip(unscaled, widened):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+def test_the_same_bits_at_one_and_two_threads():
+    """Long caches are cut into key splits whose number follows the thread count: the results
+    are still bitwise the same."""
+    torch.manual_seed(4)
+    queries, keys, values = sequences([1, 1, 30], [5000, 3000, 4000], hq=8, hkv=2, d=64, dv=64)
+    k_cache, v_cache, table = paged(keys, values, 16)
+    k8, k_scale = quantize(k_cache, torch.int8, "token")
+    v8, v_scale = quantize(v_cache, torch.int8, "token")
+    results = []
+    for threads in (1, 2, 1):
+        torch.set_num_threads(threads)
+        results.append(torch.cat(call(queries, k8, v8, table, [5000, 3000, 4000],
+                                      k_scale=k_scale, v_scale=v_scale)))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_the_caches_are_read_in_place():
+    """A strided view of an interleaved (num_pages, 2, page_size, Hkv, D) pool (vLLM's
+    kv_cache[:, 0] and [:, 1]) reads as its contiguous copy."""
+    torch.manual_seed(5)
+    pool = torch.randint(-100, 100, (6, 2, 16, 2, 32), dtype=torch.int8)
+    table = torch.tensor([[4, 1, 3], [0, 5, 2]], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 32)
+    lengths = torch.tensor([40, 33], dtype=torch.int32)
+    strided = paged_attention(q, pool[:, 0], pool[:, 1], table, lengths, k_scale=0.01,
+                              v_scale=0.02)
+    copied = paged_attention(q, pool[:, 0].contiguous(), pool[:, 1].contiguous(), table, lengths,
+                             k_scale=0.01, v_scale=0.02)
+    assert torch.equal(strided, copied)
+
+
+def small_call(**changes):
+    k = torch.zeros(3, 4, 2, 8, dtype=torch.int8)
+    arguments = dict(q=torch.randn(1, 1, 2, 8), k_cache=k, v_cache=k.clone(),
+                     block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+                     cache_seqlens=torch.tensor([6], dtype=torch.int32))
+    arguments.update(changes)
+    return paged_attention(**arguments)
+
+
+BAD = {
+    "k_scale of a wrong shape": (dict(k_scale=torch.ones(3, 4)), ValueError, "k_scale"),
+    "v_scale of a wrong shape": (dict(v_scale=torch.ones(3, 4, 3)), ValueError, "v_scale"),
+    "per-token float64": (dict(k_scale=torch.ones(3, 4, 2, dtype=torch.float64)), TypeError,
+                          "k_scale"),
+    "integer per tensor": (dict(v_scale=torch.tensor(2)), TypeError, "v_scale"),
+    "zero": (dict(k_scale=0.0), ValueError, "k_scale"),
+    "negative": (dict(v_scale=-1.0), ValueError, "v_scale"),
+    "nan": (dict(k_scale=float("nan")), ValueError, "k_scale"),
+    "inf": (dict(v_scale=float("inf")), ValueError, "v_scale"),
+    "beyond float32": (dict(k_scale=1e300), ValueError, "k_scale"),
+    "a read slot's zero": (dict(k_scale=torch.ones(3, 4, 2).index_put_(
+        (torch.tensor([1]), torch.tensor([1]), torch.tensor([1])), torch.tensor(0.0))),
+        ValueError, r"k_scale\[1\]\[1\]\[1\]"),
+    "a read slot's nan": (dict(v_scale=torch.ones(3, 4, 2).index_put_(
+        (torch.tensor([0]), torch.tensor([3]), torch.tensor([0])), torch.tensor(float("nan")))),
+        ValueError, r"v_scale\[0\]\[3\]\[0\]"),
+    "scale beside a float cache": (dict(k_cache=torch.zeros(3, 4, 2, 8),
+                                        v_cache=torch.zeros(3, 4, 2, 8), k_scale=2.0),
+                                   ValueError, "k_scale dequantizes an 8-bit cache"),
+    "8-bit beside float": (dict(v_cache=torch.zeros(3, 4, 2, 8)), TypeError, "share one dtype"),
+    "two 8-bit dtypes": (dict(v_cache=torch.zeros(3, 4, 2, 8, dtype=torch.float8_e5m2)),
+                         TypeError, "share one dtype"),
+    "float64 q": (dict(q=torch.randn(1, 1, 2, 8, dtype=torch.float64)), TypeError, "q must be"),
+    "uint8 cache": (dict(k_cache=torch.zeros(3, 4, 2, 8, dtype=torch.uint8),
+                         v_cache=torch.zeros(3, 4, 2, 8, dtype=torch.uint8)), TypeError,
+                    "k_cache must have q's dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_dtypes_and_scales_are_refused(case):
+    changes, error, match = BAD[case]
+    with pytest.raises(error, match=match):
+        small_call(**changes)
+
+
+def test_a_slot_no_sequence_reads_may_hold_any_scale():
+    """Scales are checked where the sequences read them: a pool's unwritten slots (zeros, as a
+    fresh pool may hold) are never looked at."""
+    scales = torch.zeros(3, 4, 2)
+    scales[:2, :, :] = 1.0
+    scales[1, 2:] = 0.0  # the sixth key is the last read: slots 2 and 3 of page 1 are not
+    out = small_call(k_scale=scales, v_scale=scales)
+    assert torch.isfinite(out).all()
