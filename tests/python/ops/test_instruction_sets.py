@@ -5,8 +5,8 @@ runs its highest build unless ``ATEN_CPU_CAPABILITY`` lowers it, and the lower b
 untested. Each test here runs a fresh interpreter under ``ATEN_CPU_CAPABILITY=<cap>`` (the
 capability is fixed when torch loads) on forward and backward of a few shapes that reach the
 kernels' main paths (several 64-row blocks, GQA, a KV cache, decode, the one-pass backward,
-and the paged kernel on the same keys in pages), float64, float32 and bfloat16, against SDPA in
-float64. A build this machine cannot run is
+and the paged kernel on the same keys in pages, and on 8-bit pages of every finite bit pattern),
+float64, float32 and bfloat16, against SDPA in float64. A build this machine cannot run is
 skipped, saying so; it never passes. (ATen also honours a value above what the CPU has: torch's
 own kernels and ours then die of SIGILL, so no build above this process's capability is asked
 for.)
@@ -109,6 +109,39 @@ SCRIPT = textwrap.dedent(
             print(line + f" (tol {tol_out:.0e})")
             if not error <= tol_out:
                 failures.append(line)
+            if dtype != torch.float32:
+                continue
+            # This build's widening of 8-bit pages (every finite bit pattern, e4m3's subnormals
+            # included; D = 64 and a 40-wide tail) with a scale per token, against float64 on
+            # the cache torch dequantizes.
+            for fmt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+                bits = torch.randint(0, 256, (b * pages, 16, hkv, d), dtype=torch.uint8)
+                finite = bits.view(fmt).float().isfinite()
+                bits = torch.where(finite, bits, torch.zeros_like(bits))
+                stored = [bits.view(fmt), bits.flip(0).view(fmt)[..., :dv]]
+                # Scaled to at most 1 a row, so that scores stay moderate.
+                scales = [1 / c.float().abs().amax(-1).clamp_min(1e-30) for c in stored]
+                rows = [(c.float() * s[..., None])[order.view(b, pages).long()].flatten(1, 2)
+                        [:, :lk].transpose(1, 2) for c, s in zip(stored, scales)]
+                mask = causal_lower_right(lq, lk)
+                exact = F.scaled_dot_product_attention(
+                    q.double(), rows[0].double(), rows[1].double(), attn_mask=mask,
+                    enable_gqa=True)
+                for width in (d, 40):
+                    got = causal_attention.paged_attention(
+                        q[..., :width].transpose(1, 2).contiguous(), stored[0][..., :width],
+                        stored[1], order.view(b, pages).int(), torch.full((b,), lk, dtype=torch.int32),
+                        k_scale=scales[0], v_scale=scales[1]).transpose(1, 2)
+                    want_8bit = exact if width == d else F.scaled_dot_product_attention(
+                        q[..., :width].double(), rows[0][..., :width].double(),
+                        rows[1].double(), attn_mask=mask, enable_gqa=True,
+                        scale=width ** -0.5)
+                    error = ((got.double() - want_8bit).abs().max()
+                             / want_8bit.abs().max()).item()
+                    line = f"{requested} {name} {fmt} D={width} paged out: relative error {error:.2e}"
+                    print(line + f" (tol {tol_out:.0e})")
+                    if not error <= tol_out:
+                        failures.append(line)
     if failures:
         raise SystemExit("FAILED:\\n" + "\\n".join(failures))
     print("INSTRUCTION_SET_SUBSET_OK", requested)
