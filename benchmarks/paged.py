@@ -14,7 +14,11 @@ Sections (--only):
            in one paged call, against one call per request and against one call for the
            decodes plus one per chunk
   memory   the peak resident memory one decode call of B=8 at the longest --lengths adds (its
-           VmHWM above its VmRSS before the call), against the cache's size
+           VmHWM above its VmRSS before the call), against the cache's size, for a float32
+           cache and an 8-bit one
+  precisions  decode and a prefill chunk from float32, bfloat16 and 8-bit caches
+           (float8_e4m3fn, float8_e5m2, int8 with their scales) at the serving sizes, each
+           against a bare read of its own pages (paged_precisions.py)
 
 Every time is the median over --rounds rounds of torch.utils.benchmark's blocked_autorange at
 --threads threads, each round timing every compared call of a section in turn (so that a drift
@@ -34,11 +38,12 @@ import torch.nn.functional as F
 
 import causal_attention as ca
 
+from . import paged_precisions
 from .limits import probe
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
-SECTIONS = ("decode", "mixed", "memory")
+SECTIONS = ("decode", "mixed", "memory", "precisions")
 
 
 def parse_args(argv=None):
@@ -58,10 +63,12 @@ def parse_args(argv=None):
     parser.add_argument("--min-run-time", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/paged.json"))
+    paged_precisions.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.lengths, args.pages = [2], [256], [16]
         args.chunk, args.mixed_length, args.min_run_time, args.rounds = 16, 128, 0.01, 1
+        paged_precisions.quick(args)
     return args
 
 
@@ -201,24 +208,38 @@ def section_mixed(args) -> dict:
 
 
 
-def section_memory(args) -> dict:
+def section_memory(args) -> list:
     length, page, batch = max(args.lengths), min(args.pages), 8
     k = torch.randn(batch, args.kv_heads, length, args.head_dim)
     k_cache, v_cache, table = pool(k, k, page)
     del k
     seqlens = torch.full((batch,), length, dtype=torch.int32)
     q = torch.randn(batch, 1, args.heads, args.head_dim)
-    ca.paged_attention(q, k_cache, v_cache, table, seqlens)  # warm-up: threads, scratch
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before = status_kib("VmRSS")
-    ca.paged_attention(q, k_cache, v_cache, table, seqlens)
-    added = (status_kib("VmHWM") - before) * 1024
-    cache = (k_cache.numel() + v_cache.numel()) * k_cache.element_size()
-    result = {"length": length, "batch": batch, "cache_mib": cache / 2**20,
-              "peak_added_mib": added / 2**20, "added_over_cache": added / cache}
-    print(json.dumps(result))
-    return result
+    results = []
+    # float32, and int8 with a scale per token and KV head (the 8-bit read widens key blocks
+    # into the tasks' scratch: nothing the size of the cache)
+    token_scales = torch.full(k_cache.shape[:3], 0.01)
+    for caches, options in (((k_cache, v_cache), {}),
+                            (tuple(c.mul(30).round().clamp(-127, 127).to(torch.int8)
+                                   for c in (k_cache, v_cache)),
+                             {"k_scale": token_scales, "v_scale": token_scales})):
+        ca.paged_attention(q, *caches, table, seqlens, **options)  # warm-up: threads, scratch
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = status_kib("VmRSS")
+        ca.paged_attention(q, *caches, table, seqlens, **options)
+        added = (status_kib("VmHWM") - before) * 1024
+        cache = (caches[0].numel() + caches[1].numel()) * caches[0].element_size()
+        result = {"cache_dtype": str(caches[0].dtype).removeprefix("torch."), "length": length,
+                  "batch": batch, "cache_mib": cache / 2**20, "peak_added_mib": added / 2**20,
+                  "added_over_cache": added / cache}
+        print(json.dumps(result))
+        results.append(result)
+    return results
+
+
+def section_precisions(args) -> dict:
+    return paged_precisions.section_precisions(args, seconds)
 
 
 def main(argv=None) -> dict:

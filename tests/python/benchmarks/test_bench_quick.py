@@ -231,14 +231,25 @@ def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
 def test_paged_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.paged --quick times every path (paged on shuffled pages and on pages
     in order, contiguous, gathered SDPA, the bare reads of the pages, the mixed batch's three
-    ways) and measures a call's memory; the paged output is the contiguous op's."""
+    ways, the decode and a prefill chunk from float32, bfloat16 and 8-bit caches beside bare
+    reads of their pages) and measures a call's memory on a float32 and an int8 cache; the paged
+    output is the contiguous op's."""
     report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
     assert decode["max_abs_error"] < 1e-5
     assert {"paged_ms", "pages_in_order_ms", "contiguous_ms", "flash_layout_ms",
             "gather_sdpa_ms", "read_pages_ms", "read_in_order_pages_ms"} <= decode.keys()
     assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
-    assert {"peak_added_mib", "added_over_cache"} <= report["memory"].keys()
+    assert [m["cache_dtype"] for m in report["memory"]] == ["float32", "int8"]
+    for memory in report["memory"]:
+        assert {"peak_added_mib", "added_over_cache"} <= memory.keys()
+    precisions = report["precisions"]
+    assert {row["cache"] for row in precisions["decode"]} == {
+        "float32", "bfloat16", "e4m3_token", "e4m3_tensor", "e5m2_token", "int8_token"}
+    for row in precisions["decode"] + precisions["prefill"]:
+        assert row.get("decode_ms", row.get("prefill_ms")) > 0, row
+        assert row["cache"] == "bfloat16" or row["bfloat16_over_this"] > 0, row
+    assert all(row["bare_read_ms"] > 0 for row in precisions["decode"])
 
 
 def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_path):

@@ -1,0 +1,139 @@
+"""The paged decode and prefill in the precisions people serve in (benchmarks.paged's
+`precisions` section): caches of float32, bfloat16 and the 8-bit dtypes (float8_e4m3fn,
+float8_e5m2, int8, with a scale per token and KV head, e4m3 also with one per tensor), each timed
+against a bare read of its own pages' bytes (read_pages on the same memory viewed as float32:
+what the memory system alone charges), and against each other.
+
+Sizes are the serving issue's: --precision-batches sequences of --precision-length cached tokens,
+Hq 32, Hkv 8, D 128, pages of 16 laid in order (as PagedKVCache lays the pages of requests that
+decode together), one query row each; and a prefill chunk of --precision-chunk queries against
+--precision-prefill-length cached tokens of one sequence. Only the pools of one dtype live at a
+time (float32 at B 32 x 32768 tokens is 8.6 GB)."""
+
+import gc
+import json
+
+import torch
+
+import causal_attention as ca
+
+from .limits import probe
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+# label: (cache dtype, q dtype, scale layout)
+CACHES = {
+    "float32": (torch.float32, torch.float32, None),
+    "bfloat16": (torch.bfloat16, torch.bfloat16, None),
+    "e4m3_token": (torch.float8_e4m3fn, torch.bfloat16, "token"),
+    "e4m3_tensor": (torch.float8_e4m3fn, torch.bfloat16, "tensor"),
+    "e5m2_token": (torch.float8_e5m2, torch.bfloat16, "token"),
+    "int8_token": (torch.int8, torch.bfloat16, "token"),
+}
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+
+def add_arguments(parser):
+    parser.add_argument("--precision-batches", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--precision-length", type=int, default=32768)
+    parser.add_argument("--precision-chunk", type=int, default=512)
+    parser.add_argument("--precision-prefill-length", type=int, default=4096)
+    parser.add_argument("--precision-caches", nargs="+", choices=list(CACHES),
+                        default=list(CACHES))
+
+
+def quick(args):
+    args.precision_batches, args.precision_length = [2], 256
+    args.precision_chunk, args.precision_prefill_length = 16, 128
+
+
+def pages(num_pages, dtype, generator):
+    """A (num_pages, PAGE, KV_HEADS, HEAD_DIM) pool of dtype with values of attention's usual
+    magnitude: normal for float dtypes; stored values of |x| <= 100 (finite in every 8-bit
+    format) for the 8-bit ones, read with scales of about 1/100."""
+    shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
+    if dtype not in EIGHT_BIT:
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    stored = torch.randint(-100, 101, shape, generator=generator, dtype=torch.int8)
+    return stored if dtype == torch.int8 else stored.to(dtype)
+
+
+def scales(layout, num_pages, generator):
+    if layout is None:
+        return {}
+    if layout == "tensor":
+        return {"k_scale": 0.01, "v_scale": 0.012}
+    return {name: 0.005 + 0.01 * torch.rand(num_pages, PAGE, KV_HEADS, generator=generator)
+            for name in ("k_scale", "v_scale")}
+
+
+def bare_read(k_cache, v_cache, table):
+    """Reads every byte of the K and V pages the table lists, in its order (the faster of
+    without and with the next page requested into L2)."""
+    read = probe("read_pages")
+    k_bytes, v_bytes = (c.view(torch.uint8).view(torch.float32) for c in (k_cache, v_cache))
+    return {prefetch: (lambda prefetch=prefetch: read(k_bytes, table, prefetch)
+                       + read(v_bytes, table, prefetch))
+            for prefetch in (False, True)}
+
+
+def calls_for(label, batch, length, lengths_q, generator):
+    """{name: fn} of one cache dtype: its paged call and the bare reads of its pages."""
+    cache_dtype, q_dtype, layout = CACHES[label]
+    per_sequence = -(-length // PAGE)
+    num_pages = batch * per_sequence
+    k_cache, v_cache = (pages(num_pages, cache_dtype, generator) for _ in range(2))
+    table = torch.arange(num_pages, dtype=torch.int32).view(batch, per_sequence)
+    seqlens = torch.full((batch,), length, dtype=torch.int32)
+    q = torch.randn(sum(lengths_q), HEADS, HEAD_DIM, generator=generator).to(q_dtype)
+    cu = torch.tensor([0] + lengths_q).cumsum(0).int()
+    options = scales(layout, num_pages, generator)
+
+    def paged():
+        return ca.paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
+                                  max_seqlen_q=max(lengths_q), **options)
+
+    calls = {"paged": paged}
+    for prefetch, read in bare_read(k_cache, v_cache, table).items():
+        calls[f"read_{prefetch}"] = read
+    cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    scale_bytes = sum(s.numel() * 4 for s in options.values() if isinstance(s, torch.Tensor))
+    return calls, cache_bytes + scale_bytes
+
+
+def section_precisions(args, seconds) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    decode = []
+    for batch in args.precision_batches:
+        times, nbytes = {}, {}
+        for label in args.precision_caches:
+            calls, nbytes[label] = calls_for(label, batch, args.precision_length, [1] * batch,
+                                             generator)
+            timed = seconds(calls, args)
+            times[label] = (timed["paged"], min(timed["read_False"], timed["read_True"]))
+            del calls
+            gc.collect()
+        for label, (paged, read) in times.items():
+            row = {"batch": batch, "length": args.precision_length, "cache": label,
+                   "cache_mib": nbytes[label] / 2**20, "decode_ms": paged * 1e3,
+                   "bare_read_ms": read * 1e3, "read_over_decode": read / paged,
+                   "gb_per_s": nbytes[label] / paged / 1e9}
+            if "bfloat16" in times and label != "bfloat16":
+                row["bfloat16_over_this"] = times["bfloat16"][0] / paged
+            if "float32" in times and label != "float32":
+                row["float32_over_this"] = times["float32"][0] / paged
+            print(json.dumps(row))
+            decode.append(row)
+    prefill = []
+    chunk_times = {}
+    for label in args.precision_caches:
+        calls, _ = calls_for(label, 1, args.precision_prefill_length, [args.precision_chunk],
+                             generator)
+        chunk_times[label] = seconds({"paged": calls["paged"]}, args)["paged"]
+    for label, paged in chunk_times.items():
+        row = {"chunk": args.precision_chunk, "length": args.precision_prefill_length,
+               "cache": label, "prefill_ms": paged * 1e3}
+        if "bfloat16" in chunk_times:
+            row["bfloat16_over_this"] = chunk_times["bfloat16"] / paged
+        print(json.dumps(row))
+        prefill.append(row)
+    return {"decode": decode, "prefill": prefill}
