@@ -4,11 +4,12 @@ float8_e5m2, int8, with a scale per token and KV head, e4m3 also with one per te
 against a bare read of its own pages' bytes (read_pages on the same memory viewed as float32:
 what the memory system alone charges), and against each other.
 
-Sizes are the serving issue's: --precision-batches sequences of --precision-length cached tokens,
+Each dtype is timed in the same rounds as the bfloat16 cache, so that their ratio holds on a
+shared machine. Sizes are the serving issue's: --precision-batches sequences of --precision-length cached tokens,
 Hq 32, Hkv 8, D 128, pages of 16 laid in order (as PagedKVCache lays the pages of requests that
 decode together), one query row each; and a prefill chunk of --precision-chunk queries against
---precision-prefill-length cached tokens of one sequence. Only the pools of one dtype live at a
-time (float32 at B 32 x 32768 tokens is 8.6 GB)."""
+--precision-prefill-length cached tokens of one sequence. Only the pools of two dtypes live at a
+time (float32 at B 32 x 32768 tokens is 8.6 GB, bfloat16 4.3 GB)."""
 
 import gc
 import json
@@ -77,7 +78,8 @@ def bare_read(k_cache, v_cache, table):
 
 
 def calls_for(label, batch, length, lengths_q, generator):
-    """{name: fn} of one cache dtype: its paged call and the bare reads of its pages."""
+    """{name: fn} of one cache dtype: its paged call and the bare reads of its pages (names
+    prefixed by the label), and the bytes of its pages and scales."""
     cache_dtype, q_dtype, layout = CACHES[label]
     per_sequence = -(-length // PAGE)
     num_pages = batch * per_sequence
@@ -92,48 +94,61 @@ def calls_for(label, batch, length, lengths_q, generator):
         return ca.paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
                                   max_seqlen_q=max(lengths_q), **options)
 
-    calls = {"paged": paged}
+    calls = {f"{label}/paged": paged}
     for prefetch, read in bare_read(k_cache, v_cache, table).items():
-        calls[f"read_{prefetch}"] = read
+        calls[f"{label}/read_{prefetch}"] = read
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     scale_bytes = sum(s.numel() * 4 for s in options.values() if isinstance(s, torch.Tensor))
     return calls, cache_bytes + scale_bytes
+
+
+def paired(args, seconds, batch, length, lengths_q, generator):
+    """{label: (paged s, bare read s, bytes)}: each cache dtype timed in rounds that interleave it
+    with the bfloat16 cache (kept alive throughout), so that its ratio to bfloat16 comes from one
+    stretch of the machine's time however a shared machine drifts; bfloat16's own times are
+    the medians over its pairings. Only the pools of two dtypes live at once."""
+    anchor, anchor_bytes = calls_for("bfloat16", batch, length, lengths_q, generator)
+    results, anchor_times = {}, []
+    for label in args.precision_caches:
+        if label == "bfloat16":
+            continue
+        calls, nbytes = calls_for(label, batch, length, lengths_q, generator)
+        timed = seconds({**anchor, **calls}, args)
+        results[label] = (timed[f"{label}/paged"],
+                          min(timed[f"{label}/read_False"], timed[f"{label}/read_True"]), nbytes,
+                          timed["bfloat16/paged"])
+        anchor_times.append((timed["bfloat16/paged"],
+                             min(timed["bfloat16/read_False"], timed["bfloat16/read_True"])))
+        del calls
+        gc.collect()
+    if not anchor_times:
+        timed = seconds(anchor, args)
+        anchor_times.append((timed["bfloat16/paged"],
+                             min(timed["bfloat16/read_False"], timed["bfloat16/read_True"])))
+    paged = sorted(t[0] for t in anchor_times)[len(anchor_times) // 2]
+    read = sorted(t[1] for t in anchor_times)[len(anchor_times) // 2]
+    results["bfloat16"] = (paged, read, anchor_bytes, paged)
+    return results
 
 
 def section_precisions(args, seconds) -> dict:
     generator = torch.Generator().manual_seed(0)
     decode = []
     for batch in args.precision_batches:
-        times, nbytes = {}, {}
-        for label in args.precision_caches:
-            calls, nbytes[label] = calls_for(label, batch, args.precision_length, [1] * batch,
-                                             generator)
-            timed = seconds(calls, args)
-            times[label] = (timed["paged"], min(timed["read_False"], timed["read_True"]))
-            del calls
-            gc.collect()
-        for label, (paged, read) in times.items():
+        timed = paired(args, seconds, batch, args.precision_length, [1] * batch, generator)
+        for label, (paged, read, nbytes, bf16) in timed.items():
             row = {"batch": batch, "length": args.precision_length, "cache": label,
-                   "cache_mib": nbytes[label] / 2**20, "decode_ms": paged * 1e3,
+                   "cache_mib": nbytes / 2**20, "decode_ms": paged * 1e3,
                    "bare_read_ms": read * 1e3, "read_over_decode": read / paged,
-                   "gb_per_s": nbytes[label] / paged / 1e9}
-            if "bfloat16" in times and label != "bfloat16":
-                row["bfloat16_over_this"] = times["bfloat16"][0] / paged
-            if "float32" in times and label != "float32":
-                row["float32_over_this"] = times["float32"][0] / paged
+                   "gb_per_s": nbytes / paged / 1e9, "bfloat16_over_this": bf16 / paged}
             print(json.dumps(row))
             decode.append(row)
     prefill = []
-    chunk_times = {}
-    for label in args.precision_caches:
-        calls, _ = calls_for(label, 1, args.precision_prefill_length, [args.precision_chunk],
-                             generator)
-        chunk_times[label] = seconds({"paged": calls["paged"]}, args)["paged"]
-    for label, paged in chunk_times.items():
+    timed = paired(args, seconds, 1, args.precision_prefill_length, [args.precision_chunk],
+                   generator)
+    for label, (paged, _, _, bf16) in timed.items():
         row = {"chunk": args.precision_chunk, "length": args.precision_prefill_length,
-               "cache": label, "prefill_ms": paged * 1e3}
-        if "bfloat16" in chunk_times:
-            row["bfloat16_over_this"] = chunk_times["bfloat16"] / paged
+               "cache": label, "prefill_ms": paged * 1e3, "bfloat16_over_this": bf16 / paged}
         print(json.dumps(row))
         prefill.append(row)
     return {"decode": decode, "prefill": prefill}
