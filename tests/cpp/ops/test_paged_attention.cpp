@@ -1,7 +1,8 @@
 // paged_attention through the C++ API: K/V laid into shuffled pages of a pool read through the
 // block table equal the same attention on the contiguous keys, for decode rows, a packed batch of
 // decodes and a prefill chunk, and every score option the op takes; the options it does not take
-// and a table naming no page of the pool raise c10::ValueError naming them.
+// and a table naming no page of the pool raise c10::ValueError naming them. An int8 cache with a
+// scale per token and KV head reads as its dequantized copy.
 #include "../attention_test_utils.h"
 
 #include <causal_attention/ops.h>
@@ -95,6 +96,35 @@ TEST(PagedAttention, OptionsItDoesNotTakeAndPagesOutsideThePoolRaiseValueError) 
   table[1][1] = 4;  // the pool holds pages 0-3
   expect_error<c10::ValueError>([&] { call(AttentionOptions(), table); },
                                 {"block_table[1][1]=4", "k_cache.shape[0]=4"});
+}
+
+TEST(PagedAttention, AnInt8CacheWithScalesPerTokenReadsAsItsDequantizedCopy) {
+  torch::manual_seed(5);
+  const PagedCase c = paged_case(/*batch=*/2, /*length=*/100, /*page_size=*/16);
+  const at::Tensor q = torch::randn({2, 1, 4, 16}, torch::kFloat);
+  std::vector<at::Tensor> stored, scales;
+  for (const at::Tensor& cache : {c.k_cache, c.v_cache}) {
+    // Pages no sequence reads hold 1e30: they are stored as 0.
+    const at::Tensor rows = torch::where(cache.abs() < 1e29, cache, 0);
+    const at::Tensor scale = rows.abs().amax(-1).div(127).clamp_min(1e-30).to(torch::kFloat);
+    stored.push_back((rows / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch::kChar));
+    scales.push_back(scale);
+  }
+  const auto [out, lse] = causal_attention::paged_attention(
+      q, stored[0], stored[1], c.table, c.seqlens, AttentionOptions(), std::nullopt, std::nullopt,
+      scales[0], scales[1]);
+  const auto [expected, expected_lse] = causal_attention::paged_attention(
+      q, stored[0].to(torch::kFloat) * scales[0].unsqueeze(-1),
+      stored[1].to(torch::kFloat) * scales[1].unsqueeze(-1), c.table, c.seqlens);
+  EXPECT_LT(max_abs_diff(out, expected), 1e-5);
+  EXPECT_LT(max_abs_diff(lse, expected_lse), 1e-5);
+  expect_error<c10::ValueError>(
+      [&] {
+        causal_attention::paged_attention(q, stored[0], stored[1], c.table, c.seqlens,
+                                          AttentionOptions(), std::nullopt, std::nullopt,
+                                          torch::zeros({3}), scales[1]);
+      },
+      {"paged_attention", "k_scale", "(num_pages, page_size, Hkv)"});
 }
 
 }  // namespace
