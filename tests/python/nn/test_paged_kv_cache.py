@@ -42,26 +42,63 @@ def test_append_writes_each_token_into_its_slot():
     "change, error, match",
     [
         (dict(slots=torch.tensor([0, 20])), ValueError, r"\[0, 20\)"),
-        (dict(slots=torch.tensor([-1, 2])), ValueError, r"\[0, 20\)"),
+        (dict(slots=torch.tensor([-2, 2])), ValueError, r"\[0, 20\)"),  # -1 is padding
         (dict(slots=torch.tensor([3, 3])), ValueError, "distinct"),
         (dict(slots=torch.tensor([1.0, 2.0])), TypeError, "int32 or int64"),
         (dict(k=torch.randn(3, 2, 3)), ValueError, r"k must be \(tokens, Hkv, D\)"),
         (dict(v=torch.randn(2, 2, 3)), ValueError, r"v must be \(tokens, Hkv, Dv\)"),
         (dict(k=torch.randn(2, 2, 3, dtype=torch.float64)), TypeError, "k_cache's dtype"),
         (dict(k_cache=torch.zeros(5, 4, 3, 3)), ValueError, "must agree"),
-        (dict(k_cache=torch.zeros(4, 5, 2, 3).transpose(0, 1)), ValueError, "contiguous"),
+        (dict(k_cache=torch.zeros(1, 4, 2, 3).expand(5, 4, 2, 3)), ValueError,
+         "must not share memory"),
+        (dict(k_scale=0.5), ValueError, "k_scale scales an 8-bit cache"),
     ],
     ids=["past-the-pool", "negative", "repeated", "float-slots", "k-tokens", "v-dim",
-         "k-dtype", "heads", "strided-cache"],
+         "k-dtype", "heads", "expanded-cache", "scale-of-a-float-cache"],
 )
 def test_append_refuses_bad_arguments_and_leaves_the_cache(change, error, match):
     args = dict(k=torch.randn(2, 2, 3), v=torch.randn(2, 2, 6), k_cache=torch.zeros(5, 4, 2, 3),
-                v_cache=torch.zeros(5, 4, 2, 6), slots=torch.tensor([1, 2]))
+                v_cache=torch.zeros(5, 4, 2, 6), slots=torch.tensor([1, 2]), k_scale=None)
     args.update(change)
     before = args["k_cache"].clone(), args["v_cache"].clone()
     with pytest.raises(error, match=match):
-        paged_cache_append(args["k"], args["v"], args["k_cache"], args["v_cache"], args["slots"])
+        paged_cache_append(args["k"], args["v"], args["k_cache"], args["v_cache"], args["slots"],
+                           k_scale=args["k_scale"])
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+def test_append_skips_the_padding_slot():
+    """vLLM pads a batch with slot -1: that token is not written, the others are."""
+    k_cache, v_cache = torch.zeros(3, 4, 2, 3), torch.zeros(3, 4, 2, 3)
+    slots = torch.tensor([5, -1, 0, -1], dtype=torch.int32)
+    k, v = torch.randn(4, 2, 3), torch.randn(4, 2, 3)
+    paged_cache_append(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(k_cache[0, 0], k[2])
+    assert torch.equal(v_cache[1, 1], v[0]) and torch.equal(v_cache[0, 0], v[2])
+    assert k_cache.abs().sum() == k[[0, 2]].abs().sum()  # nothing else
+    paged_cache_append(k, v, k_cache, v_cache, torch.full((4,), -1))  # all padding: no write
+    assert k_cache.abs().sum() == k[[0, 2]].abs().sum()
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "pages-apart"])
+def test_append_writes_strided_page_views_in_place(layout):
+    """vLLM's interleaved kv_cache[:, 0] / kv_cache[:, 1] of a (num_pages, 2, page_size, Hkv,
+    D) tensor, and a pool whose pages are not contiguous: each token lands in its slot of the
+    view, and nothing else of the storage changes."""
+    if layout == "interleaved":
+        storage = torch.zeros(5, 2, 4, 2, 3)
+        k_cache, v_cache = storage[:, 0], storage[:, 1]
+    else:
+        storage = torch.zeros(4, 2, 5, 2, 3)  # rows outermost: a page's rows lie apart
+        k_cache, v_cache = storage[:, 0].transpose(0, 1), storage[:, 1].transpose(0, 1)
+    assert not k_cache.is_contiguous()
+    slots = torch.tensor([17, 0, 6, 7, 19])
+    k, v = torch.randn(5, 2, 3), torch.randn(5, 2, 3)
+    paged_cache_append(k, v, k_cache, v_cache, slots)
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s // 4, s % 4], k[t])
+        assert torch.equal(v_cache[s // 4, s % 4], v[t])
+    assert storage.abs().sum() == k.abs().sum() + v.abs().sum()
 
 
 # --- the cache --------------------------------------------------------------------------------
