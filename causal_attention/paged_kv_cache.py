@@ -9,18 +9,28 @@ Requests share pages: :meth:`PagedKVCache.fork` gives a new request every page o
 the first write into a shared, partly filled last page copies it first (copy on write). Full
 pages are never written again, and stay shared until every holder frees them.
 
+The pages may be 8-bit (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.int8``: half a
+bfloat16 pool's bytes a token), each layer's keys and values stored with a scale per tensor or
+per token and KV head (:mod:`causal_attention.quantization`); per-token scales lie beside the
+pages and go where their pages go (shared by a fork, copied with a page on write; a freed page's
+next holder writes its own with its rows).
+
 This module holds the pool (:class:`PagedKVCache`); a step's writes into its slots and its
 attention through the pages are paged_step.py's (:func:`paged_cache_append`, :class:`PagedStep`).
 """
 
-from typing import Dict, List, Optional, Sequence
+import math
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .paged_step import PagedStep, paged_cache_append
+from .quantization import FORMAT_MAX, is_eight_bit
 
 _NAME = "causal_attention.PagedKVCache"
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_SCALES = ("tensor", "token")
 
 
 class PagedKVCache:
@@ -40,11 +50,32 @@ class PagedKVCache:
     grow into a stretch of their own, and a decode reads a request's pages as one stream: 16-row
     pages strewn over a pool of 32 MiB or more decode 1.1-1.35x slower on Zen 4 than the same
     pages in order (docs/benchmarks, "Paged KV cache"). The same calls give the same tables.
+
+    ``dtype`` is the pages': a float dtype (keys and values stored as given, in that dtype) or
+    an 8-bit one, ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``torch.int8`` (quantized
+    as :meth:`append` writes them, read in place by :func:`causal_attention.paged_attention`),
+    with ``scales``:
+
+    - ``"token"`` (the default): a scale per token and KV head for keys and for values,
+      ``key_scales[layer]`` and ``value_scales[layer]``, float32 ``(num_pages, page_size,
+      Hkv)`` (1 until written), each token's computed as it is written: no calibration, and
+      int8 keeps each token's own range; 4 bytes a token and KV head more for each of K and V.
+    - ``"tensor"``: one scale per layer for keys and one for values, ``k_scale`` and
+      ``v_scale`` (a float for every layer or one per layer; 1.0 by default; vLLM's per-layer
+      scales, calibrated beforehand): ``key_scales[layer]`` and ``value_scales[layer]`` are
+      floats. Values beyond ``scale x`` the format's largest value saturate.
+
+    :attr:`bytes_per_token` counts what a token takes in the pool: with 8-bit pages and
+    ``"tensor"`` scales half a bfloat16 pool's (a pool of the same bytes holds twice the
+    tokens), with ``"token"`` scales ``2 x 4 x Hkv`` bytes a layer more.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  value_dim: Optional[int] = None, num_layers: int = 1,
-                 dtype: torch.dtype = torch.float32, device=None) -> None:
+                 dtype: torch.dtype = torch.float32, device=None, *,
+                 scales: Optional[str] = None,
+                 k_scale: Union[float, Sequence[float], None] = None,
+                 v_scale: Union[float, Sequence[float], None] = None) -> None:
         sizes = {"num_pages": num_pages, "page_size": page_size, "num_kv_heads": num_kv_heads,
                  "head_dim": head_dim, "num_layers": num_layers}
         if value_dim is not None:
@@ -54,12 +85,29 @@ class PagedKVCache:
                 raise TypeError(f"{_NAME}: {name} must be an int, got {size!r}")
             if size < 1:
                 raise ValueError(f"{_NAME}: {name} must be >= 1, got {size}")
+        scales = _check_quantization(dtype, scales, k_scale, v_scale)
         value_dim = head_dim if value_dim is None else value_dim
         self.page_size = page_size
+        self.dtype = dtype
+        self.scales = scales
         self.key_pages = [torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
                                       device=device) for _ in range(num_layers)]
         self.value_pages = [torch.zeros(num_pages, page_size, num_kv_heads, value_dim,
                                         dtype=dtype, device=device) for _ in range(num_layers)]
+        # Each layer's dequantization scales as paged_attention and paged_cache_append take
+        # them: None (float pages), a float per layer ("tensor"), or per token and KV head
+        # tensors beside the pages ("token", written by append).
+        self.key_scales: List[Union[float, Tensor, None]]
+        self.value_scales: List[Union[float, Tensor, None]]
+        if scales == "token":
+            self.key_scales, self.value_scales = (
+                [torch.ones(num_pages, page_size, num_kv_heads, device=device)
+                 for _ in range(num_layers)] for _ in range(2))
+        elif scales == "tensor":
+            self.key_scales = _per_layer("k_scale", k_scale, num_layers)
+            self.value_scales = _per_layer("v_scale", v_scale, num_layers)
+        else:
+            self.key_scales, self.value_scales = [None] * num_layers, [None] * num_layers
         self._holders = [0] * num_pages  # requests holding each page (0: free)
         self._free_count = num_pages
         self._is_free = bytearray(b"\x01") * num_pages  # 1: free (for the stretches' search)
@@ -79,6 +127,18 @@ class PagedKVCache:
     @property
     def pages_in_use(self) -> int:
         return self.num_pages - self._free_count
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's bytes: every layer's key and value pages and per-token scales."""
+        tensors = self.key_pages + self.value_pages + self._token_scales()
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The bytes one token's slot takes in the pool, every layer's keys and values (and
+        per-token scales): :attr:`nbytes` over the pool's slots."""
+        return self.nbytes // (self.num_pages * self.page_size)
 
     @property
     def requests(self) -> List[object]:
@@ -177,9 +237,11 @@ class PagedKVCache:
 
     def append(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Writes one layer's keys ``(tokens, Hkv, D)`` and values ``(tokens, Hkv, Dv)`` into
-        the slots :meth:`reserve` gave."""
+        the slots :meth:`reserve` gave (8-bit pages: quantized with the layer's scales, per-token
+        ones computed and kept)."""
         paged_cache_append(k, v, self.key_pages[layer], self.value_pages[layer],
-                           slot_mapping.to(self.key_pages[layer].device))
+                           slot_mapping.to(self.key_pages[layer].device),
+                           k_scale=self.key_scales[layer], v_scale=self.value_scales[layer])
 
     def block_table(self, requests: Sequence, width: Optional[int] = None) -> Tensor:
         """``(len(requests), width) int32``: row i lists request i's pages in sequence order,
@@ -193,6 +255,10 @@ class PagedKVCache:
         return torch.tensor(lengths, dtype=torch.int32, device=self.key_pages[0].device)
 
     # --- internals --------------------------------------------------------------------------
+
+    def _token_scales(self) -> List[Tensor]:
+        """Every layer's per-token key and value scales (none unless ``scales="token"``)."""
+        return [s for s in self.key_scales + self.value_scales if isinstance(s, Tensor)]
 
     def _known(self, request):
         if request not in self._pages:
@@ -220,7 +286,8 @@ class PagedKVCache:
         if self._copies_last_page(request, tokens):
             shared = pages[-1]
             pages[-1] = self._take(pages[-2] if len(pages) > 1 else None)
-            for layer in self.key_pages + self.value_pages:
+            # The page's per-token scales go with its rows.
+            for layer in self.key_pages + self.value_pages + self._token_scales():
                 layer[pages[-1]].copy_(layer[shared])
             self._release(shared)
         while len(pages) * self.page_size < length + tokens:
@@ -269,3 +336,47 @@ class PagedKVCache:
         if self._holders[page] == 0:
             self._free_count += 1
             self._is_free[page] = 1
+
+
+def _check_quantization(dtype, scales, k_scale, v_scale) -> Optional[str]:
+    """The pages' ``dtype`` and ``scales`` checked; returns the scales' layout ("token" or
+    "tensor"; None for float pages)."""
+    if not isinstance(dtype, torch.dtype) or not (dtype in _FLOATS or is_eight_bit(dtype)):
+        names = ", ".join(str(d).removeprefix("torch.") for d in _FLOATS + tuple(FORMAT_MAX))
+        raise TypeError(f"{_NAME}: dtype must be one of {names}, got {dtype!r}")
+    if scales is not None and not isinstance(scales, str):
+        raise TypeError(f"{_NAME}: scales must be 'tensor' or 'token', got {scales!r}")
+    if not is_eight_bit(dtype):
+        if scales is not None or k_scale is not None or v_scale is not None:
+            raise ValueError(f"{_NAME}: scales, k_scale and v_scale are for 8-bit pages "
+                             f"(float8_e4m3fn, float8_e5m2, int8); dtype is {dtype}")
+        return None
+    scales = "token" if scales is None else scales
+    if scales not in _SCALES:
+        raise ValueError(f"{_NAME}: scales must be 'tensor' (one per layer for K and V) or "
+                         f"'token' (one per token and KV head), got {scales!r}")
+    if scales == "token" and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{_NAME}: k_scale and v_scale are the per-layer scales of "
+                         "scales='tensor'; scales='token' computes its own")
+    return scales
+
+
+def _per_layer(name: str, scale, layers: int) -> List[float]:
+    """``scale`` (None: 1.0, a float, or one per layer) as ``layers`` floats, each positive and
+    finite in float32 (what the reader takes)."""
+    if isinstance(scale, (list, tuple)):
+        values = list(scale)
+    else:
+        values = [1.0 if scale is None else scale] * layers
+    if len(values) != layers:
+        raise ValueError(f"{_NAME}: {name} must be a float or one per layer ({layers}), got "
+                         f"{len(values)}")
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{_NAME}: {name} must be a float or a list of floats, got "
+                            f"{value!r}")
+        single = float(torch.tensor(float(value), dtype=torch.float32))
+        if not (math.isfinite(single) and single > 0):
+            raise ValueError(f"{_NAME}: {name} must be positive and finite (in float32), got "
+                             f"{value} (layer {i})")
+    return [float(v) for v in values]

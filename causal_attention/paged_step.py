@@ -144,12 +144,14 @@ class PagedStep(NamedTuple):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
         """Writes one layer's new keys ``(total, Hkv, D)`` and values ``(total, Hkv, Dv)`` into
         their slots, then attends the new queries ``(total, Hq, D)`` to every key of their
-        requests through the pages (:func:`causal_attention.paged_attention` with ``options``):
-        ``(total, Hq, Dv)``."""
-        self.cache.append(layer, k, v, self.slot_mapping)
-        return paged_attention(q, self.cache.key_pages[layer], self.cache.value_pages[layer],
+        requests through the pages (:func:`causal_attention.paged_attention` with ``options``,
+        and the layer's scales where the pages are 8-bit): ``(total, Hq, Dv)``."""
+        cache = self.cache
+        cache.append(layer, k, v, self.slot_mapping)
+        return paged_attention(q, cache.key_pages[layer], cache.value_pages[layer],
                                self.block_table, self.seqlens, cu_seqlens_q=self.cu_seqlens_q,
-                               max_seqlen_q=self.max_seqlen_q, **options)
+                               max_seqlen_q=self.max_seqlen_q, k_scale=cache.key_scales[layer],
+                               v_scale=cache.value_scales[layer], **options)
 
 
 def _bytes(t: Tensor) -> Tensor:

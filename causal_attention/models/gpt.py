@@ -137,10 +137,15 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     @torch.jit.unused
-    def make_paged_cache(self, num_pages: int, page_size: int):
+    def make_paged_cache(self, num_pages: int, page_size: int,
+                         dtype: Optional[torch.dtype] = None, scales: Optional[str] = None,
+                         k_scale=None, v_scale=None):
         """A :class:`causal_attention.PagedKVCache` with a pool of ``num_pages`` pages of
-        ``page_size`` tokens for every block."""
-        return self.blocks[0].attn.make_paged_cache(num_pages, page_size, len(self.blocks))
+        ``page_size`` tokens for every block, in ``dtype`` (the parameters' by default; 8-bit
+        pages with ``scales``, ``k_scale`` and ``v_scale`` as the cache takes them)."""
+        return self.blocks[0].attn.make_paged_cache(num_pages, page_size, len(self.blocks),
+                                                    dtype=dtype, scales=scales,
+                                                    k_scale=k_scale, v_scale=v_scale)
 
     def make_caches(self, batch_size: int, max_len: int) -> List[KVCache]:
         """One empty KV cache per block, for ``batch_size`` sequences of ``max_len`` positions."""

@@ -1,6 +1,8 @@
 """The decoding paths of :class:`causal_attention.CausalSelfAttention` besides ``forward``'s own
 cache argument: making its KV cache (scripted too), and serving from a paged KV cache (eager)."""
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -65,12 +67,19 @@ class Decoding:
         return self.resid_dropout(self.c_proj(attended.flatten(1)))
 
     @torch.jit.unused
-    def make_paged_cache(self, num_pages: int, page_size: int, num_layers: int = 1):
+    def make_paged_cache(self, num_pages: int, page_size: int, num_layers: int = 1,
+                         dtype: Optional[torch.dtype] = None, scales: Optional[str] = None,
+                         k_scale=None, v_scale=None):
         """A :class:`causal_attention.PagedKVCache` of ``num_pages`` pages of ``page_size``
-        tokens for ``num_layers`` modules like this one (heads, head dims, dtype, device)."""
+        tokens for ``num_layers`` modules like this one (heads, head dims, device), its pages
+        in ``dtype`` (the parameters' by default; an 8-bit dtype with ``scales``, ``k_scale``
+        and ``v_scale`` as :class:`causal_attention.PagedKVCache` takes them): forward_paged
+        reads any of them."""
         from ..paged_kv_cache import PagedKVCache
 
         weight = self.c_attn.weight
         return PagedKVCache(num_pages, page_size, self.num_kv_heads, self.head_dim,
-                            self.value_head_dim, num_layers, dtype=weight.dtype,
-                            device=weight.device)
+                            self.value_head_dim, num_layers,
+                            dtype=weight.dtype if dtype is None else dtype,
+                            device=weight.device, scales=scales, k_scale=k_scale,
+                            v_scale=v_scale)

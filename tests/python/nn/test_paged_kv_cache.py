@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+import causal_attention as ca
 from causal_attention import CausalSelfAttention, attention
 from causal_attention.integrations.flash_attn import flash_attn_with_kvcache
 from causal_attention.paged_kv_cache import PagedKVCache, paged_cache_append
@@ -230,15 +231,56 @@ def test_a_request_meeting_a_taken_page_goes_on_in_the_middle_of_the_longest_fre
     assert cache.pages_of("d") == [0, 1]
 
 
-def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly():
+def dequantized(cache: PagedKVCache, slots, layer: int = 0):
+    """The keys and values in ``slots`` as paged_attention reads them: float32, 8-bit pages
+    times their scales (per token or per tensor)."""
+    page, row = slots // cache.page_size, slots % cache.page_size
+    read = []
+    for stored, scale in ((cache.key_pages[layer], cache.key_scales[layer]),
+                          (cache.value_pages[layer], cache.value_scales[layer])):
+        rows = stored[page, row].float()
+        if isinstance(scale, torch.Tensor):
+            rows = rows * scale[page, row, :, None]
+        elif scale is not None:
+            rows = rows * torch.tensor(scale, dtype=torch.float32)
+        read.append(rows)
+    return read
+
+
+def slots_of(cache: PagedKVCache, request):
+    """The slots of the request's tokens, in order."""
+    positions = torch.arange(cache.length(request))
+    table = torch.tensor(cache.pages_of(request), dtype=torch.long)
+    return table[positions // cache.page_size] * cache.page_size + positions % cache.page_size
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        pytest.param({}, id="float32"),
+        pytest.param(dict(dtype=torch.float8_e4m3fn), id="e4m3-token-scales"),
+        pytest.param(dict(dtype=torch.int8, scales="token"), id="int8-token-scales"),
+        pytest.param(dict(dtype=torch.float8_e5m2, scales="tensor", k_scale=0.5, v_scale=2.0),
+                     id="e5m2-tensor-scales"),
+    ],
+)
+def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool):
     """Requests come, grow, fork and go at random; after every operation each page's holder
     count is the number of requests listing it, the free pages are exactly the pages nobody
-    holds, and (every 50 operations, and at the end) every request reads back its own tokens."""
+    holds, and (every 50 operations, and at the end) every request reads back its own tokens.
+    With 8-bit pages a token reads back as it read right after its write (stored x scale): the
+    per-token scales go with their pages through forks, copies on write and frees; and (every
+    1000 operations, and at the end) paged_attention through the pages equals a float64
+    reference on those dequantized keys and values. (The holder counts, which the pages' dtype
+    does not enter, are checked after every operation in float32, every 50 with 8-bit pages:
+    a few seconds each.)"""
     rng = random.Random(0)
-    pages, page_size = 64, 5
-    cache = PagedKVCache(num_pages=pages, page_size=page_size, num_kv_heads=1, head_dim=1)
-    expected = {}  # request -> the token ids it holds, in order
-    next_request, next_token = 0, 0
+    generator = torch.Generator().manual_seed(0)
+    pages, page_size, heads, dim = 64, 5, 2, 3
+    cache = PagedKVCache(num_pages=pages, page_size=page_size, num_kv_heads=heads, head_dim=dim,
+                         **pool)
+    expected = {}  # request -> its tokens' (keys, values) as read back, a pair per append
+    next_request = 0
 
     def check_pages():
         listed = [0] * pages
@@ -251,9 +293,27 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly():
         assert list(cache._is_free) == [int(n == 0) for n in listed]
 
     def check_tokens():
-        for r, tokens in expected.items():
-            keys = gathered(cache, r)[0].flatten().tolist()
-            assert keys == tokens, r
+        for r, appended in expected.items():
+            keys, values = dequantized(cache, slots_of(cache, r))
+            assert sum(k.shape[0] for k, _ in appended) == keys.shape[0], r
+            if appended:
+                assert torch.equal(keys, torch.cat([k for k, _ in appended])), r
+                assert torch.equal(values, torch.cat([v for _, v in appended])), r
+
+    def check_attention():
+        requests = [r for r, tokens in expected.items() if tokens]
+        if not requests:
+            return
+        q = torch.randn(len(requests), 1, 2 * heads, dim, generator=generator)
+        out = ca.paged_attention(q, cache.key_pages[0], cache.value_pages[0],
+                                 cache.block_table(requests), cache.seqlens(requests),
+                                 k_scale=cache.key_scales[0], v_scale=cache.value_scales[0])
+        for i, r in enumerate(requests):
+            keys, values = (torch.cat(t).double().transpose(0, 1)[None]
+                            for t in zip(*expected[r]))
+            ref = attention(q[i].double().transpose(0, 1)[None], keys, values)[0].transpose(0, 1)
+            torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"request {r}: {m}")
 
     for step in range(10_000):
         roll = rng.random()
@@ -276,17 +336,29 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly():
             try:
                 slots = cache.reserve(r, tokens)
             except RuntimeError:
-                assert cache.length(r) == len(expected[r])
+                assert cache.length(r) == sum(k.shape[0] for k, _ in expected[r])
                 check_pages()
                 continue
-            ids = torch.arange(next_token, next_token + tokens, dtype=torch.float32)
-            next_token += tokens
-            cache.append(0, ids.view(-1, 1, 1), ids.view(-1, 1, 1), slots)
-            expected[r] += ids.tolist()
-        check_pages()
+            # Tokens of different magnitudes: a scale read with another token's rows shows.
+            magnitude = torch.exp2(torch.randint(-3, 4, (tokens, 1, 1), generator=generator))
+            k = torch.randn(tokens, heads, dim, generator=generator) * magnitude
+            v = torch.randn(tokens, heads, dim, generator=generator) * magnitude
+            cache.append(0, k, v, slots)
+            keys, values = dequantized(cache, slots)
+            if "dtype" not in pool:
+                assert torch.equal(keys, k) and torch.equal(values, v)
+            else:  # within half the format's step (e5m2's 2 mantissa bits: 1/8) of each row
+                for read, x in ((keys, k), (values, v)):
+                    assert ((read - x).abs() <= x.abs().amax(-1, keepdim=True) / 8).all()
+            expected[r] += [(keys, values)]
+        if "dtype" not in pool or step % 50 == 0:
+            check_pages()
         if step % 50 == 0:
             check_tokens()
+        if step % 1000 == 0:
+            check_attention()
     check_tokens()
+    check_attention()
     for r in list(expected):
         cache.free(r)
     assert cache.pages_in_use == 0 and cache.free_pages == pages
