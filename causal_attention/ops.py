@@ -33,6 +33,7 @@ from torch import Tensor
 
 # ScoreOptions and check_window are this module's names too: callers and tests import them here.
 from ._op_arguments import ScoreOptions, call_op, check_window  # noqa: F401
+from ._quantized_kv import eight_bit_attention, wants_eight_bit_path
 
 
 def _kernel_alias(name: str):
@@ -52,7 +53,8 @@ varlen_attention_backward = _kernel_alias("varlen_attention_backward")
 
 
 def _dense_op(name: str, doc: str):
-    """The typed wrapper of a dense differentiable op (attention, attention_weights)."""
+    """The typed wrapper of a dense differentiable op: attention_weights (attention, which reads
+    8-bit K/V too, is written out below with the same options)."""
 
     def dense_op(
         q: Tensor,
@@ -78,8 +80,23 @@ def _dense_op(name: str, doc: str):
     return dense_op
 
 
-attention = _dense_op(
-    "attention",
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
+    window: Sequence[int] = (-1, 0),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    k_scale: Union[float, Tensor, None] = None,
+    v_scale: Union[float, Tensor, None] = None,
+) -> Tensor:
     """Exact causal scaled-dot-product attention, differentiable, without an L x L matrix.
 
     Args:
@@ -116,8 +133,31 @@ attention = _dense_op(
     finite in the accumulation dtype (``1e39`` is inf in float32), bad dtypes and float
     arguments given as tensors that require grad ``TypeError``, nested or sparse tensors
     ``NotImplementedError``.
-    """,
-)
+
+    8-bit K/V (a KV cache kept in 8 bits, inference only): ``k`` and ``v`` of one dtype
+    ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``torch.int8``, ``(B, Hkv, Lk, D)`` and
+    ``(B, Hkv, Lk, Dv)`` beside a float32, bfloat16 or float16 ``q`` ``(B, Hq, Lq, D)`` (4-D
+    only), bottom-right causal as above (the queries are the last Lq of the Lk keys), are read in
+    place by :func:`paged_attention` as a paged cache of one page per batch item (no copy of K/V).
+    ``k_scale`` and ``v_scale`` dequantize them (stored value x scale = key or value): one per
+    tensor (a float or a one-element tensor) or float32 ``(B, Hkv, Lk)``, one per token and KV
+    head; 1 where not given; each positive and finite (``ValueError`` naming it). The options
+    served are ``scale``, ``window``, ``softcap``, ``alibi_slopes`` and ``sinks`` (what
+    :func:`paged_attention` takes); ``key_mask``, ``attn_mask`` or ``dropout_p > 0`` with 8-bit K/V
+    raise ``NotImplementedError`` naming the argument, as do ``q`` or ``sinks`` requiring grad
+    (with grad enabled): 8-bit K/V are not differentiable. Scales with K/V that are not 8-bit
+    raise ``ValueError``; ``k`` and ``v`` of two 8-bit dtypes, or a ``q`` of another dtype,
+    ``TypeError``.
+    """
+    if wants_eight_bit_path(k, v, k_scale, v_scale):
+        return eight_bit_attention(q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
+                                   window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                   sinks=sinks, dropout_p=dropout_p, k_scale=k_scale,
+                                   v_scale=v_scale)
+    return call_op("attention", q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
+                   window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                   dropout_p=dropout_p, generator=generator)
+
 
 attention_weights = _dense_op(
     "attention_weights",
@@ -129,7 +169,8 @@ attention_weights = _dense_op(
     the dropped probabilities are zero and the kept ones scaled by ``1 / (1 - p)``: with the same
     generator state, ``attention(...) == attention_weights(...) @ v`` up to rounding, with exactly
     the mask :func:`attention` uses.
-    Arguments and errors are those of :func:`attention`; ``v`` is only validated.
+    Arguments and errors are those of :func:`attention` (without its 8-bit K/V and their scales);
+    ``v`` is only validated.
 
     This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
     Differentiable in ``q``, ``k``, ``sinks`` and a floating ``attn_mask``.
@@ -170,7 +211,7 @@ def varlen_attention(
 # IDEs), from theirs rather than written out again.
 _PACKED_OPTIONS = [p for p in inspect.signature(attention).parameters.values()
                    if p.kind is inspect.Parameter.KEYWORD_ONLY
-                   and p.name not in ("key_mask", "attn_mask")]
+                   and p.name not in ("key_mask", "attn_mask", "k_scale", "v_scale")]
 _PACKED_POSITIONAL = list(inspect.signature(varlen_attention).parameters.values())[:-1]
 varlen_attention.__signature__ = inspect.signature(varlen_attention).replace(
     parameters=_PACKED_POSITIONAL + _PACKED_OPTIONS
