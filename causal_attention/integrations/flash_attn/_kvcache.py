@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ._checks import _PREFIX, _as_int, _check_scale, _resolve_scale
 from ._kvcache_call import _KVCacheCall
+from ._quantize import check_descales
 from ._rotary import _Rotary
 from ._scores import _Scores
 
@@ -32,6 +33,10 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash-attn's ``flash_attn_with_kvcache``: ``q (batch, seqlen_q, nheads, headdim)``
     against ``k_cache``/``v_cache`` ``(batch_cache, seqlen_cache, nheads_k, headdim[_v])`` (or
@@ -45,17 +50,40 @@ def flash_attn_with_kvcache(
     same place are computed together on a view of the cache; with one query row and no ALiBi,
     every row is, its keys (and window) given to the op as a key mask. Everything is validated
     before the cache is written.
+
+    8-bit caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.int8``, both of one
+    dtype, beside a float32, bfloat16 or float16 ``q``) are read in place by
+    ``causal_attention.paged_attention``, a cache without ``block_table`` as pages of one cache
+    row each. flash-attn 3's keyword arguments ``k_descale``/``v_descale`` dequantize them
+    (stored value x descale = key or value): one per tensor (a float or a one-element tensor),
+    flash-attn 3's float32 ``(batch, nheads_k)`` (batch row b's keys, wherever they lie, scaled
+    by ``descale[b]``: served where rows that share a cache row or page have the same scales,
+    else ``ValueError``), or float32 one per token and KV head beside the cache,
+    ``(batch_cache, seqlen_cache, nheads_k)`` (``(num_blocks, page_block_size, nheads_k)`` with
+    ``block_table``); 1 where not given. New ``k``/``v`` in ``q``'s dtype are quantized as they
+    are written (round to nearest, saturating to the format's finite range; int8 symmetric, to
+    +-127) with the given scale, or, per token, with scales computed for them (their largest
+    magnitude over the format's) and written into the descale tensors in place; ``k``/``v``
+    already in the cache's dtype are written as they are (not with per-token descales, nor
+    rotary embeddings). ``q_descale`` (an fp8 ``q``) is refused (``NotImplementedError``).
     """
     fn = f"{_PREFIX}.flash_attn_with_kvcache"
     with torch.no_grad():
         cache = _KVCacheCall(fn, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, block_table)
+                             cache_leftpad, block_table, k_descale, v_descale)
+        check_descales(fn, q_descale, k_descale, v_descale, cache.eight_bit, k_cache.dtype)
         scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, q.size(1),
                             cache.capacity, q.size(0), q.size(2))
         _as_int(fn, "num_splits", num_splits)
         softmax_scale = _check_scale(fn, softmax_scale)
         rotary = _Rotary.of(fn, rotary_cos, rotary_sin, rotary_interleaved, q, cache,
                             queries_share_position=scores.window == (-1, -1))
+        if rotary is not None and cache.eight_bit and k.dtype == k_cache.dtype:
+            raise NotImplementedError(
+                f"{fn}: rotary_cos/rotary_sin with k already in the cache's dtype "
+                f"{k_cache.dtype} is not supported: pass k and v in q's dtype {q.dtype}, "
+                "rotated, then quantized as they are written"
+            )
         if rotary is not None:
             q = rotary.apply(q, cache.seqlens, rotary.queries_share_position)
             k = rotary.apply(k, cache.seqlens)

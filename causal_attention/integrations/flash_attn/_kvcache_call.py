@@ -1,14 +1,18 @@
 """One ``flash_attn_with_kvcache`` call's cache (``_KVCacheCall``): its arguments validated
 into each batch row's cache row or pages and key range, the new keys written in place, and the
-op called on the cache (a view of it where it can, paged_attention for pages)."""
+op called on the cache (a view of it where it can, paged_attention for pages and for 8-bit
+caches, whose scales ``_Descale`` holds)."""
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ..._quantized_kv import EIGHT_BIT_QUERY_DTYPES, is_eight_bit, refuse_bad_scales
 from ...ops import attention, attention_forward, paged_attention
 from ._checks import _check_head_dim, _check_rank, _check_row_indices, _describe
+from ._quantize import _Descale
 from ._scores import _Scores
 
 
@@ -17,7 +21,7 @@ class _KVCacheCall:
     cache row (or pages), the start and end of its keys, and where its new keys go."""
 
     def __init__(self, fn, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                 cache_leftpad, block_table):
+                 cache_leftpad, block_table, k_descale=None, v_descale=None):
         self.fn = fn
         _check_rank(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
         _check_head_dim(fn, q)
@@ -39,9 +43,13 @@ class _KVCacheCall:
                 f"{fn}: q's nheads must be a multiple of the cache's nheads_k, got "
                 f"q.shape={tuple(q.shape)}, k_cache.shape={tuple(k_cache.shape)}"
             )
+        self.eight_bit = is_eight_bit(k_cache) or is_eight_bit(v_cache)
+        if self.eight_bit:
+            _check_eight_bit_dtypes(fn, q, k_cache, v_cache)
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype != q.dtype:
+            if t.dtype != q.dtype and not self.eight_bit:
                 raise TypeError(f"{fn}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+        self.q_dtype = q.dtype
         self.q_shape = tuple(q.shape)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.new = self._check_new_keys(k, v)
@@ -111,6 +119,18 @@ class _KVCacheCall:
                 )
         if self.paged:
             self._check_pages()
+        if self.eight_bit:
+            self.token_scale_layout = "(num_blocks, page_block_size, nheads_k)" if self.paged \
+                else "(batch_cache, seqlen_cache, nheads_k)"
+            self.k_scale = _Descale.of(fn, "k_descale", k_descale, self)
+            self.v_scale = _Descale.of(fn, "v_descale", v_descale, self)
+            if k is not None and k.dtype == k_cache.dtype and "token" in (
+                    self.k_scale.kind, self.v_scale.kind):
+                raise ValueError(
+                    f"{fn}: k and v in the cache's dtype {k_cache.dtype} are written as they "
+                    "are, which leaves their scales in a per-token k_descale/v_descale unset; "
+                    f"pass them in q's dtype {q.dtype} to be quantized, their scales computed"
+                )
 
     def _check_new_keys(self, k, v) -> int:
         """Validates the new keys and values; returns how many each row has (0 without)."""
@@ -133,12 +153,33 @@ class _KVCacheCall:
                 f"({batch}, seqlen_new, {heads_k}, {dim} / {dim_v}), got "
                 f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
             )
+        if self.eight_bit:
+            self._check_new_eight_bit_keys(k, v)
+            return new
         for name, t, c in (("k", k, self.k_cache), ("v", v, self.v_cache)):
             if t.dtype != c.dtype:
                 raise TypeError(
                     f"{fn}: {name} must have the cache's dtype {c.dtype}, got {t.dtype}"
                 )
         return new
+
+    def _check_new_eight_bit_keys(self, k: Tensor, v: Tensor) -> None:
+        """New keys for an 8-bit cache: both in q's dtype, quantized as they are written (so
+        finite), or both already in the cache's dtype, written as they are."""
+        fn, cache_dtype = self.fn, self.k_cache.dtype
+        if not ((k.dtype == v.dtype == self.q_dtype) or (k.dtype == v.dtype == cache_dtype)):
+            raise TypeError(
+                f"{fn}: k and v for a {cache_dtype} cache must both have q's dtype "
+                f"{self.q_dtype} (quantized as they are written) or the cache's (written as "
+                f"they are), got k.dtype={k.dtype}, v.dtype={v.dtype}"
+            )
+        if k.dtype == self.q_dtype:
+            for name, t in (("k", k), ("v", v)):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(
+                        f"{fn}: {name} must be finite to be quantized into the {cache_dtype} "
+                        "cache, got non-finite values"
+                    )
 
     def _check_pages(self) -> None:
         """Every page a row reads or writes must exist; the columns past them are never read."""
@@ -165,8 +206,47 @@ class _KVCacheCall:
                 where = (pages, positions % self.page)
             else:
                 where = (self.rows[b], slice(start, start + self.new))
+            if self.eight_bit:
+                self.k_scale.store(self.k_cache, where, k[b], b)
+                self.v_scale.store(self.v_cache, where, v[b], b)
+                continue
             self.k_cache[where] = k[b]
             self.v_cache[where] = v[b]
+
+    def units_used(self) -> List[Tensor]:
+        """For each batch row, the cache rows (one, or none if it reads and writes no key) or
+        pages it reads and writes."""
+        if self.paged:
+            return [self.block_table[b, : _ceil_div(end, self.page)] for b, end in
+                    enumerate(self.ends)]
+        return [torch.tensor([self.rows[b]] if self.ends[b] > self.starts[b] else [],
+                             dtype=torch.long) for b in range(len(self.ends))]
+
+    def refuse_bad_token_scales(self, name: str, scales: Tensor) -> None:
+        """A per-token scale the rows read before the new keys (whose scales are computed) must
+        be positive and finite: ``ValueError`` naming it, before anything is written."""
+        where = " where the rows read it"
+        if not self.paged:
+            for b, (start, length) in enumerate(zip(self.starts, self.seqlens)):
+                row = self.rows[b]
+                refuse_bad_scales(self.fn, name, scales[row, start:length], (row,), (start,),
+                                  where)
+            return
+        full: List[Tensor] = []
+        for b, length in enumerate(self.seqlens):
+            whole, rest = divmod(length, self.page)
+            full.append(self.block_table[b, :whole])
+            if rest:
+                page = int(self.block_table[b, whole])
+                refuse_bad_scales(self.fn, name, scales[page, :rest], (page,), (), where)
+        pages = torch.cat(full).long().unique() if full else torch.zeros(0, dtype=torch.long)
+        try:
+            refuse_bad_scales(self.fn, name, scales.index_select(0, pages), (), (), where)
+        except ValueError:
+            # Name the scale by its page, not by its place among the pages read.
+            for page in pages.tolist():
+                refuse_bad_scales(self.fn, name, scales[page], (page,), (), where)
+            raise
 
     def groups(self, scores: "_Scores") -> List[List[int]]:
         """Batch rows that one op call serves exactly. The op aligns each row's mask (and ALiBi
@@ -198,6 +278,8 @@ class _KVCacheCall:
         mask only where some row's keys start past 0 or end before the group's."""
         if self.paged:
             return self._attend_pages(q, scale, scores, with_lse)
+        if self.eight_bit:
+            return self._attend_eight_bit_rows(q, scale, scores, with_lse)
         batch, lq, heads, _ = self.q_shape
         groups = self.groups(scores)
         if len(groups) != 1:
@@ -246,6 +328,9 @@ class _KVCacheCall:
         their end, as flash-attn's."""
         ends = torch.tensor(self.ends, dtype=torch.int32)
         kwargs = scores.kwargs()
+        if self.eight_bit:
+            kwargs.update(k_scale=self.k_scale.for_pages(self.page),
+                          v_scale=self.v_scale.for_pages(self.page))
         out, lse = paged_attention(q, self.k_cache, self.v_cache, self.block_table, ends,
                                    scale=scale, return_lse=True, **kwargs)
         if with_lse and scores.alibi_lse_shift:
@@ -254,6 +339,63 @@ class _KVCacheCall:
             positions = torch.arange(lq) + (ends - lq).view(-1, 1, 1)
             lse = lse + kwargs["alibi_slopes"].unsqueeze(-1) * positions
         return (out, lse) if with_lse else out
+
+    def _attend_eight_bit_rows(self, q: Tensor, scale: float, scores: "_Scores",
+                               with_lse: bool):
+        """An 8-bit dense cache, read in place by paged_attention as pages of one cache row
+        each: row b's page is its cache row, its keys the first ``ends[b] - starts[b]`` of the
+        cache from ``starts[b]`` on (a view of the cache from there), its queries aligned to
+        their end, as flash-attn's. One call for the rows of each left padding (one without)."""
+        batch, lq, heads, _ = self.q_shape
+        by_start: Dict[int, List[int]] = {}
+        for b, start in enumerate(self.starts):
+            by_start.setdefault(start, []).append(b)
+        groups = list(by_start.items())
+        lse_dtype = torch.float32
+        if len(groups) != 1:
+            out = q.new_empty(batch, lq, heads, self.v_cache.size(3))
+            lse = q.new_empty(batch, heads, lq, dtype=lse_dtype)
+        for start, rows in groups:
+            picked = slice(rows[0], rows[-1] + 1) if _consecutive(rows) else torch.tensor(rows)
+            kwargs = scores.kwargs(picked)
+            starts = torch.tensor([start] * len(rows))
+            ends = torch.tensor([self.ends[b] for b in rows])
+            length = self.capacity - start
+            if length == 0:
+                # No key for any of these rows (a page of no slots is no paged cache).
+                o = q.new_zeros(len(rows), lq, heads, self.v_cache.size(3))
+                l = torch.full((len(rows), heads, lq), -math.inf, dtype=lse_dtype)
+            else:
+                table = torch.tensor([[self.rows[b]] for b in rows], dtype=torch.int32)
+                o, l = paged_attention(
+                    q[picked], self.k_cache[:, start:], self.v_cache[:, start:], table,
+                    (ends - start).to(torch.int32), scale=scale, return_lse=True,
+                    k_scale=self.k_scale.for_rows_from(start, length),
+                    v_scale=self.v_scale.for_rows_from(start, length), **kwargs)
+                if with_lse and scores.alibi_lse_shift:
+                    # flash-attn's ALiBi distances count from the row's first key (attend).
+                    positions = torch.arange(lq) + (ends - starts - lq).view(-1, 1, 1)
+                    l = l + kwargs["alibi_slopes"].unsqueeze(-1) * positions
+            if len(groups) == 1:
+                out, lse = o, l
+            else:
+                out[picked] = o
+                lse[picked] = l
+        return (out, lse) if with_lse else out
+
+
+def _check_eight_bit_dtypes(fn: str, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """8-bit caches: one dtype for both, beside a float32, bfloat16 or float16 q."""
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(
+            f"{fn}: 8-bit k_cache and v_cache must share one dtype (float8_e4m3fn, float8_e5m2, "
+            f"int8), got k_cache.dtype={k_cache.dtype}, v_cache.dtype={v_cache.dtype}"
+        )
+    if q.dtype not in EIGHT_BIT_QUERY_DTYPES:
+        raise TypeError(
+            f"{fn}: q must be float32, bfloat16 or float16 beside {k_cache.dtype} caches, got "
+            f"q.dtype={q.dtype}"
+        )
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -29,12 +29,14 @@ LARGEST = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 1
 
 
 def quantize_reference(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
-    """``x / scale`` in ``dtype``, computed in float64 and rounded once: to nearest (ties to
-    even), saturated to +-LARGEST (int8: an integer in [-127, 127])."""
-    scaled = (to64(x) / to64(torch.as_tensor(scale))).clamp(-LARGEST[dtype], LARGEST[dtype])
+    """``x / scale`` (the quotient in float32, the kernels' dtype) in ``dtype``: rounded to
+    nearest (ties to even), saturated to +-LARGEST (int8: an integer in [-127, 127])."""
+    quotient = x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32)
+    largest = LARGEST[dtype]
     if dtype == torch.int8:
-        return scaled.round().to(torch.int8)
-    return scaled.to(dtype)
+        return quotient.round().clamp(-largest, largest).to(torch.int8)
+    # Saturate first: float8_e5m2 rounds what lies beyond its range to inf.
+    return quotient.clamp(-largest, largest).to(dtype)
 
 
 def token_scale_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

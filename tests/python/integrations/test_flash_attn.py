@@ -1042,14 +1042,20 @@ def test_signatures_are_flash_attn_2s():
         (name, REQUIRED) for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
                                       "max_seqlen_q", "max_seqlen_k")
     ] + scores + [("block_table", None)]
+    # flash-attn 2's, then flash-attn 3's descales of 8-bit caches, keyword-only (flash-attn 3
+    # places them elsewhere among its own positional arguments).
     assert parameters(flash_attn_with_kvcache) == [
         ("q", REQUIRED), ("k_cache", REQUIRED), ("v_cache", REQUIRED), ("k", None), ("v", None),
         ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
         ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),
         ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
         ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
-        ("return_softmax_lse", False),
+        ("return_softmax_lse", False), ("q_descale", None), ("k_descale", None),
+        ("v_descale", None),
     ]
+    keyword_only = [p.name for p in inspect.signature(flash_attn_with_kvcache).parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keyword_only == ["q_descale", "k_descale", "v_descale"]
 
 
 def func_call(lq=8, lk=8, **kwargs):
