@@ -470,3 +470,19 @@ def test_bad_per_token_descales_of_pages_are_named_by_page():
     cache.k_descale[whole, 15, 0] = -3.0
     with pytest.raises(ValueError, match=rf"k_descale\[{whole}\]\[15\]\[0\]=-3.0"):
         flash_attn_with_kvcache(torch.randn(3, 1, 4, 32), cache.k, cache.v, **kwargs)
+
+
+def test_rows_without_keys_get_zeros_and_minus_inf():
+    """A dense cache of no slots, and a row left-padded to its end (no page of no slots is
+    handed to paged_attention)."""
+    q = torch.randn(2, 1, 2, 8)
+    empty = torch.zeros(2, 0, 1, 8, dtype=torch.int8)
+    out, lse = flash_attn_with_kvcache(q, empty, empty, cache_seqlens=0, return_softmax_lse=True)
+    assert torch.count_nonzero(out) == 0 and bool((lse == -math.inf).all())
+    ones = torch.ones(2, 5, 1, 8, dtype=torch.int8)
+    out, lse = flash_attn_with_kvcache(
+        q, ones, ones, cache_seqlens=torch.tensor([5, 5], dtype=torch.int32),
+        cache_leftpad=torch.tensor([5, 1], dtype=torch.int32), return_softmax_lse=True,
+        k_descale=0.1, v_descale=0.5)
+    assert torch.count_nonzero(out[0]) == 0 and bool((lse[0] == -math.inf).all())
+    torch.testing.assert_close(out[1], torch.full((1, 2, 8), 0.5))
