@@ -3,7 +3,8 @@ dynamic=True: no graph break, and the forward and a training step (through our b
 match eager. Then the ops with a key mask, on packed sequences (varlen_attention) and with every
 score option: compiled with fullgraph=True, forward and backward match eager and the graphs call
 our forward and backward ops; torch.export traces them and the exported programs match eager;
-dropout compiled draws what eager draws. Everything is tiny and compiled as few times as the
+dropout compiled draws what eager draws; paged_attention on 8-bit caches (each 8-bit dtype, scales
+per tensor and per token) compiles with fullgraph=True and exports. Everything is tiny and compiled as few times as the
 checks allow, compilation being slow."""
 
 import pytest
@@ -325,3 +326,47 @@ def test_exported_varlen_attention_runs_at_other_packings():
         cu_q, cu_k, _, _ = packed.lengths_args()
         expected = packed_attention(q, k, v, cu_q, cu_k)
         assert torch.equal(exported.module()(q, k, v, cu_q, cu_k), expected)
+
+
+# --- paged_attention on 8-bit caches -----------------------------------------------------------
+
+
+def eight_bit_decode(q, k_cache, v_cache, block_table, cache_seqlens):
+    """Scales per tensor, given as Python floats (constants of the graph)."""
+    return causal_attention.paged_attention(q, k_cache, v_cache, block_table, cache_seqlens,
+                                            k_scale=0.05, v_scale=0.1, softcap=2.0)
+
+
+def eight_bit_decode_per_token(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale):
+    return causal_attention.paged_attention(q, k_cache, v_cache, block_table, cache_seqlens,
+                                            k_scale=k_scale, v_scale=v_scale, softcap=2.0)
+
+
+class EightBitDecode(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, *tensors):
+        return self.function(*tensors)
+
+
+@pytest.mark.parametrize("layout", ["tensor", "token"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8],
+                         ids=["e4m3fn", "e5m2", "int8"])
+def test_compiled_and_exported_paged_attention_on_an_eight_bit_cache(dtype, layout):
+    q = torch.randn(2, 1, 4, 8, dtype=torch.bfloat16)
+    k_cache, v_cache = ((torch.randn(6, 4, 2, 8) * 8).clamp(-100, 100).to(dtype)
+                        for _ in range(2))
+    args = (q, k_cache, v_cache, torch.tensor([[0, 2], [5, 1]], dtype=torch.int32),
+            torch.tensor([5, 8], dtype=torch.int32))
+    function = eight_bit_decode
+    if layout == "token":
+        function = eight_bit_decode_per_token
+        args += (torch.rand(6, 4, 2) / 10 + 0.01, torch.rand(6, 4, 2) / 10 + 0.01)
+    eager = function(*args)
+    assert torch.equal(torch.compile(function, fullgraph=True)(*args), eager)
+    exported = torch.export.export(EightBitDecode(function), args)
+    targets = [node.target for node in exported.graph.nodes]
+    assert torch.ops.causal_attention.paged_attention.default in targets, targets
+    assert torch.equal(exported.module()(*args), eager)

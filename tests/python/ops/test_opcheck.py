@@ -2,7 +2,8 @@
 dynamic shapes) of the operators: attention, attention_forward and attention_backward, without
 and with a key mask, and varlen_attention and the kernel ops on packed sequences (their
 cu_seqlens and max_seqlen arguments); then with the score options (window, softcap, ALiBi,
-sinks, and dropout through the kernel ops' dropout_seed)."""
+sinks, and dropout through the kernel ops' dropout_seed); and paged_attention on 8-bit caches
+with both scale layouts."""
 
 import pytest
 import torch
@@ -274,3 +275,47 @@ def test_opcheck_varlen_kernels_with_score_options_and_dropout():
     out, lse = OPS.attention_forward(*forward_args, **kwargs)
     args = (torch.randn_like(out), q, k, v, out, lse, 0.5)
     _assert_all_pass(torch.library.opcheck(OPS.attention_backward.default, args, kwargs))
+
+
+# --- paged_attention on 8-bit caches -----------------------------------------------------------
+
+EIGHT_BIT = [pytest.param(torch.float8_e4m3fn, id="e4m3fn"),
+             pytest.param(torch.float8_e5m2, id="e5m2"), pytest.param(torch.int8, id="int8")]
+
+
+def _eight_bit_paged_call(dtype, layout):
+    """A decode row and a 3-row chunk (packed) against 8-bit pages of 4 rows in a pool of 6,
+    bfloat16 q, GQA, with scales per tensor (0-d tensors) or per (page, slot, KV head)."""
+    q = torch.randn(4, 4, 8, dtype=torch.bfloat16)
+    k_cache, v_cache = ((torch.randn(6, 4, 2, 8) * 8).clamp(-100, 100).to(dtype)
+                        for _ in range(2))
+    table = torch.tensor([[0, 2], [5, 1]], dtype=torch.int32)
+    lengths = torch.tensor([5, 8], dtype=torch.int32)
+    if layout == "tensor":
+        scales = {"k_scale": torch.tensor(0.05), "v_scale": torch.tensor(0.1)}
+    else:
+        scales = {"k_scale": torch.rand(6, 4, 2) / 10 + 0.01,
+                  "v_scale": torch.rand(6, 4, 2) / 10 + 0.01}
+    kwargs = dict(scales, cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32),
+                  max_seqlen_q=3, softcap=2.0, window=[6, 0])
+    return (q, k_cache, v_cache, table, lengths), kwargs
+
+
+@pytest.mark.parametrize("layout", ["tensor", "token"])
+@pytest.mark.parametrize("dtype", EIGHT_BIT)
+def test_opcheck_paged_attention_on_eight_bit_caches(dtype, layout):
+    """Every opcheck test for int8. For the float8 dtypes test_schema cannot run: torch's
+    SchemaCheckMode compares each input before and after the call with torch.allclose, which
+    has no float8 kernel on the CPU; what it checks (no input mutated, as the schema declares)
+    is checked here on the caches' bytes instead."""
+    args, kwargs = _eight_bit_paged_call(dtype, layout)
+    op = OPS.paged_attention.default
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    if dtype != torch.int8:
+        tests = tests[1:]
+        before = [t.view(torch.uint8).clone() for t in args[1:3]]
+        op(*args, **kwargs)
+        assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(args[1:3], before))
+        assert not any(a.is_write for a in op._schema.arguments if a.alias_info is not None)
+    _assert_all_pass(torch.library.opcheck(op, args, kwargs, test_utils=tests))
