@@ -60,6 +60,12 @@ is never silently computed differently than with flash-attn. Served, with flash-
   differentiable (it runs under ``torch.no_grad()``). With repeated
   ``cache_batch_idx`` entries the last row's new keys are the ones left in the cache, and every
   row attends to the cache as left after all the writes.
+- ``flash_attn_with_kvcache`` on 8-bit caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``,
+  ``torch.int8``) with flash-attn 3's keyword arguments ``k_descale``/``v_descale`` (keyword-only
+  here, after flash-attn 2's signature): one scale per tensor, flash-attn 3's float32
+  ``(batch, nheads_k)`` (where rows sharing a cache row or page agree), or one per token and KV
+  head beside the cache; read in place by ``paged_attention`` (a dense cache as pages of one
+  cache row), the new ``k``/``v`` quantized as they are written (see its docstring).
 - ``flash_attn_varlen_func(..., block_table=...)``: ``k``/``v`` a paged cache
   ``(num_blocks, page_block_size, nheads_k, headdim)``, sequence b's keys the first
   ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` rows of its pages, read in place by
@@ -69,7 +75,7 @@ Refused (``NotImplementedError``): ``return_attn_probs=True`` with ``dropout_p >
 testing-only S_dmask encoding of the dropout pattern), ``block_table`` in
 ``flash_attn_varlen_func`` with gradients or dropout, and ``block_table`` with
 ``cache_batch_idx`` or ``cache_leftpad``
-(flash-attn refuses those pairs too). flash-attn's CUDA-only limits (fp16/bf16, head
+(flash-attn refuses those pairs too), and ``q_descale`` (flash-attn 3's fp8 ``q``). flash-attn's CUDA-only limits (fp16/bf16, head
 dimension at most 256, a multiple of 8, page sizes a multiple of 256) do not apply: float32 and
 float64 work, and ``v`` may have a head dimension of its own. Bad types raise ``TypeError``,
 bad shapes and values ``ValueError``, each naming the argument. ``softmax_scale``, ``softcap``

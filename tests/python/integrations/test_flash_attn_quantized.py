@@ -486,3 +486,18 @@ def test_rows_without_keys_get_zeros_and_minus_inf():
         k_descale=0.1, v_descale=0.5)
     assert torch.count_nonzero(out[0]) == 0 and bool((lse[0] == -math.inf).all())
     torch.testing.assert_close(out[1], torch.full((1, 2, 8), 0.5))
+
+
+def test_reference_example_runs():
+    from nn_testing import ROOT
+
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    section = reference.split("## 8-bit KV caches in `attention`", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    names = {}
+    exec(block, names)
+    assert names["out"].shape == (2, 9, 8, 64) and names["decoded"].shape == (2, 8, 1, 64)
+    # Row 1 had 4 keys cached: the 9 new ones went in after them, quantized with their scales.
+    written = names["k_cache"][1, 4:13].float() * names["k_descale"][1, 4:13].unsqueeze(-1)
+    assert (written - names["k"][1]).abs().max() <= names["k_descale"][1, 4:13].max() / 2 + 1e-6
+    assert not names["k_cache"][1, 13:].any()
