@@ -4,7 +4,7 @@ and :func:`attention`'s 8-bit path: the dense ``(B, Hkv, Lk, D)`` K/V as a paged
 page per batch item, read in place by ``paged_attention``."""
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -122,27 +122,16 @@ def wants_eight_bit_path(k: object, v: object, k_scale: object, v_scale: object)
     return (is_eight_bit(k) and is_eight_bit(v)) or k_scale is not None or v_scale is not None
 
 
-def eight_bit_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: Optional[float],
-    key_mask: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    window: Sequence[int],
-    softcap: Optional[float],
-    alibi_slopes: Optional[Tensor],
-    sinks: Optional[Tensor],
-    dropout_p: float,
-    k_scale: Union[float, Tensor, None],
-    v_scale: Union[float, Tensor, None],
-) -> Tensor:
+def eight_bit_attention(q: Tensor, k: Tensor, v: Tensor, options: Dict[str, Any],
+                        k_scale: Union[float, Tensor, None],
+                        v_scale: Union[float, Tensor, None]) -> Tensor:
     """:func:`causal_attention.attention` on 8-bit ``k``/``v`` ``(B, Hkv, Lk, D)``: a paged cache
     of one page per batch item (``k.transpose(1, 2)`` is ``(num_pages=B, page_size=Lk, Hkv,
     D)``), read in place by ``paged_attention``, queries the last Lq of the Lk keys (the op's
-    bottom-right alignment). Inference only."""
+    bottom-right alignment). Inference only. ``options`` are attention's keyword arguments but
+    the scales, as given."""
     fn = _ATTENTION
+    sinks = options.get("sinks")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a tensor, got {describe(t)}")
@@ -193,19 +182,24 @@ def eight_bit_attention(
             f"{fn}: q's heads must be a multiple of k's, got q.shape={tuple(q.shape)}, "
             f"k.shape={tuple(k.shape)}"
         )
-    for name, given in (("key_mask", key_mask), ("attn_mask", attn_mask)):
+    for name in ("key_mask", "attn_mask"):
+        given = options.get(name)
         if given is not None:
             raise NotImplementedError(
                 f"{fn}: {name} with 8-bit k and v is not supported (they are read as a paged "
                 "cache, which takes window, softcap, alibi_slopes and sinks); got "
                 f"{describe(given)}"
             )
+    dropout_p = options.get("dropout_p", 0.0)
     if isinstance(dropout_p, Tensor) or dropout_p != 0:
         raise NotImplementedError(
             f"{fn}: dropout_p with 8-bit k and v is not supported (inference only), got "
             f"dropout_p={dropout_p!r}"
         )
-    window = check_window(fn, window)
+    # The generator only draws dropout's seed: without dropout it changes nothing, as in the op.
+    served = {name: options[name] for name in ("scale", "softcap", "alibi_slopes")
+              if name in options}
+    served["window"] = check_window(fn, options.get("window", (-1, 0)))
     scales = []
     for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
         if given is None:
@@ -225,6 +219,5 @@ def eight_bit_attention(
     table = torch.arange(batch, dtype=torch.int32).unsqueeze(1)
     lengths = torch.full((batch,), lk, dtype=torch.int32)
     out, _ = call_op("paged_attention", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                     table, lengths, scale=scale, window=window, softcap=softcap,
-                     alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                     table, lengths, sinks=sinks, k_scale=k_scale, v_scale=v_scale, **served)
     return out.transpose(1, 2).contiguous()

@@ -53,8 +53,8 @@ varlen_attention_backward = _kernel_alias("varlen_attention_backward")
 
 
 def _dense_op(name: str, doc: str):
-    """The typed wrapper of a dense differentiable op: attention_weights (attention, which reads
-    8-bit K/V too, is written out below with the same options)."""
+    """The typed wrapper of a dense differentiable op (attention_weights; attention takes its
+    options, and 8-bit K/V besides)."""
 
     def dense_op(
         q: Tensor,
@@ -80,22 +80,70 @@ def _dense_op(name: str, doc: str):
     return dense_op
 
 
+attention_weights = _dense_op(
+    "attention_weights",
+    """The attention probabilities that :func:`attention` applies to ``v``, materialized.
+
+    Returns ``(..., Hq, Lq, Lk)`` in the inputs' dtype: row ``i`` is the softmax (with the sink
+    in its denominator) of the modified scores over the keys of its window that ``key_mask``
+    keeps, zero elsewhere, and all zeros for a row with no visible key. With ``dropout_p > 0``,
+    the dropped probabilities are zero and the kept ones scaled by ``1 / (1 - p)``: with the same
+    generator state, ``attention(...) == attention_weights(...) @ v`` up to rounding, with exactly
+    the mask :func:`attention` uses.
+    Arguments and errors are those of :func:`attention` (without its 8-bit K/V and their scales);
+    ``v`` is only validated.
+
+    This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
+    Differentiable in ``q``, ``k``, ``sinks`` and a floating ``attn_mask``.
+    """,
+)
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    **options: Any,
+) -> Tensor:
+    """Causal attention over packed sequences (FlashAttention's varlen layout), differentiable.
+
+    ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hkv, D)``, ``v`` ``(total_k, Hkv, Dv)``: the
+    rows of every sequence one after the other; sequence ``i`` is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` and ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``
+    of ``k`` and ``v`` (int32 ``(N + 1,)`` from 0), at most ``max_seqlen_q`` / ``max_seqlen_k``
+    long. The options are :func:`attention`'s but the key mask, per sequence (``alibi_slopes``
+    ``(Hq,)`` or ``(N, Hq)``; dropout's batch index is the sequence's).
+
+    Returns ``(total_q, Hq, Dv)``. Each sequence attends only to itself, windowed and
+    bottom-right aligned as :func:`attention` (a sequence with fewer queries than keys is a chunk
+    against its own cache). The work is proportional to the sum of the sequences' squared
+    lengths, never to ``N * max_seqlen ** 2``. Bad cumulative lengths raise ``ValueError``
+    (``TypeError`` if not int32).
+    """
+    return call_op("varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, **options)
+
+
+
+# attention's options are attention_weights' (keyword-only, with their defaults), then the 8-bit
+# K/V's scales: its signature says so (help, IDEs), from theirs rather than written out again.
+_DENSE_PARAMETERS = list(inspect.signature(attention_weights).parameters.values())
+_DENSE_OPTIONS = frozenset(p.name for p in _DENSE_PARAMETERS
+                           if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
-    scale: Optional[float] = None,
-    key_mask: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-    window: Sequence[int] = (-1, 0),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    generator: Optional[torch.Generator] = None,
     k_scale: Union[float, Tensor, None] = None,
     v_scale: Union[float, Tensor, None] = None,
+    **options: Any,
 ) -> Tensor:
     """Exact causal scaled-dot-product attention, differentiable, without an L x L matrix.
 
@@ -149,62 +197,18 @@ def attention(
     raise ``ValueError``; ``k`` and ``v`` of two 8-bit dtypes, or a ``q`` of another dtype,
     ``TypeError``.
     """
+    unknown = options.keys() - _DENSE_OPTIONS
+    if unknown:
+        raise TypeError(f"attention() got an unexpected keyword argument {min(unknown)!r}")
     if wants_eight_bit_path(k, v, k_scale, v_scale):
-        return eight_bit_attention(q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
-                                   window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                   sinks=sinks, dropout_p=dropout_p, k_scale=k_scale,
-                                   v_scale=v_scale)
-    return call_op("attention", q, k, v, scale=scale, key_mask=key_mask, attn_mask=attn_mask,
-                   window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                   dropout_p=dropout_p, generator=generator)
+        return eight_bit_attention(q, k, v, options, k_scale, v_scale)
+    return call_op("attention", q, k, v, **options)
 
 
-attention_weights = _dense_op(
-    "attention_weights",
-    """The attention probabilities that :func:`attention` applies to ``v``, materialized.
-
-    Returns ``(..., Hq, Lq, Lk)`` in the inputs' dtype: row ``i`` is the softmax (with the sink
-    in its denominator) of the modified scores over the keys of its window that ``key_mask``
-    keeps, zero elsewhere, and all zeros for a row with no visible key. With ``dropout_p > 0``,
-    the dropped probabilities are zero and the kept ones scaled by ``1 / (1 - p)``: with the same
-    generator state, ``attention(...) == attention_weights(...) @ v`` up to rounding, with exactly
-    the mask :func:`attention` uses.
-    Arguments and errors are those of :func:`attention` (without its 8-bit K/V and their scales);
-    ``v`` is only validated.
-
-    This is for inspection: it takes O(Lq * Lk) memory, which :func:`attention` never does.
-    Differentiable in ``q``, ``k``, ``sinks`` and a floating ``attn_mask``.
-    """,
+attention.__signature__ = inspect.signature(attention).replace(
+    parameters=_DENSE_PARAMETERS + [p for p in inspect.signature(attention).parameters.values()
+                                    if p.name in ("k_scale", "v_scale")]
 )
-
-
-def varlen_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    **options: Any,
-) -> Tensor:
-    """Causal attention over packed sequences (FlashAttention's varlen layout), differentiable.
-
-    ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hkv, D)``, ``v`` ``(total_k, Hkv, Dv)``: the
-    rows of every sequence one after the other; sequence ``i`` is rows
-    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` and ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``
-    of ``k`` and ``v`` (int32 ``(N + 1,)`` from 0), at most ``max_seqlen_q`` / ``max_seqlen_k``
-    long. The options are :func:`attention`'s but the key mask, per sequence (``alibi_slopes``
-    ``(Hq,)`` or ``(N, Hq)``; dropout's batch index is the sequence's).
-
-    Returns ``(total_q, Hq, Dv)``. Each sequence attends only to itself, windowed and
-    bottom-right aligned as :func:`attention` (a sequence with fewer queries than keys is a chunk
-    against its own cache). The work is proportional to the sum of the sequences' squared
-    lengths, never to ``N * max_seqlen ** 2``. Bad cumulative lengths raise ``ValueError``
-    (``TypeError`` if not int32).
-    """
-    return call_op("varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k, **options)
 
 
 # Its options are the dense ops' but the key mask, keyword-only: its signature says so (help,
