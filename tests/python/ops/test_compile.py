@@ -4,8 +4,8 @@ match eager. Then the ops with a key mask, on packed sequences (varlen_attention
 score option: compiled with fullgraph=True, forward and backward match eager and the graphs call
 our forward and backward ops; torch.export traces them and the exported programs match eager;
 dropout compiled draws what eager draws; paged_attention on 8-bit caches (each 8-bit dtype, scales
-per tensor and per token) compiles with fullgraph=True and exports. Everything is tiny and compiled as few times as the
-checks allow, compilation being slow."""
+per tensor and per token) compiles with fullgraph=True and exports. Everything is tiny and
+compiled as few times as the checks allow, compilation being slow."""
 
 import pytest
 import torch
