@@ -11,8 +11,9 @@ from torch import Tensor
 
 from ._arguments import check_window
 from ._op_arguments import call_op
+from .quantization import FORMAT_MAX
 
-EIGHT_BIT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+EIGHT_BIT_DTYPES = tuple(FORMAT_MAX)
 # The query dtypes beside 8-bit K/V.
 EIGHT_BIT_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

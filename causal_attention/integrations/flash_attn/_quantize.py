@@ -1,9 +1,7 @@
-"""``flash_attn_with_kvcache`` on 8-bit caches: quantizing the new keys and values written into
-them (``quantize``, ``token_scales``) and flash-attn 3's ``k_descale``/``v_descale`` resolved to
-what ``paged_attention`` takes (``_Descale``).
-
-The quantization is a private helper of this package for now; ``paged_cache_append`` grows the
-same (round to nearest, saturating to the format's finite range; int8 symmetric)."""
+"""``flash_attn_with_kvcache`` on 8-bit caches: flash-attn 3's ``k_descale``/``v_descale``
+resolved to what ``paged_attention`` takes (``_Descale``), and the new keys and values written
+into the cache quantized as ``paged_cache_append`` quantizes them
+(:mod:`causal_attention.quantization`)."""
 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -11,31 +9,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..._quantized_kv import EIGHT_BIT_DTYPES, describe, one_scale, refuse_bad_scales
-
-# The largest finite magnitude each 8-bit format stores (int8: symmetric, -128 unused).
-LARGEST = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
-assert set(LARGEST) == set(EIGHT_BIT_DTYPES)
-
-
-def quantize(x: Tensor, dtype: torch.dtype, scale: Union[float, Tensor]) -> Tensor:
-    """``x / scale`` stored in the 8-bit ``dtype``: rounded to nearest (ties to even), values
-    beyond the format's finite range saturated to its largest magnitude (int8 to +-127).
-    ``scale`` (positive, finite) broadcasts against ``x``; ``x`` must be finite."""
-    largest = LARGEST[dtype]
-    scaled = (x.to(torch.float32) / scale).clamp(-largest, largest)
-    if dtype == torch.int8:
-        scaled = scaled.round()
-    return scaled.to(dtype)
-
-
-def token_scales(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """float32 ``x.shape[:-1]``: each row's (a token's, in a KV head) scale, its largest
-    magnitude over the format's, so that the row uses the whole range; 1 for a row of zeros (or
-    one so small its scale underflows), which then stores zeros."""
-    scales = x.to(torch.float32).abs().amax(-1) / LARGEST[dtype]
-    return torch.where(scales > 0, scales, torch.ones((), dtype=torch.float32))
-
+from ..._quantized_kv import describe, one_scale, refuse_bad_scales
+from ...quantization import quantize, token_scales
 
 @dataclass
 class _Descale:
@@ -142,12 +117,12 @@ class _Descale:
             return
         if self.kind == "token":
             scales = token_scales(x, cache.dtype)
-            cache[where] = quantize(x, cache.dtype, scales.unsqueeze(-1))
+            cache[where] = quantize(x, scales.unsqueeze(-1), cache.dtype)
             self.value[where] = scales
         elif self.kind == "batch":
-            cache[where] = quantize(x, cache.dtype, self.value[b].unsqueeze(-1))
+            cache[where] = quantize(x, self.value[b].unsqueeze(-1), cache.dtype)
         else:
-            cache[where] = quantize(x, cache.dtype, self.value)
+            cache[where] = quantize(x, self.value, cache.dtype)
 
 
 def check_descales(fn: str, q_descale, k_descale, v_descale, eight_bit: bool,

@@ -10,11 +10,12 @@ import torch
 
 import causal_attention as ca
 from attention_testing.paged import paged
+from attention_testing.quantized import LARGEST
 from causal_attention import paged_attention
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-FORMATS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+FORMATS = LARGEST
 Q_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
