@@ -1,7 +1,8 @@
 """Serving a queue of requests with a GPT on the CPU: continuous batching from a paged KV cache
 (causal_attention.PagedKVCache, one paged attention call per layer a step) against padded static
 batching with torch's scaled_dot_product_attention (SDPA), as transformers' generate serves a
-batch, on the same weights and the same queue; greedy tokens, float32, --threads threads.
+batch, on the same weights and the same queue; greedy tokens, the model in --dtype (float32 or
+bfloat16), --threads threads.
 
 The model is a GPT with seeded random weights; the queue holds --requests requests whose prompt
 and output lengths are each drawn uniformly from --min-len..--max-len (seeded), prompts of random
@@ -26,6 +27,12 @@ that is what the queue has.
   checks   for the first --check requests, ours' tokens equal GPT.generate's for the request
            alone (torch.equal); the requests whose padded tokens equal ours are counted (float32:
            the two sum in different orders, so a near-tie in an argmax may in principle differ).
+  8-bit    for each of --cache-dtypes (float8_e4m3fn, float8_e5m2: one scale per layer, 1 as
+           vLLM's default; int8: a scale per token and KV head, which integers need), ours again from a pool of the same bytes as the
+           model-dtype pool, which holds more tokens: as many more requests run at once
+           (--max-batch times the pools' ratio of tokens); tokens/s, and the share of output
+           tokens equal to the model-dtype cache's (greedy: after a first differing token a
+           request's continuation differs as a whole, so the first difference is counted too).
 
 Each whole run is timed once (time.perf_counter) after a small warm-up run of each.
 
@@ -66,12 +73,18 @@ def parse_args(argv=None):
                         help="requests checked against GPT.generate alone")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the model's parameters and its own cache")
+    parser.add_argument("--cache-dtypes", nargs="*", default=[],
+                        choices=["float8_e4m3fn", "float8_e5m2", "int8"],
+                        help="8-bit caches to serve the queue from as well, in the same bytes")
     parser.add_argument("--out", type=Path, default=Path("bench_out/serving.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.min_len, args.max_len, args.model_max_len = 6, 4, 24, 64
         args.embed_dim, args.layers, args.heads, args.kv_heads = 32, 2, 4, 2
         args.max_batch, args.page_size, args.check = 3, 8, 6
+        args.cache_dtypes = args.cache_dtypes or ["float8_e4m3fn", "int8"]
     if 2 * args.max_len > args.model_max_len:
         parser.error(f"a request's prompt and output ({2 * args.max_len} tokens at most) must "
                      f"fit --model-max-len={args.model_max_len}")
@@ -108,13 +121,30 @@ def pages_in_order(step) -> tuple:
     return int(counted.sum()), int((counted & in_order).sum())
 
 
-def serve_continuous(model: GPT, queue: list, args) -> dict:
+def pool_pages(args) -> int:
+    """The pages of the model-dtype pool: --max-batch requests of the longest total length."""
+    return args.max_batch * pages(held_tokens(args.max_len, args.max_len), args.page_size)
+
+
+def cache_scales(cache_dtype):
+    """The scales of an 8-bit cache (module docstring); None for the model's dtype."""
+    if cache_dtype is None:
+        return None
+    return "token" if cache_dtype == torch.int8 else "tensor"
+
+
+def serve_continuous(model: GPT, queue: list, args, cache_dtype=None, max_batch=None,
+                     num_pages=None) -> dict:
     """Continuous batching (module docstring): each request's output tokens, the steps, the
     pages in use after each step and after the run, and the pairs of consecutive pages the
-    steps read that lie in order (pages_in_order), out of all."""
+    steps read that lie in order (pages_in_order), out of all. The cache's pages are in the
+    model's dtype, or 8-bit (``cache_dtype``, a scale per token and KV head) with ``max_batch``
+    requests at once from ``num_pages`` pages."""
     page = args.page_size
-    num_pages = args.max_batch * pages(held_tokens(args.max_len, args.max_len), page)
-    cache = model.make_paged_cache(num_pages, page)
+    max_batch = args.max_batch if max_batch is None else max_batch
+    num_pages = pool_pages(args) if num_pages is None else num_pages
+    cache = model.make_paged_cache(num_pages, page, dtype=cache_dtype,
+                                   scales=cache_scales(cache_dtype))
     waiting = deque(range(len(queue)))
     running = {}  # request -> tokens it holds once done
     outputs = {r: [] for r in range(len(queue))}
@@ -127,7 +157,7 @@ def serve_continuous(model: GPT, queue: list, args) -> dict:
             requests = list(running)
             feed = [torch.tensor([outputs[r][-1] for r in requests], dtype=torch.long)]
             counts = [1] * len(requests)
-            while waiting and len(running) < args.max_batch:
+            while waiting and len(running) < max_batch:
                 prompt, new = queue[waiting[0]]
                 final = held_tokens(prompt.numel(), new)
                 if owed + pages(final, page) > cache.free_pages:
@@ -156,8 +186,8 @@ def serve_continuous(model: GPT, queue: list, args) -> dict:
                     cache.free(r)
     return {"outputs": [outputs[r] for r in range(len(queue))], "steps": len(in_use),
             "pages_in_use": in_use, "pages_in_use_after": cache.pages_in_use,
-            "page_pairs_in_order": pairs_in_order / max(pairs, 1),
-            "num_pages": num_pages, "computed_tokens": sum(held_tokens(p.numel(), n)
+            "page_pairs_in_order": pairs_in_order / max(pairs, 1), "pool_bytes": cache.nbytes,
+            "num_pages": num_pages, "max_batch": max_batch, "computed_tokens": sum(held_tokens(p.numel(), n)
                                                            for p, n in queue)}
 
 
@@ -201,8 +231,8 @@ def serve_padded(model: GPT, queue: list, args) -> dict:
             caches = []
             for block in model.blocks:
                 attn, dims = block.attn, (block.attn.head_dim, block.attn.value_head_dim)
-                caches.append([torch.empty(rows, attn.num_kv_heads, longest + new, d)
-                               for d in dims])
+                caches.append([torch.empty(rows, attn.num_kv_heads, longest + new, d,
+                                           dtype=attn.c_attn.weight.dtype) for d in dims])
             cache_bytes.append(sum(t.numel() * t.element_size() for c in caches for t in c))
             # Query i sees keys 0..i that are not padding, and always its own (a pad row fully
             # masked would be NaN, which its 0-weight products would spread).
@@ -223,9 +253,33 @@ def serve_padded(model: GPT, queue: list, args) -> dict:
             "computed_tokens": computed}
 
 
-def timed(serve, model, queue, args):
+def serve_eight_bit(model: GPT, queue: list, args, name: str, ours: dict) -> dict:
+    """The queue from an 8-bit cache of the model-dtype pool's bytes (module docstring), against
+    the model-dtype cache's run ``ours``."""
+    dtype = getattr(torch, name)
+    probe = model.make_paged_cache(1, args.page_size, dtype=dtype, scales=cache_scales(dtype))
+    num_pages = ours["pool_bytes"] // (probe.nbytes)
+    max_batch = args.max_batch * num_pages // ours["num_pages"]
+    serve_continuous(model, make_queue(max_batch, args.min_len, args.min_len + 8, args.vocab,
+                                       args.seed + 1), args, dtype, max_batch, num_pages)
+    result, seconds = timed(serve_continuous, model, queue, args, dtype, max_batch, num_pages)
+    wanted = sum(n for _, n in queue)
+    same = first = 0
+    for mine, theirs in zip(result["outputs"], ours["outputs"]):
+        same += sum(a == b for a, b in zip(mine, theirs))
+        first += next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine))
+    row = {"seconds": seconds, "tokens_per_s": wanted / seconds, "steps": result["steps"],
+           "max_batch": max_batch, "pool_pages": num_pages, "pool_mib": result["pool_bytes"] / 2**20,
+           "tokens_held_over_model_dtype": num_pages / ours["num_pages"],
+           "equal_tokens_share": same / wanted, "tokens_before_first_difference_share": first / wanted,
+           "pages_in_use_after": result["pages_in_use_after"]}
+    print(json.dumps({name: row}))
+    return row
+
+
+def timed(serve, model, queue, args, *extra):
     start = time.perf_counter()
-    result = serve(model, queue, args)
+    result = serve(model, queue, args, *extra)
     return result, time.perf_counter() - start
 
 
@@ -234,7 +288,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.model_max_len, args.embed_dim, args.heads, args.layers,
-                num_kv_heads=args.kv_heads).float().eval()
+                num_kv_heads=args.kv_heads).to(getattr(torch, args.dtype)).eval()
     queue = make_queue(args.requests, args.min_len, args.max_len, args.vocab, args.seed)
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "cpu": cpu_name(), "torch": torch.__version__}
@@ -251,12 +305,11 @@ def main(argv=None) -> dict:
 
     ours, ours_s = timed(serve_continuous, model, queue, args)
     in_use = ours["pages_in_use"]
-    attn = model.blocks[0].attn
-    page_bytes = (args.page_size * attn.num_kv_heads * (attn.head_dim + attn.value_head_dim)
-                  * 4 * args.layers)
+    page_bytes = ours["pool_bytes"] / ours["num_pages"]
     report["ours"] = {"seconds": ours_s, "tokens_per_s": wanted / ours_s, "steps": ours["steps"],
+                      "max_batch": ours["max_batch"],
                       "page_size": args.page_size, "pool_pages": ours["num_pages"],
-                      "pool_mib": ours["num_pages"] * page_bytes / 2**20,
+                      "pool_mib": ours["pool_bytes"] / 2**20,
                       "peak_pages_in_use": max(in_use),
                       "mean_pages_in_use": sum(in_use) / len(in_use),
                       "peak_in_use_mib": max(in_use) * page_bytes / 2**20,
@@ -264,6 +317,9 @@ def main(argv=None) -> dict:
                       "page_pairs_in_order": ours["page_pairs_in_order"],
                       "computed_tokens": ours["computed_tokens"]}
     print(json.dumps(report["ours"]))
+
+    report["eight_bit"] = {name: serve_eight_bit(model, queue, args, name, ours)
+                           for name in args.cache_dtypes}
 
     padded, padded_s = timed(serve_padded, model, queue, args)
     report["padded"] = {"seconds": padded_s, "tokens_per_s": wanted / padded_s,

@@ -256,7 +256,8 @@ def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_p
     """python -m benchmarks.serving --quick serves its queue both ways: continuous batching's
     greedy tokens are each request's GPT.generate alone, the padded baseline's are the same
     (padding changes no request's tokens), the pool's pages in use stay inside it and all come
-    back once every request is done."""
+    back once every request is done; from fp8 and int8 caches of the same bytes, more requests
+    run at once and most tokens are the float32 cache's."""
     report = quick_report("serving", tmp_path)
     checks = report["checks"]
     assert checks["checked_against_generate"] == report["queue"]["requests"] > 0
@@ -269,3 +270,10 @@ def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_p
     assert ours["pages_in_use_after"] == 0
     assert 0 <= ours["page_pairs_in_order"] <= 1
     assert padded["computed_tokens"] >= padded["needed_tokens"] == ours["computed_tokens"]
+    # The 8-bit caches in the float32 pool's bytes hold more tokens and so run more requests.
+    assert set(report["eight_bit"]) == {"float8_e4m3fn", "int8"}
+    for name, row in report["eight_bit"].items():
+        assert row["pool_mib"] <= ours["pool_mib"], name
+        assert row["tokens_held_over_model_dtype"] > 1 and row["max_batch"] > ours["max_batch"]
+        assert row["pages_in_use_after"] == 0 and row["tokens_per_s"] > 0, name
+        assert 0 < row["equal_tokens_share"] <= 1, name
