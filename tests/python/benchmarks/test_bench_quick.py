@@ -277,3 +277,19 @@ def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_p
         assert row["tokens_held_over_model_dtype"] > 1 and row["max_batch"] > ours["max_batch"]
         assert row["pages_in_use_after"] == 0 and row["tokens_per_s"] > 0, name
         assert 0 < row["equal_tokens_share"] <= 1, name
+
+
+def test_quantized_accuracy_quick_reports_each_cache_and_the_model(tmp_path):
+    """python -m benchmarks.quantized_accuracy --quick: for each 8-bit dtype and scale layout the
+    quantization's error is far above the kernel's own in float32, and the small GPT's logits
+    from 8-bit caches stay near the bfloat16 cache's."""
+    report = quick_report("quantized_accuracy", tmp_path)
+    assert len(report["op"]) == 6
+    for row in report["op"]:
+        assert row["kernel_error_float32"] < 1e-5 < row["quantization_error_max"], row
+        assert row["kernel_error_bfloat16"] < 0.05 * row["output_rms"] + 1e-2, row
+    model = report["model"]
+    for name in ("float8_e4m3fn_tensor", "float8_e4m3fn_token", "float8_e5m2_tensor",
+                 "int8_token"):
+        assert model[name]["logits_max_difference"] < 0.1 * model[name]["logits_range"], name
+        assert model[name]["same_greedy_token_share"] > 0.5, name
