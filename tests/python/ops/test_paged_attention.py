@@ -327,3 +327,27 @@ def test_opcheck_compile_and_export():
     exported = torch.export.export(Decode(), positional)
     assert "causal_attention.paged_attention" in str(exported.graph)
     assert torch.equal(exported.module()(*positional), eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("lengths", [(1, 3000), (3, 500), (1, 70)], ids=str)
+def test_reduced_precision_pages_widened_a_block_at_a_time_give_the_contiguous_ops_bits(
+        lengths, dtype):
+    """A bfloat16 or float16 decode widens each key block of the pages once into float32
+    (as 8-bit pages are), where the contiguous op widens them in registers: the same values in
+    the same order of sums, so bitwise the contiguous op's results."""
+    torch.manual_seed(7)
+    len_q, length = lengths
+    batch, hq, hkv, d, page = 3, 8, 2, 64, 16
+    k, v = (torch.randn(batch, hkv, length, d).to(dtype) for _ in range(2))
+    q = torch.randn(batch, hq, len_q, d).to(dtype)
+    pages = length // page + 1
+    caches = []
+    for t in (k, v):
+        cache = torch.zeros(batch * pages, page, hkv, d, dtype=dtype)
+        cache.view(batch, pages * page, hkv, d)[:, :length] = t.transpose(1, 2)
+        caches.append(cache)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    out = paged_attention(q.transpose(1, 2).contiguous(), *caches, table,
+                          torch.full((batch,), length, dtype=torch.int32))
+    assert torch.equal(out.transpose(1, 2), ca.attention(q, k, v))

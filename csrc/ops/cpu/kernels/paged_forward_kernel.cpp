@@ -22,8 +22,9 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
-// The forward over pages in q's dtype, or over 8-bit pages (k_scale given), whose rows are widened
-// with their scales as they are read (quantized_rows.h). The checks refuse 8-bit caches beside a
+// The forward over pages in q's dtype, read in place (float32, float64) or widened a block at a
+// time (bfloat16, float16), or over 8-bit pages (k_scale given), widened with their scales
+// (quantized_rows.h). The checks refuse 8-bit caches beside a
 // float64 q, the one dtype without a kernel for them.
 template <typename scalar_t, typename gemm_t>
 class PagedForwardKernel {
@@ -31,17 +32,26 @@ class PagedForwardKernel {
   explicit PagedForwardKernel(const PagedForwardTensors& t) : t_(t) {}
 
   void run() const {
-    if (!t_.k_scale.defined()) {
-      ForwardKernel<scalar_t, gemm_t, PagedForwardTensors>(t_).run();
-    } else if constexpr (!std::is_same_v<scalar_t, double>) {
-      ForwardKernel<scalar_t, gemm_t, PagedForwardTensors, QuantizedPagedRows>(
-          t_, [](const PagedForwardTensors& t,
-                 const AttentionDims&) { return paged_key_value_rows<QuantizedPagedRows>(t); })
-          .run();
+    if (t_.k_scale.defined()) {
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        run_with<QuantizedPagedRows>();
+      }
+    } else if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
+      run_with<PagedRows<const scalar_t>>();
+    } else {
+      run_with<WidenedPagedRows<scalar_t>>();  // bfloat16, float16: widened once, as 8-bit rows
     }
   }
 
  private:
+  template <typename KeyRows>
+  void run_with() const {
+    ForwardKernel<scalar_t, gemm_t, PagedForwardTensors, KeyRows>(
+        t_, [](const PagedForwardTensors& t,
+               const AttentionDims&) { return paged_key_value_rows<KeyRows>(t); })
+        .run();
+  }
+
   const PagedForwardTensors& t_;
 };
 

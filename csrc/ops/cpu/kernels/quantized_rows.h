@@ -11,6 +11,8 @@
 #include "row_sources.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -102,22 +105,40 @@ inline void widen_scaled(const uint8_t* src, int64_t n, float scale, float* dst)
   }
 }
 
-// The rows of an 8-bit paged cache viewed as (num_pages, heads, page_size, col), found as
-// PagedRows finds them, with their scales: float32 viewed the same way without col (stride 0
-// along every dim for a scale per tensor).
-struct QuantizedPagedRows {
-  PagedRows<const uint8_t> rows;
+// A bfloat16 or float16 row as float32 (times its scale where that is not 1).
+template <typename stored_t>
+inline void widen_scaled(const stored_t* src, int64_t n, float scale, float* dst) {
+  at::vec::convert(src, dst, n);
+  if (scale != 1.0f) {
+    for (int64_t i = 0; i < n; ++i) {
+      dst[i] *= scale;
+    }
+  }
+}
+
+// The rows of a paged cache viewed as (num_pages, heads, page_size, col), found as PagedRows
+// finds them, read by widening a block of them at a time into float32 rows with their scales:
+// float32 viewed the same way without col (stride 0 along every dim for a scale per tensor; 1
+// where the tensor is undefined). stored_t: uint8_t for an 8-bit cache (its format read from its
+// dtype), or a bfloat16 or float16 cache's own type, which a decode reads faster widened once than
+// widened in registers by every query row of the GQA group (benchmarks.paged, precisions).
+template <typename T>
+struct WidenedPagedRows {
+  using stored_t = T;
+  PagedRows<const stored_t> rows;
   const float* scales;
-  int64_t scale_page_stride, scale_head_stride, scale_row_stride;
+  int64_t scale_page_stride = 0, scale_head_stride = 0, scale_row_stride = 0;
   EightBit format;
 
-  QuantizedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
-      : rows(cache, table),
-        scales(scale.data_ptr<float>()),
-        scale_page_stride(scale.stride(0)),
-        scale_head_stride(scale.stride(1)),
-        scale_row_stride(scale.stride(2)),
-        format(eight_bit_format(cache.scalar_type())) {}
+  WidenedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
+      : rows(cache, table), scales(&kOne), format(eight_bit_format(cache.scalar_type())) {
+    if (scale.defined()) {
+      scales = scale.data_ptr<float>();
+      scale_page_stride = scale.stride(0);
+      scale_head_stride = scale.stride(1);
+      scale_row_stride = scale.stride(2);
+    }
+  }
 
   int64_t run_end(int64_t r) const { return rows.run_end(r); }
 
@@ -131,13 +152,17 @@ struct QuantizedPagedRows {
   // order they lie (row by row, each row's heads side by side), one sweep through its bytes.
   void widen_heads(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
                    float* const* dst, int64_t ld) const {
-    switch (format) {
-      case EightBit::kE4M3:
-        return widen_runs<EightBit::kE4M3>(b, h, heads, r, count, width, dst, ld);
-      case EightBit::kE5M2:
-        return widen_runs<EightBit::kE5M2>(b, h, heads, r, count, width, dst, ld);
-      case EightBit::kInt8:
-        return widen_runs<EightBit::kInt8>(b, h, heads, r, count, width, dst, ld);
+    if constexpr (std::is_same_v<stored_t, uint8_t>) {
+      switch (format) {
+        case EightBit::kE4M3:
+          return widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<EightBit::kE4M3>);
+        case EightBit::kE5M2:
+          return widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<EightBit::kE5M2>);
+        case EightBit::kInt8:
+          return widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<EightBit::kInt8>);
+      }
+    } else {
+      widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<stored_t>);
     }
   }
 
@@ -148,39 +173,42 @@ struct QuantizedPagedRows {
     for (int64_t key = r; key < r + count; ++key) {
       for (int64_t h = 0; h < heads; ++h) {
         const char* row = reinterpret_cast<const char*>(rows.row(b, h, key));
-        for (int64_t c = 0; c < width; c += kLineBytes) {
+        for (int64_t c = 0; c < width * int64_t(sizeof(stored_t)); c += kLineBytes) {
           __builtin_prefetch(row + c, /*rw=*/0, /*locality=*/2);
         }
       }
     }
   }
 
-  // The products read float32 rows widened into scratch (decode.h, packed_kv.h), from one
-  // byte a value.
+  // The products read float32 rows widened into scratch (decode.h, packed_kv.h).
   using row_t = float;
-  using stored_t = uint8_t;
   static constexpr bool kWidens = true;
-  static constexpr bool kInterleavedHeads = PagedRows<const uint8_t>::kInterleavedHeads;
+  static constexpr bool kInterleavedHeads = PagedRows<const stored_t>::kInterleavedHeads;
   static constexpr bool kOneRun = false;
 
  private:
-  template <EightBit kFormat>
+  static constexpr float kOne = 1.0f;
+
+  template <typename WidenRow>
   void widen_runs(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
-                  float* const* dst, int64_t ld) const {
+                  float* const* dst, int64_t ld, const WidenRow& widen_row) const {
     for (int64_t key = r, end; key < r + count; key = end) {  // a page at a time
       end = std::min(r + count, run_end(key));
       const int64_t page = rows.block_table[b * rows.table_width + key / rows.page_size];
       const float* page_scales = scales + page * scale_page_stride;
       for (int64_t k = key; k < end; ++k) {
-        const uint8_t* src = rows.row(b, h, k);
+        const stored_t* src = rows.row(b, h, k);
         const float* scale = page_scales + (k % rows.page_size) * scale_row_stride;
         for (int64_t i = 0; i < heads; ++i) {
-          widen_scaled<kFormat>(src + i * rows.head_stride, width,
-                                scale[(h + i) * scale_head_stride], dst[i] + (k - r) * ld);
+          widen_row(src + i * rows.head_stride, width, scale[(h + i) * scale_head_stride],
+                    dst[i] + (k - r) * ld);
         }
       }
     }
   }
 };
+
+// An 8-bit cache's rows.
+using QuantizedPagedRows = WidenedPagedRows<uint8_t>;
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
