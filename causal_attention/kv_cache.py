@@ -52,10 +52,13 @@ class KVCache:
         )
         # A tensor, not an int: when a scripted module is called from Python, TorchScript passes
         # it a copy of this object whose int attributes do not flow back, but whose tensors are
-        # shared, so only a tensor length stays right across calls.
-        self._length = torch.zeros((), dtype=torch.long)
+        # shared, so only a tensor length stays right across calls. Made from the storage: a
+        # torch.zeros of constant arguments is folded by TorchScript into one constant tensor,
+        # which every cache a scripted program makes would then share (and write in place).
+        cpu = torch.device("cpu")
+        self._length = key_storage.new_zeros((), dtype=torch.long, device=cpu)
         # Whether an append since the last reset passed a key mask; a tensor for the same reason.
-        self._has_key_mask = torch.zeros((), dtype=torch.bool)
+        self._has_key_mask = key_storage.new_zeros((), dtype=torch.bool, device=cpu)
 
     @property
     def length(self) -> int:

@@ -87,6 +87,21 @@ def test_scripted_module_decodes_with_a_cache():
             assert cache.length == 0
 
 
+def test_caches_scripted_modules_make_keep_their_own_lengths():
+    """Every cache a scripted module makes (any scripted module in the process) has its own
+    length and key mask flag: TorchScript once folded their zeros into one constant tensor, so
+    that a second cache started where the first one's decoding had got to."""
+    first = torch.jit.script(CausalSelfAttention(32, 4).eval())
+    second = torch.jit.script(CausalSelfAttention(32, 4).eval())
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        caches = [first.make_cache(2, 6), first.make_cache(2, 6), second.make_cache(2, 6)]
+        first(x, caches[0], False, torch.ones(2, 3, dtype=torch.bool))
+    assert [cache.length for cache in caches] == [3, 0, 0]
+    assert caches[0].key_mask is not None
+    assert caches[1].key_mask is None and caches[2].key_mask is None
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_scripted_module_takes_a_key_mask(config):
     module = CausalSelfAttention(**config)
