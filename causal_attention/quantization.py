@@ -13,11 +13,22 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-#: The largest finite value of each 8-bit cache format; quantized values saturate there.
-FORMAT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
 
-# The smallest positive normal float32: a per-token scale never goes below it (see token_scales).
-_TINY = torch.finfo(torch.float32).tiny
+def format_max(dtype: torch.dtype) -> float:
+    """The largest finite value of the 8-bit format ``dtype`` (:data:`FORMAT_MAX`); ValueError
+    for another dtype. Spelled out rather than read from the dict: TorchScript compiles the
+    functions that call it (KVCache's 8-bit appends) and reads no global dict."""
+    if dtype == torch.float8_e4m3fn:
+        return 448.0
+    if dtype == torch.float8_e5m2:
+        return 57344.0
+    if dtype == torch.int8:
+        return 127.0
+    raise ValueError(f"causal_attention.quantization: {dtype} is not an 8-bit cache format")
+
+
+#: The largest finite value of each 8-bit cache format; quantized values saturate there.
+FORMAT_MAX = {d: format_max(d) for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)}
 
 
 def is_eight_bit(dtype: torch.dtype) -> bool:
@@ -30,10 +41,15 @@ def quantize(x: Tensor, scale: Union[Tensor, float], dtype: torch.dtype) -> Tens
     value of ``dtype`` (float8: nearest, ties to even, torch's conversion; int8: ``round``, ties
     to even, symmetric in [-127, 127]) after saturating to its finite range (:data:`FORMAT_MAX`):
     a value beyond the range stores the range's end, not NaN or inf. ``x`` must be finite."""
-    limit = FORMAT_MAX[dtype]
+    limit = format_max(dtype)
+    # TorchScript (KVCache's 8-bit appends compile) divides by a Union only once refined.
+    if isinstance(scale, Tensor):
+        scaled = x.detach().float() / scale
+    else:
+        scaled = x.detach().float() / scale
     # Saturate before converting: float8_e5m2 rounds values past its range to inf, and int8
     # would wrap around.
-    scaled = (x.detach().float() / scale).clamp_(-limit, limit)
+    scaled = scaled.clamp_(-limit, limit)
     if dtype == torch.int8:
         scaled = scaled.round_()
     return scaled.to(dtype)
@@ -53,7 +69,9 @@ def token_scales(x: Tensor, dtype: torch.dtype) -> Tensor:
     (any positive scale stores it exactly, and the reader refuses 0); a scale that would
     underflow float32 is the smallest normal float32 instead, which still holds the row."""
     amax = x.detach().float().abs().amax(dim=-1)
-    scale = (amax / FORMAT_MAX[dtype]).clamp_(min=_TINY)
+    # The smallest positive normal float32, torch.finfo(torch.float32).tiny, as a literal:
+    # TorchScript reads no global float.
+    scale = (amax / format_max(dtype)).clamp_(min=1.1754943508222875e-38)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
