@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .quantization import quantize, token_scales
+
 
 class KVCache:
     """Preallocated keys ``(B, Hkv, max_len, D)`` and values ``(B, Hkv, max_len, Dv)``, the key
@@ -18,10 +20,39 @@ class KVCache:
     decoding step. Until some append passes a ``key_mask``, every position is real and
     :meth:`append` hands out no mask, so the attention runs exactly as without one.
 
-    The class compiles under TorchScript, so a scripted module decodes with it too.
+    **8-bit storage** (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.int8``: half a
+    bfloat16 cache's bytes), inference only: :meth:`append` takes float32, bfloat16 or float16
+    keys and values (q's dtype) and stores them quantized
+    (:func:`causal_attention.quantization.quantize`: ``value / scale`` rounded to nearest,
+    saturated to the format's range), with ``scales``:
+
+    - ``"token"`` (the default): a scale per token and KV head for keys and for values,
+      ``key_scale_storage`` and ``value_scale_storage``, float32 ``(B, Hkv, max_len)`` beside
+      the storage (1 until written), each token's computed as it is written
+      (:func:`causal_attention.quantization.token_scales`): no calibration;
+    - ``"tensor"``: one scale for the keys and one for the values, ``k_scale`` and ``v_scale``
+      (floats, 1.0 by default, positive and finite in float32; calibrated beforehand), kept as
+      0-d float32 tensors in the same attributes; values beyond ``scale x`` the format's largest
+      saturate.
+
+    :attr:`key_scales` and :attr:`value_scales` are then what
+    ``causal_attention.attention(q, cache.keys, cache.values, k_scale=..., v_scale=...)``
+    takes, and what the module's forward attends with. NaN or inf keys or values raise
+    ValueError, a ``key_mask`` NotImplementedError (the 8-bit attention takes none), both
+    leaving the cache unchanged.
+
+    The class compiles under TorchScript, 8-bit storage included (its quantization is torch ops
+    that script), so a scripted module decodes with it too.
     """
 
-    def __init__(self, key_storage: Tensor, value_storage: Tensor) -> None:
+    def __init__(
+        self,
+        key_storage: Tensor,
+        value_storage: Tensor,
+        scales: Optional[str] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
         if key_storage.dim() != 4 or value_storage.dim() != 4:
             raise ValueError(
                 "KVCache: key and value storage must be 4-D (B, Hkv, max_len, D), got "
@@ -47,6 +78,15 @@ class KVCache:
             )
         self.key_storage = key_storage
         self.value_storage = value_storage
+        # None for float storage, else "token" or "tensor".
+        layout = _check_scales(key_storage.dtype, scales, k_scale, v_scale)
+        self.scales: Optional[str] = layout
+        # A bool beside it: TorchScript compares an Optional attribute only once refined.
+        self._per_token = layout is not None and layout == "token"
+        # Per token: (B, Hkv, max_len), 1 until written. Per tensor: the given scales, 0-d. Float
+        # storage reads neither; a 0-d 1 keeps the attribute a tensor, as TorchScript types it.
+        self.key_scale_storage = _scale_storage(self._per_token, "k_scale", k_scale, key_storage)
+        self.value_scale_storage = _scale_storage(self._per_token, "v_scale", v_scale, key_storage)
         self.mask_storage = torch.ones(
             [key_storage.size(0), key_storage.size(2)], dtype=torch.bool, device=key_storage.device
         )
@@ -84,6 +124,30 @@ class KVCache:
         return self.value_storage[:, :, : self.length]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the storage is 8-bit (keys and values stored with :attr:`scales`)."""
+        return self.scales is not None
+
+    @property
+    def key_scales(self) -> Optional[Tensor]:
+        """The cached keys' dequantization scales (stored value x scale = key): a view
+        ``(B, Hkv, length)`` of ``key_scale_storage`` with ``scales="token"``, the 0-d float32
+        scale with ``"tensor"``; None for float storage."""
+        return self._scales_of(self.key_scale_storage)
+
+    @property
+    def value_scales(self) -> Optional[Tensor]:
+        """The cached values' dequantization scales, as :attr:`key_scales`."""
+        return self._scales_of(self.value_scale_storage)
+
+    def _scales_of(self, storage: Tensor) -> Optional[Tensor]:
+        if self.scales is None:
+            return None
+        if self._per_token:
+            return storage[:, :, : self.length]
+        return storage
+
+    @property
     def key_mask(self) -> Optional[Tensor]:
         """The key mask of the cached positions, a view ``(B, length)`` of the storage (True for
         real tokens), or None while no append has passed one (every position is real)."""
@@ -109,8 +173,12 @@ class KVCache:
         included: views of the storage, or copies when autograd records (so that backward works
         through a decoded sequence, whose later appends overwrite the storage in place).
 
-        Raises ``ValueError`` (shapes, device, overflowing ``max_len``) or ``TypeError`` (dtype),
-        leaving the cache unchanged.
+        An 8-bit cache stores them quantized (see the class) and returns its 8-bit views, whose
+        scales are :attr:`key_scales` and :attr:`value_scales`, and no key mask (it takes none).
+
+        Raises ``ValueError`` (shapes, device, overflowing ``max_len``, non-finite values for an
+        8-bit cache), ``TypeError`` (dtype) or ``NotImplementedError`` (a key mask for an 8-bit
+        cache), leaving the cache unchanged.
         """
         if not (
             _fits(keys, self.key_storage)
@@ -124,7 +192,9 @@ class KVCache:
                 f"{list(self.key_storage.shape)} and values (B, Hkv, max_len, Dv)="
                 f"{list(self.value_storage.shape)}"
             )
-        if keys.dtype != self.key_storage.dtype or values.dtype != self.key_storage.dtype:
+        if self.scales is not None:
+            self._check_quantizable(keys, values, key_mask)
+        elif keys.dtype != self.key_storage.dtype or values.dtype != self.key_storage.dtype:
             raise TypeError(
                 f"KVCache: the new keys and values must have the cache's dtype "
                 f"{self.key_storage.dtype}, got keys.dtype={keys.dtype}, "
@@ -145,6 +215,11 @@ class KVCache:
                 f"KVCache: cannot append {keys.size(2)} positions to a cache holding {start} of "
                 f"max_len={self.max_len}; reset() it or make a larger cache"
             )
+        if self.scales is not None:
+            self._write_quantized(keys, values, start, end)
+            self._length.fill_(end)
+            # No copies for autograd: quantized values carry no gradient (inference only).
+            return self.keys, self.values, None
         self.key_storage[:, :, start:end].copy_(keys)
         self.value_storage[:, :, start:end].copy_(values)
         # Written on every append, a None mask included: a later masked step attends with the
@@ -162,6 +237,49 @@ class KVCache:
                 cached_mask = cached_mask.clone()
             return self.keys.clone(), self.values.clone(), cached_mask
         return self.keys, self.values, cached_mask
+
+    def _check_quantizable(
+        self, keys: Tensor, values: Tensor, key_mask: Optional[Tensor]
+    ) -> None:
+        """Raises unless an 8-bit cache can store ``keys`` and ``values``: float32, bfloat16 or
+        float16 (q's dtypes beside 8-bit K/V), one dtype, finite, and no key mask."""
+        dtype = keys.dtype
+        if values.dtype != dtype or not (
+            dtype == torch.float32 or dtype == torch.bfloat16 or dtype == torch.float16
+        ):
+            raise TypeError(
+                f"KVCache: the new keys and values must be float32, bfloat16 or float16, one "
+                f"dtype, to be quantized into the cache's {self.key_storage.dtype}, got "
+                f"keys.dtype={keys.dtype}, values.dtype={values.dtype}"
+            )
+        if key_mask is not None:
+            raise NotImplementedError(
+                f"KVCache: a key_mask with {self.key_storage.dtype} storage is not supported "
+                "(the attention on 8-bit keys and values takes no mask); decode unpadded "
+                "prompts, or use a float cache"
+            )
+        for name, t in (("keys", keys), ("values", values)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"KVCache: the new {name} must be finite to be quantized into the cache's "
+                    f"{self.key_storage.dtype}, got NaN or inf"
+                )
+
+    def _write_quantized(self, keys: Tensor, values: Tensor, start: int, end: int) -> None:
+        """Writes the checked ``keys`` and ``values`` quantized into positions [start, end),
+        per-token scales computed and written beside them."""
+        dtype = self.key_storage.dtype
+        for added, storage, scales in (
+            (keys, self.key_storage, self.key_scale_storage),
+            (values, self.value_storage, self.value_scale_storage),
+        ):
+            if self._per_token:
+                computed = token_scales(added, dtype)  # (B, Hkv, L)
+                scales[:, :, start:end].copy_(computed)
+                stored = quantize(added, computed.unsqueeze(-1), dtype)
+            else:
+                stored = quantize(added, scales, dtype)
+            storage[:, :, start:end].copy_(stored)
 
     def _check_key_mask(self, key_mask: Tensor, keys: Tensor) -> None:
         if key_mask.dtype != torch.bool:
@@ -192,3 +310,55 @@ def _fits(added: Tensor, storage: Tensor) -> bool:
         and added.size(1) == storage.size(1)
         and added.size(3) == storage.size(3)
     )
+
+
+def _check_scales(
+    dtype: torch.dtype, scales: Optional[str], k_scale: Optional[float], v_scale: Optional[float]
+) -> Optional[str]:
+    """The storage's ``dtype`` and ``scales`` checked; returns the scales' layout ("token" or
+    "tensor"; None for float storage)."""
+    eight_bit = dtype == torch.float8_e4m3fn or dtype == torch.float8_e5m2 or dtype == torch.int8
+    if not eight_bit:
+        if scales is not None or k_scale is not None or v_scale is not None:
+            raise ValueError(
+                "KVCache: scales, k_scale and v_scale are for 8-bit storage (float8_e4m3fn, "
+                f"float8_e5m2, int8); the storage is {dtype}"
+            )
+        return None
+    layout = "token" if scales is None else scales
+    # Eager only: TorchScript checks the types at the call and compiles these branches away.
+    if not isinstance(layout, str):
+        raise TypeError(f"KVCache: scales must be 'token' or 'tensor', got {type(layout)}")
+    for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, (int, float))):
+            raise TypeError(f"KVCache: {name} must be a float, got {type(given)}")
+    if layout != "token" and layout != "tensor":
+        raise ValueError(
+            "KVCache: scales must be 'token' (one per token and KV head) or 'tensor' (one for "
+            f"the keys, one for the values), got scales={layout}"
+        )
+    if layout == "token" and (k_scale is not None or v_scale is not None):
+        raise ValueError(
+            "KVCache: k_scale and v_scale are the scales of scales='tensor'; scales='token' "
+            "computes its own"
+        )
+    return layout
+
+
+def _scale_storage(
+    per_token: bool, name: str, scale: Optional[float], key_storage: Tensor
+) -> Tensor:
+    """Per token, float32 ones ``(B, Hkv, max_len)`` beside ``key_storage``; else the per-tensor
+    ``scale`` ``name`` (None: 1) as a 0-d float32 tensor, checked positive and finite in float32
+    (what the attention reads)."""
+    device = key_storage.device
+    if per_token:
+        shape = [key_storage.size(0), key_storage.size(1), key_storage.size(2)]
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    value = 1.0 if scale is None else scale
+    single = torch.tensor(value, dtype=torch.float32, device=device)
+    if not (bool(torch.isfinite(single)) and bool(single > 0)):
+        raise ValueError(
+            f"KVCache: {name} must be positive and finite (in float32), got {name}={value}"
+        )
+    return single
