@@ -147,9 +147,25 @@ class GPT(nn.Module):
                                                     dtype=dtype, scales=scales,
                                                     k_scale=k_scale, v_scale=v_scale)
 
-    def make_caches(self, batch_size: int, max_len: int) -> List[KVCache]:
-        """One empty KV cache per block, for ``batch_size`` sequences of ``max_len`` positions."""
-        return [block.attn.make_cache(batch_size, max_len) for block in self.blocks]
+    def make_caches(
+        self,
+        batch_size: int,
+        max_len: int,
+        dtype: Optional[torch.dtype] = None,
+        scales: Optional[str] = None,
+        k_scale=None,
+        v_scale=None,
+    ) -> List[KVCache]:
+        """One empty KV cache per block, for ``batch_size`` sequences of ``max_len`` positions,
+        in ``dtype`` (the parameters' by default; 8-bit with ``scales``, ``k_scale`` and
+        ``v_scale`` as :class:`causal_attention.KVCache` takes them, each scale a float for
+        every block or a list of one per block)."""
+        k_scales = _per_block("k_scale", k_scale, len(self.blocks))
+        v_scales = _per_block("v_scale", v_scale, len(self.blocks))
+        return [
+            block.attn.make_cache(batch_size, max_len, dtype, scales, k_scales[i], v_scales[i])
+            for i, block in enumerate(self.blocks)
+        ]
 
     @torch.no_grad()
     def generate(
@@ -160,12 +176,17 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
+        caches: Optional[List[KVCache]] = None,
     ) -> Tensor:
         """``prompt (B, P)`` followed by ``max_new_tokens`` sampled tokens, ``(B, P + new)``.
 
         The prompt runs once, then each new token alone: keys and values of earlier positions
         come from the KV caches. ``temperature=0`` picks the most likely token; ``top_k`` keeps
         the ``k`` most likely. ``P + max_new_tokens`` may not exceed ``max_len``.
+
+        ``caches``: empty caches from :meth:`make_caches` to decode with (8-bit ones, say), for
+        ``B`` sequences of at least ``P + max_new_tokens`` positions; they hold the sequences
+        afterwards. By default, caches in the parameters' dtype, made for the call.
         """
         total = prompt.size(1) + max_new_tokens
         if prompt.size(1) == 0 or total > self.max_len:
@@ -174,7 +195,10 @@ class GPT(nn.Module):
                 f"max_len={self.max_len}, got prompt.shape={list(prompt.shape)}, "
                 f"max_new_tokens={max_new_tokens}"
             )
-        caches = self.make_caches(prompt.size(0), total)
+        if caches is None:
+            caches = self.make_caches(prompt.size(0), total)
+        else:
+            _check_caches(caches, len(self.blocks), prompt.size(0), total)
         tokens = [prompt]
         logits = self(prompt, caches)[:, -1]
         for step in range(max_new_tokens):
@@ -182,6 +206,39 @@ class GPT(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(tokens[-1], caches)[:, -1]
         return torch.cat(tokens, dim=1)
+
+
+def _per_block(name: str, scale, layers: int) -> List[Optional[float]]:
+    """A per-tensor scale given for every block (None or a float) or one per block, as a list
+    of one per block."""
+    if not isinstance(scale, (list, tuple)):
+        return [scale] * layers
+    if len(scale) != layers:
+        raise ValueError(
+            f"GPT.make_caches: {name} must be a float or one per block ({layers}), got "
+            f"{len(scale)}"
+        )
+    return list(scale)
+
+
+def _check_caches(caches: List[KVCache], layers: int, batch_size: int, total: int) -> None:
+    """Raises unless ``caches`` are one empty cache per block with room for ``batch_size``
+    sequences of ``total`` positions."""
+    if not isinstance(caches, (list, tuple)) or len(caches) != layers:
+        raise ValueError(
+            f"GPT.generate: caches must be a list of one KVCache per block ({layers}), got "
+            f"{len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__}"
+        )
+    for i, cache in enumerate(caches):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"GPT.generate: caches[{i}] must be a KVCache, got "
+                            f"{type(cache).__name__}")
+        if cache.length != 0 or cache.batch_size != batch_size or cache.max_len < total:
+            raise ValueError(
+                f"GPT.generate: caches[{i}] must be empty, for batch_size={batch_size} "
+                f"sequences of at least {total} positions, got one holding {cache.length} of "
+                f"max_len={cache.max_len} for batch_size={cache.batch_size}"
+            )
 
 
 def _pick(

@@ -19,7 +19,8 @@ class SDPASelfAttention(CausalSelfAttention):
     """Same constructor and parameters as :class:`CausalSelfAttention`; ``forward(x, cache)``
     computes the same function with ``F.scaled_dot_product_attention``. The score options
     (``window``, ``softcap``, ``sinks``, ``alibi``, ``attn_dropout``) raise
-    ``NotImplementedError`` rather than being ignored: this is the plain causal baseline."""
+    ``NotImplementedError`` rather than being ignored: this is the plain causal baseline; so does
+    an 8-bit :class:`KVCache`, which SDPA does not read."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -37,6 +38,11 @@ class SDPASelfAttention(CausalSelfAttention):
 
     # No need_weights: the weights are our op's (attention_weights), not SDPA's.
     def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:  # type: ignore
+        if cache is not None and cache.quantized:
+            raise NotImplementedError(
+                "SDPASelfAttention: the SDPA baseline reads float KV caches only, got an 8-bit "
+                "one; use CausalSelfAttention"
+            )
         q, k, v = self._project_heads(x, cache)
         return self._project_output(sdpa_bottom_right_causal(q, k, v))
 

@@ -130,7 +130,9 @@ class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, nn.Mod
         """Attends ``x (B, L, E)`` (causally, or as ``window`` says) and returns ``(B, L, E)``.
 
         With ``cache``, ``x`` holds the positions after the cached ones: their keys and values
-        are appended to the cache, and the queries attend to all of it.
+        are appended to the cache, and the queries attend to all of it. An 8-bit cache
+        (``make_cache(..., dtype=torch.int8)``) is read in place with its scales, inference
+        only: without ``key_mask``, ``attn_mask``, attention dropout or weights.
 
         ``key_mask``, bool ``(B, L)`` for the ``L`` positions of ``x`` (True for real tokens,
         False for padding: transformers' ``attention_mask`` as ``.bool()``), hides the padding
@@ -165,6 +167,8 @@ class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, nn.Mod
                 )
             else:
                 return self.forward_with_weights(x, cache, key_mask, attn_mask)
+        if cache is not None and cache.quantized:
+            return self._project_output(self._decode_quantized(x, cache, key_mask, attn_mask))
         q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
         return self._project_output(self._attend(q, k, v, mask, attn_mask))
 

@@ -26,7 +26,13 @@ class AttentionWeights:
     ) -> Tuple[Tensor, Tensor]:
         """``forward(x, cache, need_weights=True, key_mask=key_mask, attn_mask=attn_mask)``: the
         output and the attention probabilities ``(B, Hq, L, cached + L)``; also on a scripted
-        module."""
+        module. Not from an 8-bit cache (NotImplementedError): its attention returns no
+        weights."""
+        if cache is not None and cache.quantized:
+            raise NotImplementedError(
+                "CausalSelfAttention: attention weights from an 8-bit KVCache are not supported "
+                "(the attention on 8-bit keys and values returns the output only)"
+            )
         q, k, v, mask = self._project_heads_and_mask(x, cache, key_mask)
         dropout_p = self._attention_dropout_p()
         weights = _attention_weights(
