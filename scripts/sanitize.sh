@@ -23,7 +23,7 @@ REPORTS="$BUILD/reports"
 # files (bad inputs, numerics, faults, threads and forked DataLoader workers, and the fuzz at a
 # quarter of its examples: CAUSAL_ATTENTION_FUZZ_SCALE), then the op's and the module's
 # correctness (key masks, attention masks, query offsets and given deltas, packed sequences and
-# paged caches included), semantics and determinism tests. Left out: gradcheck (float64
+# paged caches, 8-bit ones too, included), semantics and determinism tests. Left out: gradcheck (float64
 # gradients are fuzzed here), and the compile, model, training, DDP, context-parallel, benchmark,
 # export, memory and interop tests, which add run time but no op inputs of a new kind (the ring's
 # calls are the query-offset tests' calls; a compiled graph calls the kernels the eager tests
@@ -40,6 +40,7 @@ PYTHON_TESTS=(
   tests/python/ops/test_attn_mask.py
   tests/python/ops/test_query_offset.py
   tests/python/ops/test_paged_attention.py
+  tests/python/ops/test_paged_attention_8bit.py
   tests/python/ops/test_varlen.py
   tests/python/integrations/test_sdpa_dropin.py
   tests/python/ops/test_opcheck.py

@@ -18,6 +18,17 @@ from causal_attention._masks import visible_keys
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_reference_example(heading: str, next_heading: str) -> dict:
+    """The names the first python block of docs/reference.md's section ``heading`` (up to the
+    next ``next_heading``, e.g. "\n## ") defines once it has run."""
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    section = reference.split(heading, 1)[1].split(next_heading, 1)[0]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    names = {}
+    exec(block, names)
+    return names
+
+
 def interop_dir() -> Path:
     """Where files cross between Python and C++: $CAUSAL_ATTENTION_INTEROP_DIR, which
     scripts/test.sh sets to build/interop (the default here) and fills before ctest and pytest."""

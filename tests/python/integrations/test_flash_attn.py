@@ -21,7 +21,7 @@ import causal_attention
 from attention_testing.paged import paged
 from attention_testing.parameters import dtype_params
 from causal_attention._masks import visible_keys
-from nn_testing import ROOT
+from nn_testing import run_reference_example
 from causal_attention.integrations.flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -1479,11 +1479,7 @@ def test_bad_input_gets_a_typed_error_naming_it(call, error, named):
 
 
 def test_reference_example_runs():
-    reference = (ROOT / "docs" / "reference.md").read_text()
-    section = reference.split("### flash-attn's functions", 1)[1].split("\n### ", 1)[0]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
-    names = {}
-    exec(block, names)
+    names = run_reference_example("### flash-attn's functions", "\n### ")
     assert names["out"].shape == (2, 9, 8, 64)
     # Row 1 had 4 keys cached: the 9 new ones went in after them.
     assert torch.equal(names["k_cache"][1, 4:13], names["k"][1])

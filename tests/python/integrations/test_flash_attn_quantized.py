@@ -489,13 +489,9 @@ def test_rows_without_keys_get_zeros_and_minus_inf():
 
 
 def test_reference_example_runs():
-    from nn_testing import ROOT
+    from nn_testing import run_reference_example
 
-    reference = (ROOT / "docs" / "reference.md").read_text()
-    section = reference.split("## 8-bit KV caches in `attention`", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
-    names = {}
-    exec(block, names)
+    names = run_reference_example("## 8-bit KV caches in `attention`", "\n## ")
     assert names["out"].shape == (2, 9, 8, 64) and names["decoded"].shape == (2, 8, 1, 64)
     # Row 1 had 4 keys cached: the 9 new ones went in after them, quantized with their scales.
     written = names["k_cache"][1, 4:13].float() * names["k_descale"][1, 4:13].unsqueeze(-1)

@@ -26,14 +26,19 @@ def gathered(cache: PagedKVCache, request, layer: int = 0):
 # --- paged_cache_append ----------------------------------------------------------------------
 
 
+def assert_slots_hold(k_cache, v_cache, slots, k, v):
+    """Token t's keys and values lie in slot slots[t] of the 4-row pages."""
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s // 4, s % 4], k[t])
+        assert torch.equal(v_cache[s // 4, s % 4], v[t])
+
+
 def test_append_writes_each_token_into_its_slot():
     k_cache, v_cache = torch.zeros(5, 4, 2, 3), torch.zeros(5, 4, 2, 6)
     slots = torch.tensor([17, 0, 6, 7, 19])
     k, v = torch.randn(5, 2, 3), torch.randn(5, 2, 6)
     paged_cache_append(k, v, k_cache, v_cache, slots)
-    for t, s in enumerate(slots.tolist()):
-        assert torch.equal(k_cache[s // 4, s % 4], k[t])
-        assert torch.equal(v_cache[s // 4, s % 4], v[t])
+    assert_slots_hold(k_cache, v_cache, slots, k, v)
     written = torch.zeros(20, dtype=torch.bool)
     written[slots] = True
     assert k_cache.flatten(0, 1)[~written].abs().sum() == 0  # nothing else
@@ -96,9 +101,7 @@ def test_append_writes_strided_page_views_in_place(layout):
     slots = torch.tensor([17, 0, 6, 7, 19])
     k, v = torch.randn(5, 2, 3), torch.randn(5, 2, 3)
     paged_cache_append(k, v, k_cache, v_cache, slots)
-    for t, s in enumerate(slots.tolist()):
-        assert torch.equal(k_cache[s // 4, s % 4], k[t])
-        assert torch.equal(v_cache[s // 4, s % 4], v[t])
+    assert_slots_hold(k_cache, v_cache, slots, k, v)
     assert storage.abs().sum() == k.abs().sum() + v.abs().sum()
 
 
