@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._arguments import check_window
 from ._op_arguments import call_op
-from .quantization import FORMAT_MAX
+from .quantization import FORMAT_MAX, positive_finite_in_float32
 
 EIGHT_BIT_DTYPES = tuple(FORMAT_MAX)
 # The query dtypes beside 8-bit K/V.
@@ -30,8 +30,7 @@ def describe(value: object) -> str:
 
 def check_positive_finite(fn: str, name: str, value: float) -> float:
     """A scale must be positive and finite as float32 holds it (the kernels' dtype)."""
-    single = torch.tensor(value, dtype=torch.float32).item()
-    if not (single > 0 and math.isfinite(single)):
+    if not positive_finite_in_float32(value):
         raise ValueError(
             f"{fn}: {name} must be positive and finite (in float32), got {name}={value!r}"
         )

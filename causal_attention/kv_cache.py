@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .quantization import quantize, token_scales
+from .quantization import positive_finite_in_float32, quantize, token_scales
 
 
 class KVCache:
@@ -356,9 +356,8 @@ def _scale_storage(
         shape = [key_storage.size(0), key_storage.size(1), key_storage.size(2)]
         return torch.ones(shape, dtype=torch.float32, device=device)
     value = 1.0 if scale is None else scale
-    single = torch.tensor(value, dtype=torch.float32, device=device)
-    if not (bool(torch.isfinite(single)) and bool(single > 0)):
+    if not positive_finite_in_float32(value):
         raise ValueError(
             f"KVCache: {name} must be positive and finite (in float32), got {name}={value}"
         )
-    return single
+    return torch.tensor(value, dtype=torch.float32, device=device)

@@ -19,14 +19,13 @@ This module holds the pool (:class:`PagedKVCache`); a step's writes into its slo
 attention through the pages are paged_step.py's (:func:`paged_cache_append`, :class:`PagedStep`).
 """
 
-import math
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .paged_step import PagedStep, paged_cache_append
-from .quantization import FORMAT_MAX, is_eight_bit
+from .quantization import FORMAT_MAX, is_eight_bit, positive_finite_in_float32
 
 _NAME = "causal_attention.PagedKVCache"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -375,8 +374,7 @@ def _per_layer(name: str, scale, layers: int) -> List[float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{_NAME}: {name} must be a float or a list of floats, got "
                             f"{value!r}")
-        single = float(torch.tensor(float(value), dtype=torch.float32))
-        if not (math.isfinite(single) and single > 0):
+        if not positive_finite_in_float32(float(value)):
             raise ValueError(f"{_NAME}: {name} must be positive and finite (in float32), got "
                              f"{value} (layer {i})")
     return [float(v) for v in values]

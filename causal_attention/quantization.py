@@ -55,6 +55,13 @@ def quantize(x: Tensor, scale: Union[Tensor, float], dtype: torch.dtype) -> Tens
     return scaled.to(dtype)
 
 
+def positive_finite_in_float32(value: float) -> bool:
+    """Whether a scale of one tensor holds as the kernels read it: positive and finite once
+    rounded to float32 (``1e39`` is inf there, ``1e-46`` zero). TorchScript compiles it."""
+    single = torch.tensor(value, dtype=torch.float32)
+    return bool(torch.isfinite(single)) and bool(single > 0)
+
+
 def dequantize(stored: Tensor, scale: Union[Tensor, float]) -> Tensor:
     """The keys or values ``stored x scale`` in float32, as
     :func:`causal_attention.paged_attention` reads an 8-bit cache (``scale`` broadcasts against
@@ -124,10 +131,9 @@ def write_scale(fn: str, name: str, scale, cache: Tensor) -> Optional[Scale]:
     else:
         raise TypeError(f"{fn}: {name} must be a float or a tensor, got "
                         f"{type(scale).__name__}")
-    single = torch.tensor(value, dtype=torch.float32)
-    if not (bool(torch.isfinite(single)) and float(single) > 0):
+    if not positive_finite_in_float32(value):
         raise ValueError(f"{fn}: {name} must be positive and finite (in float32), got {value}")
-    return Scale(False, single.to(cache.device))
+    return Scale(False, torch.tensor(value, dtype=torch.float32, device=cache.device))
 
 
 def _formats() -> str:
