@@ -8,21 +8,15 @@
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
 
+#include "eight_bit_values.h"
+#include "register_tiles.h"
 #include "row_sources.h"
 
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -40,79 +34,18 @@ inline EightBit eight_bit_format(at::ScalarType dtype) {
   }
 }
 
-// One stored value as float32.
-template <EightBit kFormat>
-inline float widen_value(uint8_t bits) {
-  if constexpr (kFormat == EightBit::kE4M3) {
-    return static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
-  } else if constexpr (kFormat == EightBit::kE5M2) {
-    return static_cast<float>(c10::Float8_e5m2(bits, c10::Float8_e5m2::from_bits()));
-  } else {
-    return static_cast<float>(static_cast<int8_t>(bits));
-  }
-}
-
-// dst[i] = value(src[i]) * scale for i < n. The vector paths give the scalar path's results
-// bit for bit: an fp8 value goes through float16 exactly (e5m2 is float16's top byte; e4m3's
-// exponent and mantissa shifted into float16's, off by the bias 2^8, which the scale absorbs),
-// and e4m3's NaN (S.1111.111, which has no float16 image) is set apart.
-template <EightBit kFormat>
-inline void widen_scaled(const uint8_t* src, int64_t n, float scale, float* dst) {
+// dst[i] = src[i] * scale for i < n: a row of 8-bit values (eight_bit_values.h) or of bfloat16
+// or float16 ones, widened in registers, times its scale.
+template <typename T>
+inline void widen_scaled(const T* src, int64_t n, float scale, float* dst) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec factor(scale);
   int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 factor = _mm512_set1_ps(kFormat == EightBit::kE4M3 ? scale * 256.0f : scale);
-  for (; i + 16 <= n; i += 16) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    __m512 x;
-    if constexpr (kFormat == EightBit::kInt8) {
-      x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    } else if constexpr (kFormat == EightBit::kE5M2) {
-      x = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
-    } else {
-      const __m256i wide = _mm256_cvtepu8_epi16(bytes);
-      const __m256i magnitude = _mm256_and_si256(wide, _mm256_set1_epi16(0x7F));
-      const __m256i sign = _mm256_and_si256(wide, _mm256_set1_epi16(0x80));
-      x = _mm512_cvtph_ps(
-          _mm256_or_si256(_mm256_slli_epi16(sign, 8), _mm256_slli_epi16(magnitude, 7)));
-      const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));
-      x = _mm512_mask_mov_ps(x, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-    }
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(x, factor));
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    (load_as<float>(src + i) * factor).store(dst + i);
   }
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 factor = _mm256_set1_ps(kFormat == EightBit::kE4M3 ? scale * 256.0f : scale);
-  for (; i + 8 <= n; i += 8) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
-    __m256 x;
-    if constexpr (kFormat == EightBit::kInt8) {
-      x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    } else if constexpr (kFormat == EightBit::kE5M2) {
-      x = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
-    } else {
-      const __m128i wide = _mm_cvtepu8_epi16(bytes);
-      const __m128i magnitude = _mm_and_si128(wide, _mm_set1_epi16(0x7F));
-      const __m128i sign = _mm_and_si128(wide, _mm_set1_epi16(0x80));
-      x = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(sign, 8), _mm_slli_epi16(magnitude, 7)));
-      const __m128i nan16 = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F));
-      x = _mm256_blendv_ps(x, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
-                           _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan16)));
-    }
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, factor));
-  }
-#endif
-  for (; i < n; ++i) {
-    dst[i] = widen_value<kFormat>(src[i]) * scale;
-  }
-}
-
-// A bfloat16 or float16 row as float32 (times its scale where that is not 1).
-template <typename stored_t>
-inline void widen_scaled(const stored_t* src, int64_t n, float scale, float* dst) {
-  at::vec::convert(src, dst, n);
-  if (scale != 1.0f) {
-    for (int64_t i = 0; i < n; ++i) {
-      dst[i] *= scale;
-    }
+  if (i < n) {
+    (load_as<float>(src + i, n - i) * factor).store(dst + i, n - i);
   }
 }
 
@@ -152,18 +85,10 @@ struct WidenedPagedRows {
   // order they lie (row by row, each row's heads side by side), one sweep through its bytes.
   void widen_heads(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
                    float* const* dst, int64_t ld) const {
-    if constexpr (std::is_same_v<stored_t, uint8_t>) {
-      switch (format) {
-        case EightBit::kE4M3:
-          return widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<EightBit::kE4M3>);
-        case EightBit::kE5M2:
-          return widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<EightBit::kE5M2>);
-        case EightBit::kInt8:
-          return widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<EightBit::kInt8>);
-      }
-    } else {
-      widen_runs(b, h, heads, r, count, width, dst, ld, widen_scaled<stored_t>);
-    }
+    with_element_type([&](auto type) {
+      using element_t = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+      widen_runs<element_t>(b, h, heads, r, count, width, dst, ld);
+    });
   }
 
   // Requests rows [r, r + count) of every head (`heads`, `width` values each) into L2, for a
@@ -189,19 +114,49 @@ struct WidenedPagedRows {
  private:
   static constexpr float kOne = 1.0f;
 
-  template <typename WidenRow>
+  // Calls fn with a null `const element_t*`, element_t the type of the values the rows hold:
+  // c10::Float8_e4m3fn, c10::Float8_e5m2 or int8_t for an 8-bit cache (by its dtype), else
+  // stored_t, which widen_scaled reads (row_as).
+  template <typename Fn>
+  void with_element_type(const Fn& fn) const {
+    if constexpr (std::is_same_v<stored_t, uint8_t>) {
+      switch (format) {
+        case EightBit::kE4M3:
+          return fn(static_cast<const c10::Float8_e4m3fn*>(nullptr));
+        case EightBit::kE5M2:
+          return fn(static_cast<const c10::Float8_e5m2*>(nullptr));
+        case EightBit::kInt8:
+          return fn(static_cast<const int8_t*>(nullptr));
+      }
+    } else {
+      fn(static_cast<const stored_t*>(nullptr));
+    }
+  }
+
+  // Row r of (b, h) read in place, as with_element_type's element_t.
+  template <typename element_t>
+  const element_t* row_as(int64_t b, int64_t h, int64_t r) const {
+    static_assert(sizeof(element_t) == sizeof(stored_t));
+    return reinterpret_cast<const element_t*>(rows.row(b, h, r));
+  }
+
+  // The scales of the page that row r of batch item b lies on.
+  const float* page_scales(int64_t b, int64_t r) const {
+    return scales + rows.block_table[b * rows.table_width + r / rows.page_size] * scale_page_stride;
+  }
+
+  template <typename element_t>
   void widen_runs(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
-                  float* const* dst, int64_t ld, const WidenRow& widen_row) const {
+                  float* const* dst, int64_t ld) const {
     for (int64_t key = r, end; key < r + count; key = end) {  // a page at a time
       end = std::min(r + count, run_end(key));
-      const int64_t page = rows.block_table[b * rows.table_width + key / rows.page_size];
-      const float* page_scales = scales + page * scale_page_stride;
+      const float* page = page_scales(b, key);
       for (int64_t k = key; k < end; ++k) {
-        const stored_t* src = rows.row(b, h, k);
-        const float* scale = page_scales + (k % rows.page_size) * scale_row_stride;
+        const element_t* src = row_as<element_t>(b, h, k);
+        const float* scale = page + (k % rows.page_size) * scale_row_stride;
         for (int64_t i = 0; i < heads; ++i) {
-          widen_row(src + i * rows.head_stride, width, scale[(h + i) * scale_head_stride],
-                    dst[i] + (k - r) * ld);
+          widen_scaled(src + i * rows.head_stride, width, scale[(h + i) * scale_head_stride],
+                       dst[i] + (k - r) * ld);
         }
       }
     }

@@ -1,8 +1,10 @@
 // Register-level building blocks of the decode path's products (row_products.h): loads that
-// widen bfloat16/float16 rows to float32 in registers, the horizontal sums of several vectors at
-// once, the rank-one register tile both products run on, and the prefetches that stream K and V
-// in from memory behind the arithmetic.
+// widen bfloat16/float16 and 8-bit rows to float32 in registers, the horizontal sums of several
+// vectors at once, the rank-one register tile both products run on, and the prefetches that stream
+// K and V in from memory behind the arithmetic.
 #pragma once
+
+#include "eight_bit_values.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -63,12 +65,15 @@ struct StreamAhead {
   }
 };
 
-// Vec::size() elements of src as acc_t: a bfloat16 or float16 source is widened in registers.
+// Vec::size() elements of src as acc_t: a bfloat16, float16 or 8-bit source is widened in
+// registers.
 template <typename acc_t, typename src_t>
 inline at::vec::Vectorized<acc_t> load_as(const src_t* src) {
   using Vec = at::vec::Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, src_t>) {
     return Vec::loadu(src);
+  } else if constexpr (is_eight_bit_v<src_t>) {
+    return load_eight_bit(src);
   } else {
     Vec out;
     at::vec::load_to_float(src, out);
@@ -82,6 +87,8 @@ inline at::vec::Vectorized<acc_t> load_as(const src_t* src, int64_t count) {
   using Vec = at::vec::Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, src_t>) {
     return Vec::loadu(src, count);
+  } else if constexpr (is_eight_bit_v<src_t>) {
+    return load_eight_bit(src, count);
   } else {
     __at_align__ acc_t widened[Vec::size()] = {};
     std::copy_n(src, count, widened);
@@ -92,8 +99,30 @@ inline at::vec::Vectorized<acc_t> load_as(const src_t* src, int64_t count) {
 // Lane i of the result is the sum of the lanes of acc[i], for i < Vec::size(). Fixed order, so
 // the sums do not depend on anything but the inputs.
 template <typename acc_t>
-inline at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized<acc_t>* acc) {
+C10_ALWAYS_INLINE at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized<acc_t>* acc) {
   using Vec = at::vec::Vectorized<acc_t>;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // Three rounds, each adding two shuffles of pairs of vectors (in 128-bit lanes, then across
+    // them) so that every round halves the vectors: 45 instructions in place of 256 scalar adds.
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; ++i) {  // lane-wise halves of acc[2i] and acc[2i + 1], interleaved
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                               _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {  // each 128-bit lane: the lane's sums of acc[4i .. 4i + 3]
+      const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+      quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),  // moves float pairs
+                               _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+    const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88),
+                         _mm512_shuffle_f32x4(q01, q23, 0xDD));
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<acc_t, float>) {
     // Two rounds of pairwise adds leave the sums of the low halves in the low 128-bit lane and

@@ -6,8 +6,9 @@
 // VNNI pairs), and that repacking costs as much as the product itself when only a few query rows
 // share a key block; with so few rows its register tiles also run mostly empty (measured: no
 // faster than the code below at 8 or 16 rows). Here:
-// - scores of fewer rows than a vector holds come from dot products, Vec::size() keys at a
-//   time, their horizontal sums done together (lane_sums);
+// - scores of fewer rows than a vector holds come from dot products, up to four rows by a few
+//   keys at a time (each key vector loaded once for the four), their horizontal sums done
+//   together (lane_sums);
 // - scores of more rows are computed transposed, vectors of query rows against broadcast key
 //   elements (Q given transposed, packed once per task), with no horizontal sums;
 // - values are accumulated four query rows at a time, so each value vector loaded serves four
@@ -45,49 +46,108 @@ inline acc_t dot(const acc_t* q, const src_t* k, int64_t dim) {
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum);
 }
 
+// One tile of query_key_scores: rows [0, kRows) against keys [0, kKeys) into scores, one
+// accumulator a (row, key) pair, kRows * kKeys <= Vec::size() of them reduced together by
+// lane_sums. Each key vector loaded (widened, for a key row of a reduced or 8-bit dtype) serves
+// the kRows rows.
+template <int64_t kRows, int64_t kKeys, typename acc_t, typename src_t>
+C10_ALWAYS_INLINE void query_key_tile(const acc_t* q, int64_t ld_q, const src_t* k, int64_t ld_k,
+                                      int64_t dim, acc_t* scores, int64_t ld_scores) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t N = Vec::size();
+  static_assert(kRows * kKeys <= N);
+  Vec acc[N];  // acc[i * kKeys + c]: row i, key c; those past kRows * kKeys stay zero
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < N; ++i) {
+    acc[i] = Vec(acc_t(0));
+  }
+  const auto step = [&](int64_t d, int64_t width) {
+    Vec keys[kKeys];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kKeys; ++c) {
+      keys[c] =
+          width == N ? load_as<acc_t>(k + c * ld_k + d) : load_as<acc_t>(k + c * ld_k + d, width);
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      const Vec qv =
+          width == N ? Vec::loadu(q + i * ld_q + d) : Vec::loadu(q + i * ld_q + d, width);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kKeys; ++c) {
+        acc[i * kKeys + c] = at::vec::fmadd(keys[c], qv, acc[i * kKeys + c]);
+      }
+    }
+  };
+  const int64_t full_dim = dim / N * N;
+  for (int64_t d = 0; d < full_dim; d += N) {
+    step(d, N);
+  }
+  if (full_dim < dim) {
+    step(full_dim, dim - full_dim);
+  }
+  __at_align__ acc_t sums[N];
+  lane_sums(acc).store(sums);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kKeys; ++c) {
+      scores[i * ld_scores + c] = sums[i * kKeys + c];
+    }
+  }
+}
+
+// query_key_scores for kRows rows (at most four), kKeys keys a tile: as many as leaves no
+// accumulator of the tile empty where kRows is a power of two (for three rows, those of four).
+// With `stream`, told of each tile's keys.
+template <int64_t kRows, typename acc_t, typename src_t>
+inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t ld_k, int64_t cols,
+                           int64_t dim, acc_t* scores, int64_t ld_scores,
+                           const StreamAhead* stream) {
+  constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+  constexpr int64_t kKeys = std::max<int64_t>(1, N / (kRows == 3 ? 4 : kRows));
+  int64_t j = 0;
+  for (; j + kKeys <= cols; j += kKeys) {
+    if (stream != nullptr) {
+      stream->at_keys(j, kKeys);
+    }
+    query_key_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores);
+  }
+  if (stream != nullptr) {
+    stream->at_keys(j, cols - j);
+  }
+  for (; j < cols; ++j) {
+    for (int64_t r = 0; r < kRows; ++r) {
+      scores[r * ld_scores + j] = dot(q + r * ld_q, k + j * ld_k, dim);
+    }
+  }
+}
+
 // scores[r * ld_scores + j] = q_r · k_j for r < rows, j < cols, where q_r = q + r * ld_q and
 // k_j = k + j * ld_k each hold `dim` elements. For rows < Vec::size(): each key element then
-// serves so few rows that K is read in its own dtype, with no converted copy.
+// serves so few rows that K is read in its own dtype, with no converted copy, in tiles of four
+// rows (fewer for the last) by a few keys, so that each key vector is loaded (and widened, for
+// a reduced dtype) once for four rows, and the tile's sums reduced together. The first band
+// tells the stream.
 template <typename acc_t, typename src_t>
 void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k, int64_t ld_k,
                       int64_t cols, int64_t dim, acc_t* scores, int64_t ld_scores,
                       const StreamAhead& stream) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t N = Vec::size();
-  const int64_t full_dim = dim / N * N;
-  int64_t j = 0;
-  // Vec::size() keys at a time: one accumulator a key, reduced together by lane_sums.
-  for (; j + N <= cols; j += N) {
-    stream.at_keys(j, N);
-    const src_t* keys = k + j * ld_k;
-    for (int64_t r = 0; r < rows; ++r) {
-      const acc_t* query = q + r * ld_q;
-      Vec acc[N];
-#pragma GCC unroll 16
-      for (int64_t i = 0; i < N; ++i) {
-        acc[i] = Vec(acc_t(0));
-      }
-      for (int64_t d = 0; d < full_dim; d += N) {
-        const Vec qv = Vec::loadu(query + d);
-#pragma GCC unroll 16
-        for (int64_t i = 0; i < N; ++i) {
-          acc[i] = at::vec::fmadd(load_as<acc_t>(keys + i * ld_k + d), qv, acc[i]);
-        }
-      }
-      if (full_dim < dim) {
-        const int64_t tail = dim - full_dim;
-        const Vec qv = Vec::loadu(query + full_dim, tail);
-        for (int64_t i = 0; i < N; ++i) {
-          acc[i] = at::vec::fmadd(load_as<acc_t>(keys + i * ld_k + full_dim, tail), qv, acc[i]);
-        }
-      }
-      lane_sums(acc).store(scores + r * ld_scores + j);
-    }
-  }
-  stream.at_keys(j, cols - j);
-  for (; j < cols; ++j) {
-    for (int64_t r = 0; r < rows; ++r) {
-      scores[r * ld_scores + j] = dot(q + r * ld_q, k + j * ld_k, dim);
+  for (int64_t r = 0; r < rows; r += 4) {
+    const StreamAhead* told = r == 0 ? &stream : nullptr;
+    const acc_t* q_rows = q + r * ld_q;
+    acc_t* score_rows = scores + r * ld_scores;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4:
+        query_key_band<4>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        break;
+      case 3:
+        query_key_band<3>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        break;
+      case 2:
+        query_key_band<2>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        break;
+      default:
+        query_key_band<1>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
     }
   }
 }

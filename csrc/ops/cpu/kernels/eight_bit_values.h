@@ -1,0 +1,87 @@
+// The values of an 8-bit KV cache (float8_e4m3fn, float8_e5m2, int8) as float32, a vector at a
+// time: what register_tiles.h's load_as does with such a row, as it widens bfloat16 and float16
+// ones, and what quantized_rows.h widens blocks of 8-bit rows into the kernels' scratch with. The
+// element types are c10's Float8_e4m3fn and Float8_e5m2 and int8_t, each one byte of the row as
+// stored.
+//
+// Every bit pattern widens exactly, and the vector paths give the scalar path's results bit for
+// bit: an fp8 value goes through float16 exactly (e5m2 is float16's top byte; e4m3's exponent and
+// mantissa shifted into float16's, off by the bias 2^8, which one exact multiply removes), and
+// e4m3's NaN (S.1111.111, whose image is float16's 1.875) is set apart.
+//
+// Included only by the per-instruction-set kernel sources (see geometry.h).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+template <typename T>
+inline constexpr bool is_eight_bit_v =
+    std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2> ||
+    std::is_same_v<T, int8_t>;
+
+// Vectorized<float>::size() values from src as float32.
+template <typename T>
+inline at::vec::Vectorized<float> load_eight_bit(const T* src) {
+  static_assert(is_eight_bit_v<T>);
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
+  } else {
+    // Sign-extended and shifted by 7, a byte leaves its sign in bit 15 (and 14, cleared) and its
+    // exponent and mantissa in float16's bits 7 to 13.
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                          _mm256_set1_epi16(int16_t(0xBFFF)));
+    const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(half, _mm256_set1_epi16(0x7FFF)),
+                                                  _mm256_set1_epi16(0x3F80));
+    return _mm512_mask_mov_ps(x, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+  } else {
+    const __m128i half =
+        _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7), _mm_set1_epi16(int16_t(0xBFFF)));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+    const __m128i nan16 =
+        _mm_cmpeq_epi16(_mm_and_si128(half, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+    return _mm256_blendv_ps(x, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                            _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan16)));
+  }
+#else
+  __at_align__ float widened[at::vec::Vectorized<float>::size()];
+  std::copy_n(src, at::vec::Vectorized<float>::size(), widened);  // c10's own conversions
+  return at::vec::Vectorized<float>::loadu(widened);
+#endif
+}
+
+// The first `count` (< Vectorized<float>::size()) values from src as float32, the other lanes
+// zero.
+template <typename T>
+inline at::vec::Vectorized<float> load_eight_bit(const T* src, int64_t count) {
+  static_assert(is_eight_bit_v<T>);
+  __at_align__ float widened[at::vec::Vectorized<float>::size()] = {};
+  std::copy_n(src, count, widened);
+  return at::vec::Vectorized<float>::loadu(widened);
+}
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
