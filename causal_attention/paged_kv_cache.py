@@ -238,6 +238,7 @@ class PagedKVCache:
         """Writes one layer's keys ``(tokens, Hkv, D)`` and values ``(tokens, Hkv, Dv)`` into
         the slots :meth:`reserve` gave (8-bit pages: quantized with the layer's scales, per-token
         ones computed and kept)."""
+        layer = self._layer(layer)
         paged_cache_append(k, v, self.key_pages[layer], self.value_pages[layer],
                            slot_mapping.to(self.key_pages[layer].device),
                            k_scale=self.key_scales[layer], v_scale=self.value_scales[layer])
@@ -264,6 +265,15 @@ class PagedKVCache:
             raise KeyError(f"{_NAME}: request {request!r} is not allocated (allocated: "
                            f"{len(self._pages)} requests)")
         return request
+
+    def _layer(self, layer) -> int:
+        """:meth:`append`'s ``layer`` checked: Python's indexing would take -1 as the last."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"{_NAME}.append: layer must be an int, got {layer!r}")
+        if not 0 <= layer < len(self.key_pages):
+            raise ValueError(f"{_NAME}.append: layer must be in [0, {len(self.key_pages)}) "
+                             f"(num_layers), got {layer}")
+        return layer
 
     def _table(self, requests: Sequence, width: Optional[int]) -> Tensor:
         """:meth:`block_table` on the CPU, built from one padded list."""

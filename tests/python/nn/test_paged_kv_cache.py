@@ -192,6 +192,21 @@ def test_bad_calls_name_what_is_wrong():
         PagedKVCache(num_pages=2.0, page_size=4, num_kv_heads=1, head_dim=2)
 
 
+def test_append_refuses_a_layer_outside_the_cache():
+    """A layer of -1 would write the last layer's pages (Python's indexing), one past the last
+    a bare IndexError: both are a ValueError naming layer, the pages untouched."""
+    cache = PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=2, num_layers=2)
+    cache.allocate("a")
+    slots = cache.reserve("a", 1)
+    k = torch.ones(1, 1, 2)
+    for layer in (-1, 2):
+        with pytest.raises(ValueError, match=rf"layer must be in \[0, 2\).*got {layer}"):
+            cache.append(layer, k, k, slots)
+    with pytest.raises(TypeError, match="layer must be an int, got 1.0"):
+        cache.append(1.0, k, k, slots)
+    assert all(p.abs().sum() == 0 for p in cache.key_pages + cache.value_pages)
+
+
 def runs(pages):
     """The stretches of consecutive pages a request's pages make."""
     return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
