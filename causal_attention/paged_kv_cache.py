@@ -186,7 +186,7 @@ class PagedKVCache:
         this request alone holds. Returns their slots, ``(tokens,)`` int64, for
         :meth:`append` (or :func:`paged_cache_append`). Raises RuntimeError, changing nothing,
         when too few pages are free."""
-        needed = self._pages_needed("reserve", request, tokens)
+        needed = self._pages_needed("reserve", [request], [tokens])
         if needed > self._free_count:
             raise RuntimeError(
                 f"{_NAME}.reserve: {tokens} more tokens of request {request!r} need {needed} "
@@ -205,7 +205,7 @@ class PagedKVCache:
         if len(requests) != len(tokens) or len(set(requests)) != len(requests):
             raise ValueError(f"{_NAME}.step: one token count per request, each request once, "
                              f"got {len(requests)} requests and {len(tokens)} counts")
-        needed = sum(self._pages_needed("step", r, n) for r, n in zip(requests, tokens))
+        needed = self._pages_needed("step", requests, tokens)
         if needed > self._free_count:
             raise RuntimeError(f"{_NAME}.step: the step needs {needed} free pages, "
                                f"{self._free_count} of {self.num_pages} are free")
@@ -309,13 +309,21 @@ class PagedKVCache:
         pages, length = self._pages[request], self._lengths[request]
         return tokens > 0 and length % self.page_size != 0 and self._holders[pages[-1]] > 1
 
-    def _pages_needed(self, caller: str, request, tokens: int) -> int:
-        """The free pages ``tokens`` more tokens of ``request`` draw (copy on write included)."""
-        pages, length = self._pages[self._known(request)], self._lengths[request]
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"{_NAME}.{caller}: tokens must be an int >= 0, got {tokens!r}")
-        copy = int(self._copies_last_page(request, tokens))
-        return -(-(length + tokens) // self.page_size) - len(pages) + copy
+    def _pages_needed(self, caller: str, requests: Sequence, tokens: Sequence[int]) -> int:
+        """The free pages ``tokens[i]`` more tokens of each ``requests[i]`` draw, in turn: the
+        new pages, and the copies on write of shared partly filled pages. Each holder writing
+        into such a page copies it, but for the last one left on it, who then holds it alone
+        and writes in place: ``min(writers, holders - 1)`` copies, not one per writer."""
+        needed = 0
+        writers: Dict[int, int] = {}  # shared partial page -> its holders writing into it
+        for request, count in zip(requests, tokens):
+            pages, length = self._pages[self._known(request)], self._lengths[request]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"{_NAME}.{caller}: tokens must be an int >= 0, got {count!r}")
+            needed += -(-(length + count) // self.page_size) - len(pages)
+            if self._copies_last_page(request, count):
+                writers[pages[-1]] = writers.get(pages[-1], 0) + 1
+        return needed + sum(min(n, self._holders[page] - 1) for page, n in writers.items())
 
     def _take(self, after: Optional[int]) -> int:
         """A free page for a request whose last page is ``after`` (None: it has none): the

@@ -172,6 +172,26 @@ def test_a_reserve_the_pool_cannot_hold_raises_and_changes_nothing():
     assert cache.free_pages == 1
 
 
+def test_a_step_after_a_fork_counts_one_copy_of_the_shared_page_not_one_per_holder():
+    """The first writer of a shared partly filled page copies it; the page's last holder then
+    holds it alone and writes in place: a step of every holder takes holders - 1 copies, as
+    reserving the same tokens one request at a time does."""
+    cache = PagedKVCache(num_pages=3, page_size=4, num_kv_heads=1, head_dim=2)
+    cache.allocate("p")
+    cache.reserve("p", 6)  # a full page and half of one
+    cache.fork("p", "c")
+    step = cache.step(["p", "c"], [1, 1])  # one free page: the copy
+    assert cache.free_pages == 0
+    assert step.seqlens.tolist() == [7, 7]
+    assert cache.pages_of("p")[1] != cache.pages_of("c")[1]
+    cache.free("c")  # p: 7 tokens, one page free
+    cache.fork("p", "c")
+    cache.fork("p", "d")
+    with pytest.raises(RuntimeError, match="needs 2 free pages, 1 of 3 are free"):
+        cache.step(["p", "c", "d"], [1, 1, 1])  # three holders: two copies
+    assert cache.holders(cache.pages_of("p")[1]) == 3 and cache.free_pages == 1
+
+
 def test_bad_calls_name_what_is_wrong():
     cache = PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
     cache.allocate("a")
