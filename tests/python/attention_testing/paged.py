@@ -1,5 +1,5 @@
 """Paged KV caches for the tests: sequences' keys and values laid into the shuffled pages of a
-pool, as a serving cache hands them out."""
+pool, as a serving cache hands them out, and a reference model of a paged cache's accounting."""
 
 import random
 
@@ -31,3 +31,66 @@ def paged(keys, values, page_size, spare=2, seed=0):
             n = rows.stop - rows.start
             k_cache[page, :n], v_cache[page, :n] = k[rows], v[rows]
     return k_cache, v_cache, table
+
+
+class ReferencePool:
+    """What a :class:`causal_attention.PagedKVCache` must account, without its placement: per
+    request its tokens (their values, in order) and its pages as ids of this model's own, each
+    page's holders, copy on write as written down (a request writing into a shared partly
+    filled last page first gets a page of its own). A page taken has a new id, never reused, so
+    the cache's pages map onto these ids one to one at any moment, and not across a free."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.tokens = {}  # request -> its tokens' values
+        self.pages = {}  # request -> its pages' ids, in sequence order
+        self.holders = {}  # page id -> requests holding it (> 0: a freed page's id is dropped)
+        self._next_id = 0
+
+    @property
+    def free_pages(self) -> int:
+        return self.num_pages - len(self.holders)
+
+    def allocate(self, request) -> None:
+        self.tokens[request], self.pages[request] = [], []
+
+    def fork(self, parent, child) -> None:
+        self.tokens[child], self.pages[child] = list(self.tokens[parent]), list(self.pages[parent])
+        for page in self.pages[child]:
+            self.holders[page] += 1
+
+    def free(self, request) -> None:
+        del self.tokens[request]
+        for page in self.pages.pop(request):
+            self._release(page)
+
+    def pages_needed(self, writes) -> int:
+        """The pages ``writes`` (request -> its new tokens' values, written in turn) take: found
+        by writing them into a copy of this model."""
+        trial = ReferencePool(self.num_pages, self.page_size)
+        trial.tokens = {r: list(t) for r, t in self.tokens.items()}
+        trial.pages = {r: list(p) for r, p in self.pages.items()}
+        trial.holders, trial._next_id = dict(self.holders), self._next_id
+        for request, values in writes.items():
+            trial.write(request, values)
+        return trial._next_id - self._next_id
+
+    def write(self, request, values) -> None:
+        """``values`` appended to ``request``'s tokens, its pages drawn as they need."""
+        tokens, pages = self.tokens[request], self.pages[request]
+        if values and len(tokens) % self.page_size and self.holders[pages[-1]] > 1:
+            self._release(pages[-1])
+            pages[-1] = self._take()
+        tokens += values
+        while len(pages) * self.page_size < len(tokens):
+            pages.append(self._take())
+
+    def _take(self) -> int:
+        self._next_id += 1
+        self.holders[self._next_id] = 1
+        return self._next_id
+
+    def _release(self, page: int) -> None:
+        self.holders[page] -= 1
+        if self.holders[page] == 0:
+            del self.holders[page]

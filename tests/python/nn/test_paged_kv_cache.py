@@ -1,7 +1,7 @@
 """causal_attention.paged_kv_cache: paged_cache_append writes tokens into their slots in place,
 and PagedKVCache's pages (allocate, reserve, append, fork with copy on write, free) hold every
-request's tokens, shared where forked, none leaked, after 10k random operations; flash-attn's
-paged call reads them."""
+request's tokens, shared where forked, none leaked, after 10k random operations (reserves and
+steps among them) accounted as a reference model does; flash-attn's paged call reads them."""
 
 import random
 
@@ -12,6 +12,8 @@ import causal_attention as ca
 from causal_attention import CausalSelfAttention, attention
 from causal_attention.integrations.flash_attn import flash_attn_with_kvcache
 from causal_attention.paged_kv_cache import PagedKVCache, paged_cache_append
+
+from attention_testing.paged import ReferencePool
 
 
 def gathered(cache: PagedKVCache, request, layer: int = 0):
@@ -400,6 +402,95 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool
     for r in list(expected):
         cache.free(r)
     assert cache.pages_in_use == 0 and cache.free_pages == pages
+
+
+def assert_accounts_as(cache: PagedKVCache, model: ReferencePool):
+    """The cache's requests, lengths, free pages and holder counts are the model's, its pages
+    map one to one onto the model's, and every request reads its own tokens through its pages
+    (every layer's keys and values) and through block_table and seqlens."""
+    assert sorted(cache.requests) == sorted(model.tokens)
+    assert cache.free_pages == model.free_pages
+    ids = {}  # the cache's page -> the model's
+    for r, pages in model.pages.items():
+        assert cache.length(r) == len(model.tokens[r]), r
+        assert len(cache.pages_of(r)) == len(pages), r
+        for page, page_id in zip(cache.pages_of(r), pages):
+            assert ids.setdefault(page, page_id) == page_id, (r, page)
+    assert len(set(ids.values())) == len(ids)
+    assert [cache.holders(p) for p in range(cache.num_pages)] == [
+        model.holders[ids[p]] if p in ids else 0 for p in range(cache.num_pages)]
+    pools = [(k.view(-1).tolist(), v.view(-1).tolist())
+             for k, v in zip(cache.key_pages, cache.value_pages)]
+    size = cache.page_size
+    for r, tokens in model.tokens.items():
+        pages = cache.pages_of(r)
+        slots = [pages[i // size] * size + i % size for i in range(len(tokens))]
+        for layer, (keys, values) in enumerate(pools):
+            assert [keys[s] for s in slots] == [t + layer for t in tokens], (r, layer)
+            assert [values[s] for s in slots] == [-t - layer for t in tokens], (r, layer)
+    requests = list(model.tokens)
+    table = cache.block_table(requests).tolist()
+    assert [row[:len(model.pages[r])] for r, row in zip(requests, table)] == [
+        cache.pages_of(r) for r in requests]
+    assert cache.seqlens(requests).tolist() == [len(model.tokens[r]) for r in requests]
+
+
+def test_ten_thousand_random_operations_account_as_a_reference_model():
+    """allocate, fork, free, reserve and step (several requests at once, forks among them) at
+    random on a small pool, each reserved token appended to every layer: after every operation
+    the cache accounts as ReferencePool (free pages, lengths, holder counts, each request's
+    tokens read back), and it refuses a reserve or step exactly when the model says the pool
+    cannot hold it, changing nothing."""
+    rng = random.Random(0)
+    cache = PagedKVCache(num_pages=24, page_size=3, num_kv_heads=1, head_dim=1, num_layers=2,
+                         dtype=torch.float64)
+    model = ReferencePool(num_pages=24, page_size=3)
+    next_request, next_token = 0, 0
+    for _ in range(10_000):
+        roll = rng.random()
+        if roll < 0.08 or not model.tokens:
+            cache.allocate(next_request)
+            model.allocate(next_request)
+            next_request += 1
+        elif roll < 0.2:
+            parent = rng.choice(list(model.tokens))
+            cache.fork(parent, next_request)
+            model.fork(parent, next_request)
+            next_request += 1
+        elif roll < 0.4:
+            r = rng.choice(list(model.tokens))
+            cache.free(r)
+            model.free(r)
+        else:
+            alone = roll < 0.65
+            chosen = rng.sample(list(model.tokens), 1 if alone else min(len(model.tokens), 4))
+            writes = {}
+            for r in chosen:
+                count = rng.choice([0, 1, 1, 1, 2, 5])
+                writes[r] = [float(t) for t in range(next_token, next_token + count)]
+                next_token += count
+            needed = model.pages_needed(writes)
+            try:
+                if alone:
+                    [(r, values)] = writes.items()
+                    slots = cache.reserve(r, len(values))
+                else:
+                    step = cache.step(list(writes), [len(t) for t in writes.values()])
+                    slots = step.slot_mapping
+            except RuntimeError:
+                assert needed > model.free_pages, (writes, needed, model.free_pages)
+            else:
+                assert needed <= model.free_pages, (writes, needed, model.free_pages)
+                for r, values in writes.items():
+                    model.write(r, values)
+                new = torch.tensor([t for values in writes.values() for t in values],
+                                   dtype=torch.float64).view(-1, 1, 1)
+                for layer in range(2):
+                    cache.append(layer, new + layer, -new - layer, slots)
+        assert_accounts_as(cache, model)
+    for r in list(model.tokens):
+        cache.free(r)
+    assert cache.free_pages == cache.num_pages
 
 
 def test_flash_attn_with_kvcache_reads_the_pages_as_the_contiguous_keys():
