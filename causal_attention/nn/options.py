@@ -1,5 +1,6 @@
 """The options of :class:`causal_attention.CausalSelfAttention`, checked when it is made: its head
-sizes (with their defaults), its dropouts and its score options, and ALiBi's slopes."""
+sizes (with their defaults), its dropouts, its flags and its score options, and ALiBi's
+slopes."""
 
 import math
 from typing import Optional, Sequence, Tuple
@@ -81,6 +82,17 @@ def check_window(window: Sequence[int]) -> Tuple[int, int]:
             f"window={(left, right)}"
         )
     return (left, right)
+
+
+def check_flags(**flags: bool) -> None:
+    """Raises ``TypeError`` unless each flag is a bool: a truthy string or number would
+    otherwise switch an option on."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"CausalSelfAttention: {name} must be a bool, got {type(value).__name__} "
+                f"{value!r}"
+            )
 
 
 def check_softcap(softcap: Optional[float]) -> Optional[float]:

@@ -13,7 +13,14 @@ from ..kv_cache import KVCache
 from .context_parallel import ContextParallelism
 from .decoding import Decoding
 from .inputs import check_input, check_key_mask
-from .options import alibi_slopes, check_dropouts, check_softcap, check_window, head_sizes
+from .options import (
+    alibi_slopes,
+    check_dropouts,
+    check_flags,
+    check_softcap,
+    check_window,
+    head_sizes,
+)
 from .weights import AttentionWeights
 
 # The ops themselves rather than the Python wrappers of .ops: TorchScript cannot compile the
@@ -61,7 +68,8 @@ class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, nn.Mod
     the first cached position, so windows and ALiBi decode as the full sequence attends; a window
     that looks ahead (``right != 0``) sees, when decoding, only the positions given so far.
 
-    Bad sizes and options raise ``ValueError``, a ``window`` that is not two ints ``TypeError``;
+    Bad sizes and options raise ``ValueError``, a ``window`` that is not two ints or a flag
+    (``bias``, ``sinks``, ``alibi``) that is not a bool ``TypeError``;
     an input that is not a tensor, or of the wrong dtype, raises ``TypeError`` (inside a scripted
     module, errors arrive as ``torch.jit.Error`` naming the Python exception).
     """
@@ -94,6 +102,7 @@ class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, nn.Mod
             embed_dim, num_heads, num_kv_heads, head_dim, value_head_dim
         )
         check_dropouts(dropout, attn_dropout)
+        check_flags(bias=bias, sinks=sinks, alibi=alibi)
         window = check_window(window)
         softcap = check_softcap(softcap)
         self.embed_dim = embed_dim

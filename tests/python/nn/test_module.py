@@ -277,6 +277,10 @@ def test_bad_options_raise_value_error(kwargs, match):
         (dict(window="40"), "window='40'"),
         (dict(softcap="2"), "softcap must be a float or None, got str"),
         (dict(softcap=True), "got bool"),
+        # Flags are bools: a truthy string or number would pass for True.
+        (dict(sinks="yes"), "sinks must be a bool, got str 'yes'"),
+        (dict(alibi=2), "alibi must be a bool, got int 2"),
+        (dict(bias=None), "bias must be a bool, got NoneType None"),
     ],
 )
 def test_option_of_the_wrong_type_raises_type_error(kwargs, match):
