@@ -1,9 +1,9 @@
 """The ops' arguments on the Python side, as csrc/ops/op_arguments.h holds them on the C++ side:
 :class:`ScoreOptions`, the score options every op takes, and :func:`call_op`, each op called
 after the checks its schema parser cannot make (a window of two ints, float arguments that are
-not tensors requiring grad)."""
+not tensors requiring grad), the parser's own refusals raised as TypeError."""
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,7 +60,8 @@ _CHECKED_POSITIONS = {
 
 
 def call_op(name: str, *args: Any, **kwargs: Any) -> Any:
-    """``torch.ops.causal_attention.<name>`` after the checks the schema parser cannot make."""
+    """``torch.ops.causal_attention.<name>`` after the checks the schema parser cannot make;
+    what the parser refuses raises TypeError."""
     caller = "causal_attention." + name
     for argument, position in _CHECKED_POSITIONS[name]:
         value = args[position] if position < len(args) else kwargs.get(argument)
@@ -69,4 +70,22 @@ def call_op(name: str, *args: Any, **kwargs: Any) -> Any:
                 check_window(caller, value)
         else:
             refuse_tensor_requiring_grad(caller, argument, value)
-    return _OPS[name](*args, **kwargs)
+    op = _OPS[name]
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as error:
+        # The schema parser refuses a value of the wrong type, an unknown or a missing argument
+        # with a RuntimeError naming it and what it found: a TypeError, as the wrappers' own
+        # checks raise. Parsing again tells it from the op's errors, only once one is raised.
+        if _parses(op, args, kwargs):
+            raise
+        raise TypeError(str(error)) from None
+
+
+def _parses(op: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether the schema parser takes ``args`` and ``kwargs`` for ``op``."""
+    try:
+        return torch._C._check_schema_allow_fake_script_object(op.default._schema, *args,
+                                                                **kwargs)
+    except RuntimeError:
+        return False

@@ -10,7 +10,8 @@ name and contains the row's fragments: the offending argument and what was seen.
 
 Calls that never reach the op's checks (a non-tensor argument; a sparse tensor under inference
 mode, which skips the Autograd kernel) are refused by torch itself; the last tests pin that down,
-as it is part of what a caller sees. scripts/sanitize.sh runs this file under ASan and UBSan.
+as it is part of what a caller sees, and that our Python wrappers raise TypeError for them.
+scripts/sanitize.sh runs this file under ASan and UBSan.
 """
 
 import math
@@ -1014,3 +1015,29 @@ def test_tensors_of_another_layout_are_refused_by_the_dispatcher_in_inference_mo
         NotImplementedError, match="Could not run 'causal_attention::attention'"
     ):
         OPS.attention(convert(q), q, q)
+
+
+# Our wrappers of the same ops raise TypeError for what the parser refuses, as they do for every
+# other argument of the wrong type, keeping its message (the argument, the type seen).
+CU = cu(0, 5)
+WRAPPERS_NOT_TENSORS = {
+    "attn_mask-list": (lambda t: causal_attention.attention(t, t, t, attn_mask=[[0.0] * 5] * 5),
+                       "'Optional[Tensor]' for argument 'attn_mask' but instead found type 'list'"),
+    "varlen-attn_mask": (lambda t: causal_attention.varlen_attention(
+        t[:, None], t[:, None], t[:, None], CU, CU, 5, 5, attn_mask=t),
+        "Unknown keyword argument 'attn_mask'"),
+    "paged-cache_seqlens-list": (lambda t: causal_attention.paged_attention(
+        t[None, :1, None], t[None, :, None], t[None, :, None], cu(0)[None], [5]),
+        "'Tensor' for argument 'cache_seqlens' but instead found type 'list'"),
+    "weights-generator-int": (lambda t: causal_attention.attention_weights(t, t, t, generator=3),
+                              "argument 'generator'"),
+    "forward-scale-missing": (lambda t: causal_attention.ops.attention_forward(t, t, t),
+                              "missing value for argument 'scale'"),
+}
+
+
+@pytest.mark.parametrize("case", WRAPPERS_NOT_TENSORS.values(), ids=WRAPPERS_NOT_TENSORS.keys())
+def test_our_wrappers_raise_type_error_for_what_the_schema_parser_refuses(case):
+    invoke, needle = case
+    with pytest.raises(TypeError, match=re.escape(needle)):
+        invoke(randn(5, 8))
