@@ -44,7 +44,8 @@ def paged_cache_append(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
     - None: 1.
 
     NaN or inf in a token written into an 8-bit cache raises ValueError naming ``k`` or ``v``
-    (no scale stores them); a float cache stores them as they are."""
+    (no scale stores them); a float cache stores them as they are. ``k`` and ``v`` are written
+    detached: no gradient flows into or through the cache."""
     fn = "causal_attention.paged_cache_append"
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor) or t.dim() != 4:
@@ -106,6 +107,10 @@ def paged_cache_append(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
             raise ValueError(f"{fn}: {name} must be finite to be quantized into {name}_cache's "
                              f"{cache.dtype}, got {t[tuple(where)].item()} at "
                              f"{name}[{where[0]}][{where[1]}][{where[2]}]")
+    # The pages take the values, not their autograd history: paged attention is inference only,
+    # and pages written from tensors requiring grad would join every later step's graph (a
+    # serving loop run in grad mode would grow without end).
+    k, v = k.detach(), v.detach()
     if kept.numel() != tokens:
         k, v = k[written], v[written]
     # Every argument is checked: now the writes. Advanced indexing by (page, row) writes any

@@ -133,8 +133,10 @@ class Decoding:
         one after the other (:meth:`causal_attention.PagedKVCache.step`: a prefill chunk's,
         a decode's one), their keys and values written into the pages of layer ``layer`` in
         place, each query attending every key of its request (windowed, softcapped, with ALiBi
-        and sinks as ``forward``); returns ``(total, E)``. Inference only (no gradient through
-        the cache); eager (the op itself compiles and exports), not TorchScript."""
+        and sinks as ``forward``); returns ``(total, E)``. Inference only: in grad mode it runs,
+        but the pages take the keys and values detached and the attention through them carries
+        no gradient (call it under ``torch.no_grad()``); eager (the op itself compiles and
+        exports), not TorchScript."""
         if not isinstance(x, Tensor) or x.dim() != 2 or x.size(1) != self.embed_dim:
             raise ValueError(
                 f"CausalSelfAttention.forward_paged: x must be (total, E) with "

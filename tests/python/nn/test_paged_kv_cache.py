@@ -612,3 +612,37 @@ def test_gpt_greedy_tokens_from_pages_equal_each_request_generated_alone():
             alone = model.generate(prompt[None], new, temperature=0)[0]
             assert torch.equal(generated[r], alone), r
     assert cache.pages_in_use == 0
+
+
+def graph_size(t: torch.Tensor) -> int:
+    """The autograd nodes ``t`` reaches (0 without a graph)."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo += [next_node for next_node, _ in node.next_functions]
+    return len(seen)
+
+
+def test_serving_in_grad_mode_records_nothing_into_the_pages():
+    """A serving loop written without torch.no_grad(): the pages take the keys and values, not
+    their autograd history, so a step's graph is the same size at step 200 as at step 1 (were the
+    pages part of it, each step's graph would hold every earlier one's) and the pages hold none."""
+    from causal_attention.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(50, 256, 32, 4, 2, num_kv_heads=2)
+    cache = model.make_paged_cache(num_pages=64, page_size=4)
+    cache.allocate("a")
+    token = torch.tensor([1])
+    sizes = []
+    for _ in range(200):
+        logits = model.forward_paged(token, cache.step(["a"], [1]))
+        sizes.append(graph_size(logits))
+        token = logits.argmax(-1)
+    assert logits.requires_grad  # grad mode, as the loop runs it
+    assert sizes[-1] == sizes[0], (sizes[0], sizes[-1])
+    for pages in cache.key_pages + cache.value_pages:
+        assert not pages.requires_grad and pages.grad_fn is None
