@@ -78,7 +78,9 @@ testing-only S_dmask encoding of the dropout pattern), ``block_table`` in
 (flash-attn refuses those pairs too), and ``q_descale`` (flash-attn 3's fp8 ``q``). flash-attn's
 CUDA-only limits (fp16/bf16, head dimension at most 256, a multiple of 8, page sizes a multiple
 of 256) do not apply: float32 and float64 work, and ``v`` may have a head dimension of its own.
-Bad types raise ``TypeError``, bad shapes and values ``ValueError``, each naming the argument.
+Bad types raise ``TypeError``, bad shapes and values ``ValueError``, each naming the argument;
+a ``block_table`` naming a page outside the pool raises an error that is both a ``ValueError``
+and the ``RuntimeError`` flash-attn raises for it.
 ``softmax_scale``, ``softcap`` and ``dropout_p`` are real numbers (int, float, numpy; not bool)
 or tensors holding one; a tensor that requires grad is refused (``TypeError``), as the number it
 holds would get no gradient.

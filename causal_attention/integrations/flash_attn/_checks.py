@@ -148,6 +148,27 @@ def _check_row_indices(fn: str, name: str, t, batch: int, dims: int) -> Tensor:
     return t.cpu()
 
 
+class PageOutsidePoolError(ValueError, RuntimeError):
+    """A block table naming a page outside the pool: a ValueError, as every bad argument here,
+    and the RuntimeError flash-attn raises for it (its tests expect one)."""
+
+
+def _check_pages(fn: str, block_table: Tensor, page_size: int, num_blocks: int,
+                 ends: Tensor) -> None:
+    """Every page of ``block_table`` (a CPU tensor) that row b's first ``ends[b]`` keys lie on
+    must exist; the columns past them are never read."""
+    used = (ends.long() + page_size - 1) // page_size
+    read = torch.arange(block_table.size(1)) < used.unsqueeze(1)
+    outside = read & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(outside.any()):
+        b = int(outside.any(1).nonzero()[0])
+        raise PageOutsidePoolError(
+            f"{fn}: block_table row {b} names pages {block_table[b][outside[b]].tolist()} "
+            f"outside [0, {num_blocks}) (k_cache.shape[0]) among the {int(used[b])} pages its "
+            f"{int(ends[b])} keys use"
+        )
+
+
 def _as_int(fn: str, name: str, value) -> int:
     try:
         return operator.index(value)

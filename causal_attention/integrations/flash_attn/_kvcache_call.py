@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..._quantized_kv import EIGHT_BIT_QUERY_DTYPES, is_eight_bit, refuse_bad_scales
 from ...ops import attention, attention_forward, paged_attention
-from ._checks import _check_head_dim, _check_rank, _check_row_indices, _describe
+from ._checks import _check_head_dim, _check_pages, _check_rank, _check_row_indices, _describe
 from ._quantize import _Descale
 from ._scores import _Scores
 
@@ -118,7 +118,8 @@ class _KVCacheCall:
                     + ("block_table.shape[1] * page_block_size" if self.paged else "seqlen_cache")
                 )
         if self.paged:
-            self._check_pages()
+            # Every page a row reads or writes.
+            _check_pages(fn, self.block_table, self.page, k_cache.size(0), torch.tensor(self.ends))
         if self.eight_bit:
             self.token_scale_layout = "(num_blocks, page_block_size, nheads_k)" if self.paged \
                 else "(batch_cache, seqlen_cache, nheads_k)"
@@ -180,19 +181,6 @@ class _KVCacheCall:
                         f"{fn}: {name} must be finite to be quantized into the {cache_dtype} "
                         "cache, got non-finite values"
                     )
-
-    def _check_pages(self) -> None:
-        """Every page a row reads or writes must exist; the columns past them are never read."""
-        num_blocks = self.k_cache.size(0)
-        for b, end in enumerate(self.ends):
-            used = self.block_table[b, : _ceil_div(end, self.page)]
-            bad = used[(used < 0) | (used >= num_blocks)]
-            if bad.numel():
-                raise ValueError(
-                    f"{self.fn}: block_table row {b} names pages {bad.tolist()} outside "
-                    f"[0, {num_blocks}) (k_cache.shape[0]) among the "
-                    f"{used.numel()} pages its {end} keys use"
-                )
 
     def append(self, k: Optional[Tensor], v: Optional[Tensor]) -> None:
         """Writes row b's new keys at positions cache_seqlens[b] onwards, a row at a time, so that

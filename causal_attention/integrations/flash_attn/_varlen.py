@@ -14,6 +14,7 @@ from ._checks import (
     _check_dropout,
     _check_head_dim,
     _check_packed_kv,
+    _check_pages,
     _check_rank,
     _check_row_indices,
     _check_scale,
@@ -174,6 +175,8 @@ def _paged_varlen_call(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
             f"{fn}: cu_seqlens_k must be int32 (batch + 1,) like cu_seqlens_q, got a "
             f"{_describe(cu_seqlens_k)}"
         )
+    lengths_k = cu_seqlens_k.cpu().diff()
+    _check_pages(fn, table, k_cache.size(1), k_cache.size(0), lengths_k)
     scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, max_q, max_k, batch,
                         q.size(1))
     dropout_p = _check_dropout(fn, dropout_p, return_attn_probs)
@@ -183,7 +186,6 @@ def _paged_varlen_call(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
             "the paged call serves inference, which draws no dropout"
         )
     softmax_scale = _check_scale(fn, softmax_scale)
-    lengths_k = cu_seqlens_k.cpu().diff()
     out, lse = paged_attention(q, k_cache, v_cache, table, lengths_k, cu_seqlens_q=cu_seqlens_q,
                                max_seqlen_q=max_q, scale=_resolve_scale(softmax_scale, q),
                                return_lse=True, **scores.kwargs())

@@ -1069,10 +1069,10 @@ def varlen_call(**kwargs):
     return lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, **kwargs)
 
 
-def paged_varlen_call(requires_grad=False, **kwargs):
+def paged_varlen_call(requires_grad=False, table=((0, 1), (2, 3)), **kwargs):
     q = torch.randn(5, 2, 8, requires_grad=requires_grad)
     pages = torch.randn(4, 4, 2, 8)
-    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    table = torch.tensor(table, dtype=torch.int32)
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 6, 14]))
     return lambda: flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 8, causal=True,
                                           block_table=table, **kwargs)
@@ -1352,6 +1352,16 @@ BAD = [
                  TypeError, "rotary_cos must be a floating", id="kv-rotary-int"),
     pytest.param(bad_kv(block_table=torch.tensor([[9, 0], [1, 0]], dtype=torch.int32)),
                  ValueError, r"block_table row 0 names pages \[9\]", id="kv-page-range"),
+    # flash-attn raises RuntimeError for a page outside the pool (its tests expect one): the
+    # error is both.
+    pytest.param(bad_kv(block_table=torch.tensor([[9, 0], [1, 0]], dtype=torch.int32)),
+                 RuntimeError, r"block_table row 0 names pages \[9\]", id="kv-page-range-runtime"),
+    pytest.param(paged_varlen_call(table=((0, 1), (2, 4))), RuntimeError,
+                 r"flash_attn_varlen_func: block_table row 1 names pages \[4\] outside \[0, 4\)",
+                 id="varlen-block_table-page-range-runtime"),
+    pytest.param(paged_varlen_call(table=((0, -1), (2, 3))), ValueError,
+                 r"flash_attn_varlen_func: block_table row 0 names pages \[-1\]",
+                 id="varlen-block_table-page-range"),
     pytest.param(bad_kv(num_splits=1.5), TypeError, "num_splits", id="kv-num_splits"),
     # The packed functions: their own arguments named, with the packed function.
     pytest.param(lambda: flash_attn_qkvpacked_func(torch.ones(2, 5, 2, 4, 8)), ValueError,
