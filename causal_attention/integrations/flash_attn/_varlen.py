@@ -176,6 +176,13 @@ def _paged_varlen_call(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
             f"{_describe(cu_seqlens_k)}"
         )
     lengths_k = cu_seqlens_k.cpu().diff()
+    # The contiguous call's op checks this: the window is rewritten by max_seqlen_k.
+    if lengths_k.numel() and int(lengths_k.max()) > max_k:
+        b = int(lengths_k.argmax())
+        raise ValueError(
+            f"{fn}: sequence {b} has length {int(lengths_k[b])} (cu_seqlens_k[{b + 1}] - "
+            f"cu_seqlens_k[{b}]), more than max_seqlen_k={max_k}"
+        )
     _check_pages(fn, table, k_cache.size(1), k_cache.size(0), lengths_k)
     scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, max_q, max_k, batch,
                         q.size(1))

@@ -1069,13 +1069,13 @@ def varlen_call(**kwargs):
     return lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, **kwargs)
 
 
-def paged_varlen_call(requires_grad=False, table=((0, 1), (2, 3)), **kwargs):
+def paged_varlen_call(requires_grad=False, max_seqlen_k=8, table=((0, 1), (2, 3)), **kwargs):
     q = torch.randn(5, 2, 8, requires_grad=requires_grad)
     pages = torch.randn(4, 4, 2, 8)
     table = torch.tensor(table, dtype=torch.int32)
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 6, 14]))
-    return lambda: flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 8, causal=True,
-                                          block_table=table, **kwargs)
+    return lambda: flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, max_seqlen_k,
+                                          causal=True, block_table=table, **kwargs)
 
 
 @pytest.mark.parametrize("scores", list(PAGED_SCORES))
@@ -1362,6 +1362,10 @@ BAD = [
     pytest.param(paged_varlen_call(table=((0, -1), (2, 3))), ValueError,
                  r"flash_attn_varlen_func: block_table row 0 names pages \[-1\]",
                  id="varlen-block_table-page-range"),
+    # As without block_table: the window is rewritten by max_seqlen_k, which must bound them.
+    pytest.param(paged_varlen_call(max_seqlen_k=7), ValueError,
+                 r"flash_attn_varlen_func: sequence 1 has length 8 \(cu_seqlens_k\[2\] - "
+                 r"cu_seqlens_k\[1\]\), more than max_seqlen_k=7", id="varlen-block_table-max-k"),
     pytest.param(bad_kv(num_splits=1.5), TypeError, "num_splits", id="kv-num_splits"),
     # The packed functions: their own arguments named, with the packed function.
     pytest.param(lambda: flash_attn_qkvpacked_func(torch.ones(2, 5, 2, 4, 8)), ValueError,
