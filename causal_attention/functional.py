@@ -86,7 +86,9 @@ def scaled_dot_product_attention(
     (float32 or the query's dtype, added to the scores; a learned bias gets its gradient),
     broadcastable to ``(..., Hq, Lq, Lk)`` and never expanded in memory, or a
     ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` as ``is_causal``,
-    ``causal_lower_right`` the KV-cache alignment: row ``i`` sees keys up to ``i + Lk - Lq``).
+    ``causal_lower_right`` the KV-cache alignment: row ``i`` sees keys up to ``i + Lk - Lq``),
+    read by its own sizes as SDPA reads it (a square one is ``is_causal``; a lower-right one of
+    other sizes than the call's is its mask, broadcast to the scores or refused).
     ``is_causal=True`` is causal top-left aligned as SDPA's (row ``i`` sees keys ``0..i``) with
     any lengths, combined with ``attn_mask`` as SDPA combines them (both must allow a key). Both
     alignments are the op's window geometry, no mask built. A row that sees no key gives zeros,
@@ -115,7 +117,7 @@ def scaled_dot_product_attention(
             raise ValueError(
                 f"{_OP}: a CausalBias attn_mask should not be used with is_causal=True"
             )
-        is_causal, top_left, mask = True, attn_mask.variant == CausalVariant.UPPER_LEFT, None
+        is_causal, top_left, mask = _causal_bias(attn_mask, query, key)
     elif is_causal and attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         # SDPA's math kernel, the one that differentiates a mask, refuses both.
         raise RuntimeError(
@@ -141,6 +143,21 @@ def scaled_dot_product_attention(
         raise RuntimeError(str(error)) from error
     # Every probability dropped: SDPA's output is zeros, and so is its gradient.
     return out * 0.0 if dropout_p == 1.0 else out
+
+
+def _causal_bias(bias: CausalBias, query: Tensor, key: Tensor):
+    """``(is_causal, top_left, mask)`` for a CausalBias as SDPA reads it, by its own sizes
+    rather than the call's: upper-left, or square, it is ``is_causal=True`` (top-left); lower-right
+    otherwise, its ``(seq_len_q, seq_len_kv)`` mask (SDPA's CPU path materializes it), broadcast
+    to the scores or refused as SDPA refuses it. One of the call's sizes is the op's bottom-right
+    window, no mask built."""
+    if bias.variant == CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
+        return True, True, None
+    sizes = (bias.seq_len_q, bias.seq_len_kv)
+    if query.dim() >= 2 and key.dim() >= 2 and sizes == (query.size(-2), key.size(-2)):
+        return True, False, None
+    mask = torch.ones(sizes, dtype=torch.bool, device=query.device)
+    return False, True, mask.tril(bias.seq_len_kv - bias.seq_len_q)
 
 
 def _broadcast(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):

@@ -121,6 +121,21 @@ def test_top_left_causal_is_the_op_on_the_keys_rows_can_see():
     assert torch.equal(dv[..., 6:, :], torch.zeros_like(dv[..., 6:, :]))
 
 
+@pytest.mark.parametrize(
+    "bias",
+    [causal_lower_right(5, 5), causal_lower_right(1, 7), causal_lower_right(5, 1),
+     causal_upper_left(3, 9)],
+    ids=["square-lower-right", "lower-right-1x7", "lower-right-5x1", "upper-left-3x9"],
+)
+def test_a_causal_bias_of_other_sizes_than_the_call_is_what_sdpa_makes_of_it(bias):
+    """SDPA reads a CausalBias by its own sizes, not the call's: a square one, or any upper-left
+    one, is is_causal=True; a lower-right one is its (seq_len_q, seq_len_kv) mask, broadcast to
+    the scores (on a 5 x 7 call, a 1 x 7 one lets every row see every key)."""
+    q, k, v = Case(5, 7, 8, hq=2, hkv=2).inputs(torch.float64)
+    ours = causal_attention.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+
+
 def test_a_causal_bias_with_is_causal_is_a_value_error_as_in_sdpa():
     q, k, v = Case(4, 6, 8, hq=2, hkv=2).inputs(torch.float32)
     with pytest.raises(ValueError):
@@ -327,6 +342,8 @@ def _bad_call(name):
                                "dropout-nan": math.nan}[name]
     elif name == "causal-bias-with-is_causal":
         kwargs.update(attn_mask=causal_upper_left(8, 8), is_causal=True)
+    elif name == "lower-right-bias-of-other-sizes":
+        kwargs["attn_mask"] = causal_lower_right(7, 8)  # SDPA reads it as its (7, 8) mask
     elif name == "learned-mask-is_causal":
         kwargs.update(attn_mask=torch.zeros(8, 8, requires_grad=True), is_causal=True)
     return (q, k, v), kwargs
@@ -335,7 +352,8 @@ def _bad_call(name):
 BAD_CALLS = ["mixed-dtypes", "int-dtype", "1d", "0d", "head-dims-differ", "meta-key",
              "heads-no-gqa", "gqa-not-a-multiple", "batch-mismatch", "mask-int",
              "mask-float64-for-float32", "mask-not-broadcastable", "dropout-negative",
-             "dropout-1.5", "dropout-nan", "causal-bias-with-is_causal", "learned-mask-is_causal"]
+             "dropout-1.5", "dropout-nan", "causal-bias-with-is_causal", "learned-mask-is_causal",
+             "lower-right-bias-of-other-sizes"]
 
 
 @pytest.mark.parametrize("name", BAD_CALLS)
