@@ -92,7 +92,8 @@ def scaled_dot_product_attention(
     ``is_causal=True`` is causal top-left aligned as SDPA's (row ``i`` sees keys ``0..i``) with
     any lengths, combined with ``attn_mask`` as SDPA combines them (both must allow a key). Both
     alignments are the op's window geometry, no mask built. A row that sees no key gives zeros,
-    as in SDPA.
+    as in SDPA. Under ``torch.autocast`` a floating mask (but float64) is cast to the region's
+    dtype, as autocast casts SDPA's.
 
     Shapes are SDPA's: ``query (..., Hq, Lq, E)``, ``key (..., Hk, Lk, E)``,
     ``value (..., Hv, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``, leading dims broadcast (as views);
@@ -124,6 +125,7 @@ def scaled_dot_product_attention(
             f"{_OP}: an attn_mask that requires grad should not be set with is_causal=True, as "
             "in SDPA; add the causal part to the mask (-inf above the diagonal) instead"
         )
+    mask = _autocast_mask(mask, query)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise RuntimeError(f"{_OP}: dropout_p must be in [0, 1], got dropout_p={dropout_p}")
@@ -158,6 +160,17 @@ def _causal_bias(bias: CausalBias, query: Tensor, key: Tensor):
         return True, False, None
     mask = torch.ones(sizes, dtype=torch.bool, device=query.device)
     return False, True, mask.tril(bias.seq_len_kv - bias.seq_len_q)
+
+
+def _autocast_mask(mask: Optional[Tensor], query: Tensor) -> Optional[Tensor]:
+    """``mask`` as autocast hands it to SDPA: in an autocast region, a floating mask (but
+    float64, which autocast leaves) cast to the region's dtype, as query, key and value are (the
+    op's autocast kernel casts those, not the mask)."""
+    device = query.device.type
+    if (mask is None or not mask.is_floating_point() or mask.dtype == torch.float64
+            or not torch.is_autocast_enabled(device)):
+        return mask
+    return mask.to(torch.get_autocast_dtype(device))
 
 
 def _broadcast(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):

@@ -136,6 +136,26 @@ def test_a_causal_bias_of_other_sizes_than_the_call_is_what_sdpa_makes_of_it(bia
     torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_floating_mask_under_autocast_is_cast_as_sdpa_s(autocast_dtype, mask_dtype, is_causal):
+    """Autocast casts SDPA's floating mask to the region's dtype, as it casts query, key and value
+    (a float16 mask in a bfloat16 region included): the drop-in serves it so, within twice
+    SDPA's error of SDPA in float64 on the cast inputs and mask."""
+    inputs = Case(9, 9, 8, hq=2, hkv=2).inputs(torch.float32)
+    mask = (torch.randn(9, 9) * 3).to(mask_dtype)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        ours = causal_attention.scaled_dot_product_attention(*inputs, attn_mask=mask,
+                                                             is_causal=is_causal)
+        theirs = F.scaled_dot_product_attention(*inputs, attn_mask=mask, is_causal=is_causal)
+    assert ours.dtype == theirs.dtype == autocast_dtype
+    cast = [to64(t.to(autocast_dtype)) for t in (*inputs, mask)]
+    ref = F.scaled_dot_product_attention(*cast[:3], attn_mask=cast[3], is_causal=is_causal)
+    failures = twice_sdpa_error_failures(("out",), (ours,), (theirs,), (ref,))
+    assert not failures, "; ".join(failures)
+
+
 def test_a_causal_bias_with_is_causal_is_a_value_error_as_in_sdpa():
     q, k, v = Case(4, 6, 8, hq=2, hkv=2).inputs(torch.float32)
     with pytest.raises(ValueError):
