@@ -276,6 +276,44 @@ def test_masked_calls_match_sdpa_within_twice_its_error(case, shape, kind, kwarg
     assert not failures, "; ".join(failures)
 
 
+# Calls torch 2.13's CPU SDPA refuses and the drop-in serves (docs/reference.md lists them): a
+# mask with is_causal=True unless the inputs are 4-D and the mask 2-D or 4-D (RuntimeError), and a
+# 0-D or 1-D mask on 4-D inputs (IndexError). id -> (query shape, key shape, mask shape, is_causal)
+BEYOND_SDPA = {
+    "2d-inputs-mask-is_causal": ((6, 8), (6, 8), (6, 6), True),
+    "3d-inputs-mask-is_causal": ((2, 6, 8), (2, 6, 8), (6, 6), True),
+    "3d-inputs-3d-mask-is_causal": ((2, 6, 8), (2, 6, 8), (2, 6, 6), True),
+    "3d-mask-is_causal": ((2, 2, 6, 8), (2, 2, 6, 8), (2, 6, 6), True),
+    "3d-mask-is_causal-Lq<Lk": ((2, 2, 6, 8), (2, 2, 9, 8), (2, 6, 9), True),
+    "5d-inputs-mask-is_causal": ((2, 2, 2, 6, 8), (2, 2, 2, 6, 8), (6, 6), True),
+    "1d-mask": ((2, 2, 6, 8), (2, 2, 6, 8), (6,), False),
+    "0d-mask": ((2, 2, 6, 8), (2, 2, 6, 8), (), False),
+    "1d-mask-is_causal": ((2, 2, 6, 8), (2, 2, 6, 8), (6,), True),
+}
+
+
+@pytest.mark.parametrize("case", BEYOND_SDPA.values(), ids=BEYOND_SDPA.keys())
+def test_masks_sdpa_refuses_are_served_as_the_mask_and_causality_both(case):
+    """Each call is what SDPA computes for the mask with the causal part folded into it (-inf
+    above the top-left diagonal), broadcast to (Lq, Lk): the intersection SDPA itself computes
+    for 4-D inputs with a 2-D or 4-D mask. SDPA refusing the call is checked too, so that this
+    list (and the docs) follow torch when it starts serving one."""
+    q_shape, k_shape, mask_shape, is_causal = case
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator, dtype=torch.float64)
+               for shape in (q_shape, k_shape, k_shape))
+    mask = torch.randn(mask_shape, generator=generator, dtype=torch.float64)
+    with pytest.raises((RuntimeError, IndexError)):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    ours = causal_attention.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                         is_causal=is_causal)
+    lq, lk = q.size(-2), k.size(-2)
+    folded = mask.expand(*mask.shape[:-2], lq, lk) if mask.dim() >= 2 else mask.expand(lq, lk)
+    if is_causal:
+        folded = folded.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=folded))
+
+
 # SDPA's broadcasting: leading dims of 1, a 3-D query against 4-D keys, heads of 1, value heads
 # of 1 against key heads of 2 (with and without enable_gqa), and E = 0.
 BROADCAST = [
