@@ -23,30 +23,27 @@ kernel the rows' delta, which is over all the keys a row sees, not the step's. S
 shard lies outside every local row's window are skipped, and steps dead for every rank are not
 run, so their shards are never sent. Sinks join each row once, after the merge.
 
-Each call first exchanges a description of its arguments (dtypes, shapes, options) among the
-ranks, with a timeout, and every rank raises the same error when they disagree, so no rank is
-left waiting in a collective its peers never reach.
+Each call (the attention calls and :func:`unshard_sequence`) first exchanges one fixed-size
+message among the ranks, with a timeout and before any other collective: it names the call and
+describes its arguments (dtypes, shapes, the option tensors' values, scale, window, softcap,
+dropout_p, layout, dim), and every rank raises the same error when they disagree, so no rank is
+left waiting in (or aborted by) a collective its peers never reach, nor computes with options
+its peers do not share.
 
 The package holds one concept a module, each importing only those listed before it:
 ``collectives`` (the differentiable all-to-all and all-gather), ``layout`` (the group, the
 layouts and sharding), ``call_checks`` (the handshake), ``ring_schedule``, ``ring_streams`` and
-``ring`` (ring attention), ``ulysses``, and ``context_parallel`` (what a module uses).
+``ring`` (ring attention), ``ulysses``, ``unshard`` (the whole sequence back), and
+``context_parallel`` (what a module uses).
 """
 
 from .call_checks import HANDSHAKE_TIMEOUT, handshake
 from .context_parallel import METHODS, ContextParallel
-from .layout import (
-    LAYOUTS,
-    Chunk,
-    resolve_group,
-    shard_chunks,
-    shard_positions,
-    shard_sequence,
-    unshard_sequence,
-)
+from .layout import LAYOUTS, Chunk, resolve_group, shard_chunks, shard_positions, shard_sequence
 from .ring import ring_attention
 from .ring_schedule import MAX_PARTS, MIN_PART_KEYS, MIN_PART_ROWS
 from .ulysses import rank_generator, ulysses_attention
+from .unshard import unshard_sequence
 
 __all__ = [
     "ring_attention",

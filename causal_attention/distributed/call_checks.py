@@ -1,10 +1,12 @@
-"""What every call checks first: its own arguments on this rank, then the handshake, in which
-the ranks exchange a description of their arguments (dtypes, shapes, options) with a timeout
-and every rank raises the same error when they disagree, so that no rank is left waiting in a
-collective its peers never reach."""
+"""What every call checks: the handshake, in which the ranks exchange one fixed-size message that
+names the call and describes everything they must agree on (the tensors' dtypes and shapes, the
+option tensors' values, the options), with a timeout, before any other collective; every rank
+raises the same error when they disagree, so that no rank is left waiting in a collective its
+peers never reach, nor computes with options its peers do not share. The call's own checks of
+its arguments come after it, alike on every rank once they agree."""
 
 import datetime
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,39 +18,116 @@ from .layout import LAYOUTS, _check_layout, resolve_group
 # How long a call waits for every rank to describe its arguments before it gives up.
 HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=120)
 
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# The calls that handshake, by their number in the message: every rank reads the same table.
+CALLS = ("ring_attention", "ulysses_attention", "unshard_sequence")
+_PREFIX = "causal_attention.distributed"
+
+# The message's slots, the same for every call, so that every rank's message has one size (gloo
+# aborts an all-gather of unequal messages): a call leaves the arguments it does not take None.
+# The option tensors are replicated (the same values on every rank), the others sharded.
+TENSORS = ("q", "k", "v", "key_mask", "x")
+OPTION_TENSORS = ("alibi_slopes", "sinks")
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.int64,
+           torch.int32)
 _MAX_DIMS = 6
+_NONE, _NOT_A_TENSOR, _OTHER_DTYPE = -1, 98, 99
+
+_ABSENT, _VALUE, _INVALID = 0, 1, 2  # the kinds of a setting
+
+
+def _float_bits(value) -> List[int]:
+    """A float option's bits, so that any difference shows."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"not a number: {value!r}")
+    return [int(torch.tensor(float(value), dtype=torch.float64).view(torch.int64))]
+
+
+def _float_of(bits: List[int]) -> str:
+    return repr(torch.tensor(bits[0], dtype=torch.int64).view(torch.float64).item())
+
+
+class _Setting(NamedTuple):
+    """An option in the message: its kind (None, a value, or a value the call will refuse) and
+    ``width`` ints of its value, so that no value is mistaken for a kind."""
+
+    name: str
+    width: int
+    to_ints: Callable[[object], List[int]]
+    shown: Callable[[List[int]], str]
+
+    def encode(self, value) -> List[int]:
+        if value is None:
+            return [_ABSENT] + [0] * self.width
+        try:
+            return [_VALUE] + self.to_ints(value)
+        except (TypeError, ValueError, OverflowError, RuntimeError):  # named by the call's checks
+            return [_INVALID] + [0] * self.width
+
+    def show(self, row: Sequence[int]) -> str:
+        if row[0] != _VALUE:
+            return "None" if row[0] == _ABSENT else "an invalid value"
+        return self.shown(list(row[1:]))
+
+
+SETTINGS = (
+    _Setting("scale", 1, _float_bits, _float_of),
+    _Setting("window", 2, lambda w: list(check_window(_PREFIX, w)), lambda w: str(tuple(w))),
+    _Setting("softcap", 1, _float_bits, _float_of),
+    _Setting("dropout_p", 1, _float_bits, _float_of),
+    _Setting("layout", 1, lambda layout: [LAYOUTS.index(layout)],
+             lambda code: repr(LAYOUTS[code[0]])),
+    _Setting("dim", 1, lambda dim: [int(dim)], lambda dim: str(dim[0])),
+)
 
 
 def _describe(t) -> List[int]:
-    """A tensor as ints: dtype code (-1 absent, 98 not a tensor, 99 another dtype), dims, sizes
-    padded to _MAX_DIMS."""
-    if t is None:
-        return [-1, 0] + [0] * _MAX_DIMS
-    if not isinstance(t, Tensor):
-        return [98, 0] + [0] * _MAX_DIMS
+    """A tensor as ints: dtype code (_NONE, _NOT_A_TENSOR, _OTHER_DTYPE or its place in _DTYPES),
+    dims, sizes padded to _MAX_DIMS."""
+    if t is None or not isinstance(t, Tensor):
+        return [_NONE if t is None else _NOT_A_TENSOR, 0] + [0] * _MAX_DIMS
     sizes = list(t.shape)[:_MAX_DIMS]
-    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
+    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else _OTHER_DTYPE
     return [dtype, t.dim()] + sizes + [0] * (_MAX_DIMS - len(sizes))
 
 
+def _digest(t) -> int:
+    """An option tensor's values as one int (equal values, equal ints; 0 when absent)."""
+    if not isinstance(t, Tensor) or t.numel() == 0:
+        return 0
+    bits = t.detach().to(device="cpu", dtype=torch.float64).reshape(-1).view(torch.int64)
+    # Odd weights by position, so that permuted values differ; int64 sums wrap, alike everywhere.
+    weights = torch.arange(bits.numel(), dtype=torch.int64) * 2 + 1
+    return int((bits * weights).sum())
+
+
 def _shape_of(row: Sequence[int]) -> str:
-    if row[0] in (-1, 98):
-        return "None" if row[0] == -1 else "not a tensor"
+    if row[0] in (_NONE, _NOT_A_TENSOR):
+        return "None" if row[0] == _NONE else "not a tensor"
     dtype = _DTYPES[row[0]] if row[0] < len(_DTYPES) else "another dtype"
     return f"{tuple(row[2:2 + row[1]])} {dtype}"
 
 
-def handshake(caller: str, group, named: Sequence[Tuple[str, Optional[Tensor]]],
-              settings: Sequence[int], setting_names: str) -> None:
-    """Every rank describes the tensors ``named`` and the ints ``settings``; raises the same
-    error on every rank when any of them differs between ranks (TypeError for a dtype,
-    ValueError else), naming the argument and what each rank gave. Waits HANDSHAKE_TIMEOUT for
-    the peers, then raises RuntimeError (a peer that never called)."""
-    rows = [_describe(t) for _, t in named]
-    mine = torch.tensor([x for row in rows for x in row] + list(settings), dtype=torch.long)
+def _per_rank(values: Sequence, show=str) -> str:
+    return ", ".join(f"rank {r}: {show(x)}" for r, x in enumerate(values))
+
+
+def handshake(caller: str, group, tensors: Dict[str, object],
+              settings: Dict[str, object]) -> None:
+    """Every rank sends one message of a fixed size naming ``caller`` (one of CALLS, under
+    _PREFIX) and describing its ``tensors`` (names among TENSORS and OPTION_TENSORS) and
+    ``settings`` (names among SETTINGS'); raises the same error on every rank when any of them
+    differs between ranks, naming it and what each rank gave: ValueError for another call, a
+    shape, an option tensor's values or a setting, TypeError for a dtype. Waits
+    HANDSHAKE_TIMEOUT for the peers, then raises RuntimeError (a peer that never called)."""
+    named = {**{name: None for name in TENSORS + OPTION_TENSORS}, **tensors}
+    rows = [_describe(named[name]) for name in TENSORS + OPTION_TENSORS]
+    digests = [_digest(named[name]) for name in OPTION_TENSORS]
+    values = [x for s in SETTINGS for x in s.encode(settings.get(s.name))]
+    call = CALLS.index(caller.removeprefix(_PREFIX + "."))
+    mine = torch.tensor([call] + [x for row in rows for x in row] + digests + values,
+                        dtype=torch.long)
     if dist.get_backend(group) != "gloo":
-        mine = mine.to(next(t.device for _, t in named if isinstance(t, Tensor)))
+        mine = mine.to(next(t.device for t in tensors.values() if isinstance(t, Tensor)))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     try:
@@ -57,42 +136,54 @@ def handshake(caller: str, group, named: Sequence[Tuple[str, Optional[Tensor]]],
         raise RuntimeError(f"{caller}: not every rank of the group called within "
                            f"{HANDSHAKE_TIMEOUT}: {error}") from error
     table = torch.stack(gathered).cpu().tolist()
-    width = len(rows[0])
-    for i, (name, _) in enumerate(named):
+    calls = [row[0] for row in table]
+    if any(c != calls[0] for c in calls):
+        # Not under the caller's name: each rank's differs, and the message must not.
+        raise ValueError(f"{_PREFIX}: every rank of the group must make the same call, got "
+                         f"{_per_rank(calls, lambda c: CALLS[c])}")
+    _compare(caller, [row[1:] for row in table])
+
+
+def _compare(caller: str, table: List[List[int]]) -> None:
+    """The tensors', the option tensors' digests' and the settings' parts of every rank's
+    message (``table``, a row per rank), compared in a fixed order."""
+    width = 2 + _MAX_DIMS
+    for i, name in enumerate(TENSORS + OPTION_TENSORS):
         per_rank = [row[i * width:(i + 1) * width] for row in table]
         if any(r[0] != per_rank[0][0] for r in per_rank):
-            seen = ", ".join(f"rank {r}: {_shape_of(x)}" for r, x in enumerate(per_rank))
-            raise TypeError(f"{caller}: {name} must have the same dtype on every rank, got {seen}")
+            raise TypeError(f"{caller}: {name} must have the same dtype on every rank, got "
+                            f"{_per_rank(per_rank, _shape_of)}")
         if any(r != per_rank[0] for r in per_rank):
-            seen = ", ".join(f"rank {r}: {_shape_of(x)}" for r, x in enumerate(per_rank))
-            raise ValueError(f"{caller}: {name} must have the same shape on every rank (equal "
-                             f"shards), got {seen}")
-    tail = [row[len(rows) * width:] for row in table]
-    if any(t != tail[0] for t in tail):
-        seen = ", ".join(f"rank {r}: {t}" for r, t in enumerate(tail))
-        raise ValueError(f"{caller}: {setting_names} must be the same on every rank, got {seen}")
+            what = "(equal shards)" if name in TENSORS else "(it is replicated)"
+            raise ValueError(f"{caller}: {name} must have the same shape on every rank {what}, "
+                             f"got {_per_rank(per_rank, _shape_of)}")
+    start = len(TENSORS + OPTION_TENSORS) * width
+    for i, name in enumerate(OPTION_TENSORS):
+        digests = [row[start + i] for row in table]
+        if any(d != digests[0] for d in digests):
+            ranks = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ValueError(f"{caller}: {name} must have the same values on every rank (it is "
+                             f"replicated), got other values on rank(s) {ranks} than on rank 0")
+    start += len(OPTION_TENSORS)
+    for setting in SETTINGS:
+        per_rank = [row[start:start + 1 + setting.width] for row in table]
+        if any(v != per_rank[0] for v in per_rank):
+            raise ValueError(f"{caller}: {setting.name} must be the same on every rank, got "
+                             f"{_per_rank(per_rank, setting.show)}")
+        start += 1 + setting.width
 
 
-def _bits(value: Optional[float]) -> int:
-    """A float option as an int for the handshake (its bits, so that any difference shows)."""
-    if value is None:
-        return -1
-    return int(torch.tensor(float(value), dtype=torch.float64).view(torch.int64).item())
-
-
-def _settings(window, softcap, dropout_p: float, layout: str) -> List[int]:
-    return [window[0], window[1], _bits(softcap), _bits(dropout_p), LAYOUTS.index(layout)]
-
-
-def _begin_call(caller: str, group, layout: str, window, softcap, named, dropout_p=0.0):
-    """What every call checks first, on this rank and then among the ranks (the handshake over
-    ``named``, q, k and v first): returns the group, this rank, the world size and the window."""
+def _begin_call(caller: str, group, named: Sequence[Tuple[str, Optional[Tensor]]], *,
+                scale, window, softcap, layout: str, dropout_p: Optional[float] = None):
+    """What every attention call checks first: the handshake over ``named`` (q, k and v first)
+    and the options, then this rank's arguments (alike on every rank once they agree). Returns
+    the group, this rank, the world size and the window."""
+    group, rank, world = resolve_group(caller, group)
+    handshake(caller, group, dict(named), {"scale": scale, "window": window,
+                                           "softcap": softcap, "dropout_p": dropout_p,
+                                           "layout": layout})
     _check_layout(caller, layout)
     window = check_window(caller, window)
-    group, rank, world = resolve_group(caller, group)
-    handshake(caller, group, named, _settings(window, softcap, dropout_p, layout),
-              "window, softcap, dropout_p and layout")
-    # After the handshake: every rank has the same kinds and shapes, so raises alike.
     q, k, v = (t for _, t in named[:3])
     _check_local(caller, q, k, v)
     if layout == "zigzag" and q.shape[-2] % 2:

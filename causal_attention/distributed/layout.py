@@ -1,6 +1,6 @@
 """The group and the layout: which process group a call runs over, and which tokens of the
 sequence each rank's shard holds (``"zigzag"`` or ``"contiguous"``, see the package's
-docstring), with the conversions between a sequence and its shards."""
+docstring), with a sequence's shards and their order (unshard.py gathers them back)."""
 
 import functools
 from typing import List, NamedTuple, Optional, Tuple
@@ -8,8 +8,6 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from .collectives import _AllGather
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -111,17 +109,3 @@ def _global_order(shard_length: int, world: int, layout: str,
             order[c.position:c.position + c.length] = torch.arange(
                 r * shard_length + c.start, r * shard_length + c.start + c.length)
     return _Order(order.to(device), torch.argsort(order).to(device))
-
-
-def unshard_sequence(x: Tensor, group=None, dim: int = 2, layout: str = "zigzag") -> Tensor:
-    """The whole sequence along ``dim`` from every rank's shard ``x`` (an all-gather), on every
-    rank; differentiable: a shard's gradient sums what every rank's use of the whole sent it."""
-    caller = "causal_attention.distributed.unshard_sequence"
-    _check_layout(caller, layout)
-    group, _, world = resolve_group(caller, group)
-    if layout == "zigzag" and x.shape[dim] % 2:
-        raise ValueError(f"{caller}: a zigzag shard holds two equal chunks, so x.shape[{dim}] "
-                         f"must be even, got {x.shape[dim]}")
-    whole = torch.cat(_AllGather.apply(x, group).unbind(0), dim)
-    order = _global_order(x.shape[dim], world, layout, x.device)
-    return whole if order is None else whole.index_select(dim, order.to_sequence)

@@ -181,8 +181,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Option
     """
     caller = "causal_attention.distributed.ring_attention"
     group, rank, world, window = _begin_call(
-        caller, group, layout, window, softcap,
-        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)])
+        caller, group,
+        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)],
+        scale=scale, window=window, softcap=softcap, layout=layout)
     if k.shape[-2] != q.shape[-2]:
         raise ValueError(f"{caller}: q and k must hold the same tokens (the shards of one "
                          f"sequence), got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")

@@ -65,9 +65,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
     """
     caller = "causal_attention.distributed.ulysses_attention"
     group, rank, world, window = _begin_call(
-        caller, group, layout, window, softcap,
+        caller, group,
         [("q", q), ("k", k), ("v", v), ("key_mask", key_mask), ("alibi_slopes", alibi_slopes),
-         ("sinks", sinks)], dropout_p)
+         ("sinks", sinks)],
+        scale=scale, window=window, softcap=softcap, layout=layout, dropout_p=dropout_p)
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_q % world:
         raise ValueError(f"{caller}: Ulysses gives each of the N={world} ranks Hq/N query heads, "

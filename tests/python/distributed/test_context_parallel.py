@@ -3,9 +3,11 @@ contiguous) and Ulysses on 2 and 4 ranks, outputs and every gradient against the
 op on the unsharded tensors (float64 within 1e-10; float32 and bfloat16 within twice the
 single-process op's own error against float64), bitwise the same on a second run at another
 thread count; the zigzag layout's balance and the ring's skipped steps; and bad calls raising
-the same typed error on every rank, a peer that never calls included."""
+the same typed error on every rank, a peer that never calls included, as do ranks that differ in
+any option of a call, or call different functions."""
 
 import datetime
+import itertools
 from typing import Dict, List
 
 import pytest
@@ -223,6 +225,28 @@ def test_ring_steps_whose_shards_no_row_sees_are_not_run():
 # --- bad calls ------------------------------------------------------------------------------
 
 
+def errors_of(calls: Dict[str, object]) -> dict:
+    """What each call raised on this rank, (type name, message), or None."""
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+            errors[name] = (type(error).__name__, str(error))
+    return errors
+
+
+def assert_every_rank_raised(per_rank: List[dict], expected: Dict[str, tuple]) -> None:
+    """Each call named in ``expected`` raised its (type name, words of the message) on every
+    rank, the same error on each."""
+    for name, (kind, words) in expected.items():
+        for rank, errors in enumerate(per_rank):
+            assert errors[name] is not None, f"{name}: rank {rank} raised nothing"
+            assert errors[name][0] == kind and words in errors[name][1], (name, errors[name])
+        assert all(errors[name] == per_rank[0][name] for errors in per_rank), name
+
+
 def bad_calls_worker(rank: int, world: int) -> dict:
     def q(length=16, heads=4, dtype=torch.float32):
         return torch.randn(1, heads, length, 8, dtype=dtype)
@@ -245,13 +269,7 @@ def bad_calls_worker(rank: int, world: int) -> dict:
     }
     not_member = torch.distributed.new_group([0])
     calls["not a member"] = lambda: cp.ring_attention(q(), kv(), kv(), group=not_member)
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
-            errors[name] = (type(error).__name__, str(error))
+    errors = errors_of(calls)
     # A peer that never calls: the caller gives up after the handshake's timeout.
     call_checks.HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=2)
     if rank == 0:
@@ -268,8 +286,8 @@ BAD_CALLS = {
     "odd zigzag shard": ("ValueError", "shard length must be even"),
     "dtypes": ("TypeError", "q must have the same dtype on every rank"),
     "heads": ("ValueError", "q must have the same shape on every rank"),
-    "window": ("ValueError",
-               "window, softcap, dropout_p and layout must be the same on every rank"),
+    "window": ("ValueError", "window must be the same on every rank, got rank 0: (7, 0), "
+               "rank 1: (-1, 0)"),
     "ulysses heads": ("ValueError", "Hq must be a multiple of N"),
     "layout": ("ValueError", "layout must be one of"),
     "lengths of q and k": ("ValueError", "q and k must hold the same tokens"),
@@ -280,13 +298,101 @@ BAD_CALLS = {
 
 def test_bad_calls_raise_the_same_typed_error_on_every_rank(tmp_path):
     per_rank = run_ranks(2, bad_calls_worker, out_dir=tmp_path, barrier=False)
-    for name, (kind, words) in BAD_CALLS.items():
-        for rank, errors in enumerate(per_rank):
-            assert errors[name] is not None, f"{name}: rank {rank} raised nothing"
-            assert errors[name][0] == kind and words in errors[name][1], (name, errors[name])
-        assert per_rank[0][name] == per_rank[1][name], name
+    assert_every_rank_raised(per_rank, BAD_CALLS)
     # Only rank 1 is outside the group of rank 0.
     assert per_rank[1]["not a member"][0] == "ValueError"
     assert "not a member of group" in per_rank[1]["not a member"][1]
     assert per_rank[0]["peer never calls"][0] == "RuntimeError"
     assert "not every rank of the group called" in per_rank[0]["peer never calls"][1]
+
+
+# --- the ranks disagreeing: every call, option and pair of calls ----------------------------
+
+
+def mismatch_calls(rank: int) -> Dict[str, object]:
+    """Calls whose arguments differ between rank 0 and rank 1 (``mine(for_0, for_1)``), or that
+    are different functions on the two ranks."""
+    g = torch.Generator().manual_seed(0)  # the same tensors on both ranks
+    q, k, v = (torch.randn(1, h, 16, 8, generator=g) for h in (4, 2, 2))
+    slopes, sinks = torch.rand(4, generator=g), torch.randn(4, generator=g)
+    mask = torch.rand(1, 16, generator=g) > 0.3
+
+    def mine(for_0, for_1):
+        return for_1 if rank else for_0
+
+    ring, ulysses, unshard = cp.ring_attention, cp.ulysses_attention, cp.unshard_sequence
+    calls = {"ring: q's dtype": lambda: ring(mine(q, q.double()), k, v),
+             "ring: k's length": lambda: ring(q, mine(k, k[..., :8, :]), v)}
+    for name, for_0, for_1 in (("scale", 0.25, 0.5), ("window", (-1, 0), (3, 0)),
+                               ("softcap", None, 5.0), ("layout", "zigzag", "contiguous"),
+                               ("alibi_slopes", None, slopes), ("sinks", sinks, sinks * 2)):
+        calls[f"ring: {name}"] = lambda name=name, a=for_0, b=for_1: ring(
+            q, k, v, **{name: mine(a, b)})
+    calls["ring: alibi_slopes' values"] = lambda: ring(q, k, v, alibi_slopes=mine(slopes,
+                                                                                  slopes.flip(0)))
+    for name, for_0, for_1 in (("scale", 0.25, 0.5), ("window", (-1, 0), (-1, -1)),
+                               ("softcap", 2.0, 3.0), ("dropout_p", 0.0, 0.1),
+                               ("layout", "contiguous", "zigzag"), ("key_mask", mask, None),
+                               ("sinks", None, sinks)):
+        calls[f"ulysses: {name}"] = lambda name=name, a=for_0, b=for_1: ulysses(
+            q, k, v, **{name: mine(a, b)})
+    calls["ulysses: v's dtype"] = lambda: ulysses(q, k, mine(v, v.bfloat16()))
+    calls["unshard: x's length"] = lambda: unshard(mine(q, q[..., :8, :]))
+    calls["unshard: x's dtype"] = lambda: unshard(mine(q, q.double()))
+    calls["unshard: dim"] = lambda: unshard(q, dim=mine(2, -2))
+    calls["unshard: layout"] = lambda: unshard(q, layout=mine("zigzag", "contiguous"))
+    methods = {"ring": lambda: ring(q, k, v), "ulysses": lambda: ulysses(q, k, v),
+               "unshard": lambda: unshard(q)}
+    for first, second in (("ring", "ulysses"), ("ring", "unshard"), ("ulysses", "unshard")):
+        calls[f"{first} and {second}"] = mine(methods[first], methods[second])
+        calls[f"{second} and {first}"] = mine(methods[second], methods[first])
+    # After every refusal the ranks are still in step: a call they agree on is served.
+    calls["agreed afterwards"] = lambda: ring(q, k, v, scale=0.5)
+    return calls
+
+
+def mismatch_worker(rank: int, world: int) -> dict:
+    return errors_of(mismatch_calls(rank))
+
+
+# What each rank must raise: the error type and words of its message.
+MISMATCHES = {
+    "ring: q's dtype": ("TypeError", "q must have the same dtype on every rank"),
+    "ring: k's length": ("ValueError", "k must have the same shape on every rank"),
+    "ring: scale": ("ValueError", "scale must be the same on every rank, got rank 0: 0.25, "
+                    "rank 1: 0.5"),
+    "ring: window": ("ValueError", "window must be the same on every rank"),
+    "ring: softcap": ("ValueError", "softcap must be the same on every rank, got rank 0: None"),
+    "ring: layout": ("ValueError", "layout must be the same on every rank, got rank 0: "
+                     "'zigzag', rank 1: 'contiguous'"),
+    "ring: alibi_slopes": ("TypeError", "alibi_slopes must have the same dtype on every rank"),
+    "ring: sinks": ("ValueError", "sinks must have the same values on every rank"),
+    "ring: alibi_slopes' values": ("ValueError",
+                                   "alibi_slopes must have the same values on every rank"),
+    "ulysses: scale": ("ValueError", "scale must be the same on every rank"),
+    "ulysses: window": ("ValueError", "window must be the same on every rank"),
+    "ulysses: softcap": ("ValueError", "softcap must be the same on every rank"),
+    "ulysses: dropout_p": ("ValueError", "dropout_p must be the same on every rank"),
+    "ulysses: layout": ("ValueError", "layout must be the same on every rank"),
+    "ulysses: key_mask": ("TypeError", "key_mask must have the same dtype on every rank"),
+    "ulysses: sinks": ("TypeError", "sinks must have the same dtype on every rank"),
+    "ulysses: v's dtype": ("TypeError", "v must have the same dtype on every rank"),
+    "unshard: x's length": ("ValueError", "x must have the same shape on every rank"),
+    "unshard: x's dtype": ("TypeError", "x must have the same dtype on every rank"),
+    "unshard: dim": ("ValueError", "dim must be the same on every rank, got rank 0: 2, "
+                     "rank 1: -2"),
+    "unshard: layout": ("ValueError", "layout must be the same on every rank"),
+    **{f"{a} and {b}": ("ValueError", "causal_attention.distributed: every rank of the group "
+                        "must make the same call, got rank 0: ")
+       for a, b in itertools.permutations(("ring", "ulysses", "unshard"), 2)},
+}
+
+
+def test_ranks_that_disagree_raise_the_same_typed_error_on_every_rank(tmp_path):
+    """Each option of each call, and each pair of calls, differing between the two ranks: both
+    raise the same error, naming what differs (none aborts, hangs or computes), and the ranks
+    stay in step for the next call."""
+    per_rank = run_ranks(2, mismatch_worker, out_dir=tmp_path, timeout=120)
+    assert_every_rank_raised(per_rank, MISMATCHES)
+    assert set(per_rank[0]) == set(MISMATCHES) | {"agreed afterwards"}
+    assert per_rank[0]["agreed afterwards"] is None and per_rank[1]["agreed afterwards"] is None
