@@ -95,6 +95,11 @@ double check_paged_call(const PagedCall& call) {
                     "page_size, Hkv, Dv) with q's D, got q.shape=",
                     q.sym_sizes(), ", k_cache.shape=", k.sym_sizes(),
                     ", v_cache.shape=", v.sym_sizes());
+  // A token's page is its position divided by page_size, found on the host and in the kernels.
+  TORCH_CHECK_VALUE(k.sym_size(1) != 0, op,
+                    ": the pages must hold at least one token (page_size = k_cache.shape[1] >= 1), "
+                    "got k_cache.shape=",
+                    k.sym_sizes());
   TORCH_CHECK_VALUE(k.sym_size(2) != 0 && q.sym_size(-2) % k.sym_size(2) == 0, op,
                     ": q's heads Hq must be a multiple of the caches' Hkv, got q.shape=",
                     q.sym_sizes(), ", k_cache.shape=", k.sym_sizes());

@@ -157,6 +157,9 @@ def _check_pages(fn: str, block_table: Tensor, page_size: int, num_blocks: int,
                  ends: Tensor) -> None:
     """Every page of ``block_table`` (a CPU tensor) that row b's first ``ends[b]`` keys lie on
     must exist; the columns past them are never read."""
+    if page_size < 1:  # checked here, before the pages are counted by dividing by it
+        raise ValueError(f"{fn}: the pages must hold at least one token (page_size = "
+                         f"k_cache.shape[1] >= 1), got page_size={page_size}")
     used = (ends.long() + page_size - 1) // page_size
     read = torch.arange(block_table.size(1)) < used.unsqueeze(1)
     outside = read & ((block_table < 0) | (block_table >= num_blocks))

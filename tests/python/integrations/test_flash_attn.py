@@ -1366,6 +1366,18 @@ BAD = [
     pytest.param(paged_varlen_call(max_seqlen_k=7), ValueError,
                  r"flash_attn_varlen_func: sequence 1 has length 8 \(cu_seqlens_k\[2\] - "
                  r"cu_seqlens_k\[1\]\), more than max_seqlen_k=7", id="varlen-block_table-max-k"),
+    # Pages of no token (page_size 0): refused, never a division by zero (issue 41, D15).
+    pytest.param(bad_kv(k_cache=torch.randn(4, 0, 2, 8), v_cache=torch.randn(4, 0, 2, 8),
+                        k=None, v=None, cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                        block_table=torch.zeros(2, 0, dtype=torch.int32)),
+                 ValueError, r"flash_attn_with_kvcache: the pages must hold at least one token",
+                 id="kv-page-size-0"),
+    pytest.param(lambda: flash_attn_varlen_func(
+        torch.randn(2, 2, 8), torch.randn(4, 0, 2, 8), torch.randn(4, 0, 2, 8),
+        torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32),
+        1, 0, causal=True, block_table=torch.zeros(2, 0, dtype=torch.int32)),
+                 ValueError, r"flash_attn_varlen_func: the pages must hold at least one token",
+                 id="varlen-block_table-page-size-0"),
     pytest.param(bad_kv(num_splits=1.5), TypeError, "num_splits", id="kv-num_splits"),
     # The packed functions: their own arguments named, with the packed function.
     pytest.param(lambda: flash_attn_qkvpacked_func(torch.ones(2, 5, 2, 4, 8)), ValueError,

@@ -268,6 +268,15 @@ BAD_CALLS = [
                  "multiple of the caches' Hkv", id="heads"),
     pytest.param(with_changes(q=torch.randn(2, 2, 8)), ValueError, r"q must be \(B, Lq, Hq, D\)",
                  id="q-rank"),
+    # A page of no token: refused before any page is found by dividing by its size, as with an
+    # empty table (a SIGFPE before; issue 41, D15).
+    pytest.param(with_changes(k_cache=torch.randn(4, 0, 1, 8), v_cache=torch.randn(4, 0, 1, 8)),
+                 ValueError, r"pages must hold at least one token .* k_cache.shape=\[4, 0, 1, 8\]",
+                 id="page-size-0"),
+    pytest.param(with_changes(k_cache=torch.randn(4, 0, 1, 8), v_cache=torch.randn(4, 0, 1, 8),
+                              block_table=torch.zeros(2, 0, dtype=torch.int32),
+                              cache_seqlens=torch.zeros(2, dtype=torch.int32)),
+                 ValueError, "pages must hold at least one token", id="page-size-0-empty-table"),
     pytest.param(with_changes(block_table=torch.zeros(2, 2, dtype=torch.int32, device="meta")),
                  ValueError, "block_table must be a CPU tensor", id="table-device"),
 ]
