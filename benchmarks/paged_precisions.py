@@ -2,7 +2,10 @@
 `precisions` section): caches of float32, bfloat16 and the 8-bit dtypes (float8_e4m3fn,
 float8_e5m2, int8, with a scale per token and KV head, e4m3 also with one per tensor), each timed
 against a bare read of its own pages' bytes (read_pages on the same memory viewed as float32:
-what the memory system alone charges), and against each other.
+what the memory system alone charges), and against each other; and each decode beside its
+arithmetic floor (its float32 multiply-adds at the block-product probe's float32 rate), which
+bounds how close to its bare read an exact float32 decode can come on the chip
+(best_read_over_decode).
 
 Each dtype is timed in the same rounds as the bfloat16 cache, so that their ratio holds on a
 shared machine. Sizes are the serving issue's: --precision-batches sequences of --precision-length cached tokens,
@@ -18,7 +21,8 @@ import torch
 
 import causal_attention as ca
 
-from .limits import probe
+from .cases import FULL, QUICK
+from .limits import measure_limit, probe
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 # label: (cache dtype, q dtype, scale layout)
@@ -131,15 +135,30 @@ def paired(args, seconds, batch, length, lengths_q, generator):
     return results
 
 
+def float32_gflops(quick):
+    """The chip's float32 block-product rate (GFLOP/s, every thread at once; the block-product
+    probe, benchmarks.limits): a decode's float32 multiply-adds take at least their count over
+    it, however its reads overlap them."""
+    limit, _ = measure_limit(QUICK if quick else FULL)
+    return limit["float32"]
+
+
 def section_precisions(args, seconds) -> dict:
     generator = torch.Generator().manual_seed(0)
+    gflops = float32_gflops(args.quick)
+    print(json.dumps({"float32_block_product_gflops": gflops}))
     decode = []
     for batch in args.precision_batches:
         timed = paired(args, seconds, batch, args.precision_length, [1] * batch, generator)
+        # Scores and values: 2 multiply-adds a (query head, key, dim) pair each.
+        flops = 4 * batch * HEADS * args.precision_length * HEAD_DIM
+        floor = flops / (gflops * 1e9)
         for label, (paged, read, nbytes, bf16) in timed.items():
             row = {"batch": batch, "length": args.precision_length, "cache": label,
                    "cache_mib": nbytes / 2**20, "decode_ms": paged * 1e3,
                    "bare_read_ms": read * 1e3, "read_over_decode": read / paged,
+                   "arithmetic_floor_ms": floor * 1e3,
+                   "best_read_over_decode": min(1.0, read / floor),
                    "gb_per_s": nbytes / paged / 1e9, "bfloat16_over_this": bf16 / paged}
             print(json.dumps(row))
             decode.append(row)
@@ -151,4 +170,4 @@ def section_precisions(args, seconds) -> dict:
                "cache": label, "prefill_ms": paged * 1e3, "bfloat16_over_this": bf16 / paged}
         print(json.dumps(row))
         prefill.append(row)
-    return {"decode": decode, "prefill": prefill}
+    return {"float32_block_product_gflops": gflops, "decode": decode, "prefill": prefill}
