@@ -77,8 +77,12 @@ at::Tensor attention_weights_composite(const detail::AttentionCall& call) {
     if (mask.scalar_type() == at::kBool) {
       hidden = hidden.logical_or(mask.logical_not());
     } else {
-      scores = scores.add(mask.to(scores.scalar_type()));
-      hidden = hidden.logical_or(mask.eq(-std::numeric_limits<double>::infinity()));
+      // Its -inf entries hide their keys and add nothing: a row they hide whole keeps finite
+      // scores (zeroed below with a zero gradient, not a softmax of -inf's NaN), and those
+      // entries' gradient is zero, as attention's.
+      const at::Tensor mask_hides = mask.eq(-std::numeric_limits<double>::infinity());
+      scores = scores.add(mask.masked_fill(mask_hides, 0).to(scores.scalar_type()));
+      hidden = hidden.logical_or(mask_hides);
     }
   }
   if (window[0] >= 0) {

@@ -60,6 +60,28 @@ def test_rows_without_a_visible_key_are_zero_and_get_zero_gradient():
     assert torch.all(q.grad[:, :3] == 0)
 
 
+def test_a_row_a_float_mask_hides_whole_gets_attentions_finite_gradients():
+    """A float attn_mask whose -inf hides a row's every key (full attention, window (-1, -1)):
+    the row's weights are zeros, and the gradients of q, k and the mask are attention's, finite
+    (issue 41, D16: they were NaN)."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 5, 3, dtype=torch.float64)
+    mask = torch.randn(4, 5, dtype=torch.float64)
+    mask[1] = -math.inf
+    mask[2, :2] = -math.inf
+    mask.requires_grad_()
+    weights = causal_attention.attention_weights(q, k, v, attn_mask=mask, window=(-1, -1))
+    assert torch.all(weights[..., 1, :] == 0)
+    grad_out = torch.randn(1, 2, 4, 3, dtype=torch.float64)
+    got = torch.autograd.grad(weights @ v, (q, k, mask), grad_out)
+    out = causal_attention.attention(q, k, v, attn_mask=mask, window=(-1, -1))
+    want = torch.autograd.grad(out, (q, k, mask), grad_out)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+
+
 def test_gradients_match_finite_differences():
     q = torch.randn(2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 1, 4, 4, dtype=torch.float64, requires_grad=True)
