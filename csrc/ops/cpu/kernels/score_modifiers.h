@@ -12,7 +12,6 @@
 #include "dropout_hash.h"
 #include "geometry.h"
 #include "kernel_api.h"
-#include "row_ops.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -25,31 +24,25 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-// tanh for the softcap. float32: from exp_u20, (1 - e) / (1 + e) with e = exp(-2|x|), and its
-// Taylor series below |x| = 0.25 where that would cancel: within 3e-7 relative and 1e-7
-// absolute of tanh (Sleef's tanh, at::vec's, is within 6e-8) at a third of its cost, measured on
-// Zen 3. float64 keeps at::vec's.
+// tanh for the softcap. float32: where every lane of the vector lies below |x| = 0.25 (typical
+// logits under a typical cap, Gemma 2's 50), its Taylor series, at a third of Sleef's cost;
+// elsewhere at::vec's (Sleef's, within 1 ulp). (1 - e) / (1 + e) from exp_u20 there, within 3e-7,
+// cost float32 backwards twice torch's error at logits near the cap (flash-attn's softcap tests,
+// which scale q by softcap / 4). float64 keeps at::vec's.
 template <typename acc_t>
 inline at::vec::Vectorized<acc_t> softcap_tanh(const at::vec::Vectorized<acc_t>& x) {
   using Vec = at::vec::Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
-    const Vec ax = x.abs();
+    if ((x.abs() < Vec(0.25f)).zero_mask() != 0) {
+      return x.tanh();
+    }
     const Vec x2 = x * x;
     Vec series = Vec(62.f / 2835.f);
     series = at::vec::fmadd(series, x2, Vec(-17.f / 315.f));
     series = at::vec::fmadd(series, x2, Vec(2.f / 15.f));
     series = at::vec::fmadd(series, x2, Vec(-1.f / 3.f));
     series = at::vec::fmadd(series, x2, Vec(1.f));
-    const Vec near = x * series;
-    const Vec is_near = ax < Vec(0.25f);
-    // Typical logits under a typical cap (Gemma 2's 50) are all near: the series alone then.
-    if (is_near.zero_mask() == 0) {
-      return near;
-    }
-    const Vec e = vec_exp(ax * Vec(-2.f));
-    const Vec far = (Vec(1.f) - e) / (Vec(1.f) + e);
-    const Vec signed_far = Vec::blendv(far, Vec(0.f) - far, x < Vec(0.f));
-    return Vec::blendv(signed_far, near, is_near);
+    return x * series;
   } else {
     return x.tanh();
   }
