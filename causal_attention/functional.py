@@ -15,7 +15,8 @@ from torch import Tensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ._arguments import refuse_tensor_requiring_grad
-from .ops import attention
+from ._jagged import check_nested_call, is_nested_call, nested_like, packed_call, ragged_batch
+from .ops import attention, varlen_attention
 
 _OP = "causal_attention.scaled_dot_product_attention"
 
@@ -110,8 +111,17 @@ def scaled_dot_product_attention(
     requires grad) ``RuntimeError``, with our op's message naming the argument. Two calls that
     torch 2.13's CPU SDPA runs without a word and answers wrongly raise ``RuntimeError`` here:
     ``value`` with another key count than ``key``, and a mask on another device.
+
+    Nested jagged (``layout=torch.jagged``) query, key and value ``(B, H, j, D)`` (key and value
+    may have other lengths than query) are served on their packed rows by ``varlen_attention``,
+    ``is_causal`` bottom-right in each sequence, and give a nested result on query's offsets;
+    what cannot be served (a mask, nested mixed with dense, strided layout, holes, another
+    ragged dim) raises ``TypeError``/``ValueError`` naming the argument.
     """
     _check_argument_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if is_nested_call(query, key, value):
+        return _nested_attention(query, key, value, attn_mask, _checked_dropout(dropout_p),
+                                 is_causal, scale, enable_gqa)
     top_left, mask = True, attn_mask
     if isinstance(attn_mask, CausalBias):
         if is_causal:
@@ -126,9 +136,7 @@ def scaled_dot_product_attention(
             "in SDPA; add the causal part to the mask (-inf above the diagonal) instead"
         )
     mask = _autocast_mask(mask, query)
-    dropout_p = float(dropout_p)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise RuntimeError(f"{_OP}: dropout_p must be in [0, 1], got dropout_p={dropout_p}")
+    dropout_p = _checked_dropout(dropout_p)
     try:
         query, key, value = _broadcast(query, key, value, enable_gqa)
         key, value, mask, window = _aligned(query, key, value, mask, is_causal, top_left)
@@ -137,14 +145,50 @@ def scaled_dot_product_attention(
             # gets one column of zeros, still a function of query and key for autograd.
             query, key = (t.sum(-1, keepdim=True) for t in (query, key))
             scale = 1.0 if scale is None else scale
-        out = attention(query, key, value, scale=scale, attn_mask=mask, window=window,
-                        dropout_p=0.0 if dropout_p == 1.0 else dropout_p)
+        return _dropped(dropout_p, lambda op_dropout_p: attention(
+            query, key, value, scale=scale, attn_mask=mask, window=window,
+            dropout_p=op_dropout_p))
     except (TypeError, ValueError) as error:
         # SDPA's checks of dtypes, shapes and devices raise RuntimeError: so does this, with
         # our op's message.
         raise RuntimeError(str(error)) from error
-    # Every probability dropped: SDPA's output is zeros, and so is its gradient.
-    return out * 0.0 if dropout_p == 1.0 else out
+
+
+def _checked_dropout(dropout_p) -> float:
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise RuntimeError(f"{_OP}: dropout_p must be in [0, 1], got dropout_p={dropout_p}")
+    return dropout_p
+
+
+def _dropped(dropout_p: float, attend) -> Tensor:
+    """``attend(op_dropout_p)``, the op's call, with ``dropout_p`` as SDPA applies it: the op
+    drops with probability below 1; with every probability dropped SDPA's output is zeros, and
+    so is its gradient."""
+    if dropout_p == 1.0:
+        return attend(0.0) * 0.0
+    return attend(dropout_p)
+
+
+def _nested_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: object,
+                      dropout_p: float, is_causal: bool, scale: Optional[float],
+                      enable_gqa: bool) -> Tensor:
+    """A call on ``torch.nested`` jagged tensors (see causal_attention/_jagged.py): ragged in
+    the sequence dim, ``varlen_attention`` on the packed buffers in place, causal bottom-right in
+    each sequence (as torch's CUDA flash kernel aligns nested calls; its CPU SDPA has none);
+    ragged in a batch-like dim, the dense call on the rows. The op's ``TypeError`` and
+    ``ValueError`` stay what they are, as torch's nested SDPA raises ``ValueError`` for them."""
+    check_nested_call(_OP, query, key, value, attn_mask)
+    if ragged_batch(query):
+        out = scaled_dot_product_attention(query.values(), key.values(), value.values(), None,
+                                           dropout_p, is_causal, scale=scale,
+                                           enable_gqa=enable_gqa)
+        return nested_like(out, query)
+    packed = packed_call(_OP, query, key, value, enable_gqa)
+    window = (-1, 0) if is_causal else (-1, -1)
+    out = _dropped(dropout_p, lambda op_dropout_p: varlen_attention(
+        *packed, scale=scale, window=window, dropout_p=op_dropout_p))
+    return nested_like(out, query)
 
 
 def _causal_bias(bias: CausalBias, query: Tensor, key: Tensor):

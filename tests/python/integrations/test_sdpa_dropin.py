@@ -6,6 +6,7 @@ of the leading dims and heads; E = 0), with dropout the probabilities attention_
 for the same generator state, dropped at the rate asked; and for every bad call the exception
 type SDPA itself raises for it."""
 
+import itertools
 import math
 from decimal import Decimal
 from fractions import Fraction
@@ -526,3 +527,115 @@ def test_numbers_sdpa_converts_to_float_are_accepted(kwargs):
         causal_attention.scaled_dot_product_attention(**args),
         F.scaled_dot_product_attention(**args),
     )
+
+
+# torch.nested jagged tensors: (B, H, j, D), ragged in the sequence dim, served through
+# varlen_attention on the packed rows (causal bottom-right in each sequence, beyond torch's CPU
+# SDPA); ragged in the batch-like dim 1, the dense call on the rows, as torch serves it.
+def _jagged(lengths, heads, dim, dtype=torch.float64):
+    """A (B, H, j, D) jagged leaf built as attention layers build one: every sequence's rows in
+    one (total, H, D) buffer, viewed (B, j, H, D) on its offsets and transposed."""
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
+    rows = make_tensor((sum(lengths), heads, dim), dtype)
+    nested = torch.nested.nested_tensor_from_jagged(rows, offsets)
+    return nested.transpose(1, 2).detach().requires_grad_(True)
+
+
+def _rows(nested):
+    """The (total, H, D) rows of a (B, H, j, D) jagged tensor: a view, differentiable."""
+    return nested.transpose(1, 2).values()
+
+
+def _nested_results(function, inputs, grad_rows, **kwargs):
+    """forward_and_grads of ``function`` on jagged inputs: out and dq, dk, dv as their rows,
+    the gradient of a loss over the nested output (``grad_rows`` its gradient by row)."""
+    results = forward_and_grads(lambda *qkv, **kw: _rows(function(*qkv, **kw)), inputs, grad_rows,
+                                **kwargs)
+    return tuple(_rows(r) if r.is_nested else r for r in results)
+
+
+def _per_sequence_sdpa(q, k, v, is_causal=False, **kwargs):
+    """SDPA on each sequence alone, causal bottom-right (the library's alignment, which torch's
+    CUDA flash kernel gives nested calls too), the sequences' rows packed: what a nested call
+    computes, spelled out."""
+    outs = []
+    for rows_q, rows_k, rows_v in zip(*(_rows(t).split(t.offsets().diff().tolist())
+                                        for t in (q, k, v))):
+        q_i, k_i, v_i = (r.transpose(0, 1) for r in (rows_q, rows_k, rows_v))
+        mask = causal_lower_right(q_i.size(-2), k_i.size(-2)) if is_causal else None
+        outs.append(F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, **kwargs))
+    out = torch.cat([o.transpose(0, 1) for o in outs])
+    # Nested for _nested_results, on query's offsets.
+    return torch.nested.nested_tensor_from_jagged(out, q.offsets()).transpose(1, 2)
+
+
+# id -> (query lengths, key/value lengths, (Hq, Hkv, D, Dv), keyword arguments)
+NESTED = {
+    "equal-lengths": ([3, 5, 2], [3, 5, 2], (2, 2, 8, 8), {}),
+    "scale-Dv": ([7, 1, 4], [7, 1, 4], (2, 2, 8, 4), {"scale": 0.3}),
+    "one-sequence": ([9], [9], (3, 3, 16, 16), {}),
+    "cross-lengths": ([3, 5, 2], [4, 7, 6], (2, 2, 8, 8), {}),
+}
+NESTED_GQA = {
+    "gqa": ([3, 5, 2], [3, 5, 2], (4, 2, 8, 8), {"enable_gqa": True}),
+    "mqa-cross-lengths": ([3, 5, 2], [4, 7, 6], (4, 1, 8, 8), {"enable_gqa": True}),
+}
+
+
+def _nested_inputs(case, dtype=torch.float64):
+    lengths_q, lengths_kv, (heads_q, heads_kv, dim, dim_v), _ = case
+    return (_jagged(lengths_q, heads_q, dim, dtype), _jagged(lengths_kv, heads_kv, dim, dtype),
+            _jagged(lengths_kv, heads_kv, dim_v, dtype))
+
+
+def _grad_rows(case, dtype=torch.float64):
+    lengths_q, _, (heads_q, _, _, dim_v), _ = case
+    return make_tensor((sum(lengths_q), heads_q, dim_v), dtype)
+
+
+@pytest.mark.parametrize("dtype", dtype_params((torch.float64, torch.float32)))
+@pytest.mark.parametrize("case", NESTED.values(), ids=NESTED.keys())
+def test_nested_calls_match_sdpa_on_the_same_nested_inputs(case, dtype):
+    inputs, grad_rows, kwargs = _nested_inputs(case, dtype), _grad_rows(case, dtype), case[3]
+    ours = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
+                           **kwargs)
+    sdpa = _nested_results(F.scaled_dot_product_attention, inputs, grad_rows, **kwargs)
+    for name, a, b in zip(RESULT_NAMES, ours, sdpa):
+        torch.testing.assert_close(a, b, msg=name)
+    # It is our op on the packed rows, not a fallback to SDPA.
+    q, k, v = inputs
+    cu_seqlens_q, cu_seqlens_k = (t.offsets().to(torch.int32) for t in (q, k))
+    packed = causal_attention.varlen_attention(
+        *(_rows(t) for t in inputs), cu_seqlens_q, cu_seqlens_k, max(case[0]), max(case[1]),
+        window=(-1, -1), **kwargs)
+    assert torch.equal(ours[0], packed)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", {**NESTED, **NESTED_GQA}.values(),
+                         ids={**NESTED, **NESTED_GQA}.keys())
+def test_nested_calls_are_sdpa_on_each_sequence_alone(case, is_causal):
+    """Causal included, which torch's CPU SDPA has no backend for (bottom-right in a sequence
+    with more keys than queries), and grouped-query attention, which its nested path refuses."""
+    inputs, grad_rows, kwargs = _nested_inputs(case), _grad_rows(case), case[3]
+    ours = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
+                           is_causal=is_causal, **kwargs)
+    ref = _nested_results(_per_sequence_sdpa, inputs, grad_rows, is_causal=is_causal, **kwargs)
+    for name, a, b in zip(RESULT_NAMES, ours, ref):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("dtype", dtype_params((torch.bfloat16, torch.float16)))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", [NESTED["cross-lengths"], NESTED_GQA["gqa"]],
+                         ids=["cross-lengths", "gqa"])
+def test_nested_calls_in_reduced_precision_within_twice_sdpa_s_error(case, is_causal, dtype):
+    inputs, grad_rows, kwargs = _nested_inputs(case, dtype), _grad_rows(case, dtype), case[3]
+    kwargs = {**kwargs, "is_causal": is_causal}
+    ours = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
+                           **kwargs)
+    same = _nested_results(_per_sequence_sdpa, inputs, grad_rows, **kwargs)
+    ref = _nested_results(_per_sequence_sdpa, [t.to(torch.float64) for t in inputs],
+                          to64(grad_rows), **kwargs)
+    failures = twice_sdpa_error_failures(RESULT_NAMES, ours, same, ref)
+    assert not failures, "; ".join(failures)
