@@ -639,3 +639,169 @@ def test_nested_calls_in_reduced_precision_within_twice_sdpa_s_error(case, is_ca
                           to64(grad_rows), **kwargs)
     failures = twice_sdpa_error_failures(RESULT_NAMES, ours, same, ref)
     assert not failures, "; ".join(failures)
+
+
+def test_nested_calls_read_the_nested_buffers_in_place(monkeypatch):
+    """varlen_attention gets the inputs' own (total, H, D) buffers, never a padded or packed
+    copy, and the result is a view of its output on query's offsets: its ragged size is
+    query's, so the two add."""
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return causal_attention.varlen_attention(*args, **kwargs)
+
+    monkeypatch.setattr(causal_attention.functional, "varlen_attention", recorded)
+    q, k, v = _nested_inputs(NESTED["cross-lengths"])
+    out = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (args,) = calls
+    for packed, nested in zip(args[:3], (q, k, v)):
+        assert packed.data_ptr() == _rows(nested).data_ptr()
+        assert packed.stride() == _rows(nested).stride()
+    assert out.offsets() is q.offsets()
+    assert (out + q).shape == q.shape
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_nested_gradients_pass_gradcheck(is_causal):
+    lengths_q, lengths_kv = [2, 3], [3, 3]
+    q_off, kv_off = (torch.tensor([0, *itertools.accumulate(n)]) for n in (lengths_q, lengths_kv))
+
+    def attend(rows_q, rows_k, rows_v):
+        q, k, v = (torch.nested.nested_tensor_from_jagged(rows, offsets).transpose(1, 2)
+                   for rows, offsets in ((rows_q, q_off), (rows_k, kv_off), (rows_v, kv_off)))
+        out = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                            enable_gqa=True)
+        return _rows(out)
+
+    rows = (torch.randn(5, 2, 4, dtype=torch.float64, requires_grad=True),
+            *(torch.randn(6, 1, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)))
+    assert torch.autograd.gradcheck(attend, rows)
+
+
+def test_nested_calls_under_no_grad_give_the_same_result_without_a_graph():
+    q, k, v = _nested_inputs(NESTED_GQA["gqa"])
+    with_grad = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                              enable_gqa=True)
+    with torch.no_grad():
+        out = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True)
+    assert not out.requires_grad
+    assert torch.equal(_rows(out), _rows(with_grad).detach())
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_nested_dropout_is_the_packed_op_s_for_the_same_generator_state(is_causal):
+    """Dropout as for dense inputs: its seed drawn from torch's default generator, so the same
+    state gives the same result, bit for bit; dropout_p=1 gives zeros."""
+    case = NESTED_GQA["mqa-cross-lengths"]
+    inputs, grad_rows = _nested_inputs(case), _grad_rows(case)
+    kwargs = dict(dropout_p=0.25, is_causal=is_causal, enable_gqa=True)
+    q, k, v = inputs
+    cu_seqlens_q, cu_seqlens_k = (t.offsets().to(torch.int32) for t in (q, k))
+
+    def packed(q, k, v, dropout_p, is_causal, enable_gqa):
+        out = causal_attention.varlen_attention(
+            *(_rows(t) for t in (q, k, v)), cu_seqlens_q, cu_seqlens_k, max(case[0]),
+            max(case[1]), window=(-1, 0) if is_causal else (-1, -1), dropout_p=dropout_p)
+        return torch.nested.nested_tensor_from_jagged(out, q.offsets()).transpose(1, 2)
+
+    torch.manual_seed(11)
+    ours = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
+                           **kwargs)
+    torch.manual_seed(11)
+    ref = _nested_results(packed, inputs, grad_rows, **kwargs)
+    for name, a, b in zip(RESULT_NAMES, ours, ref):
+        assert torch.equal(a, b), name
+    dropped = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
+                              **kwargs)
+    assert not torch.equal(dropped[0], ours[0])  # the generator moved on: another mask
+    everything = _nested_results(causal_attention.scaled_dot_product_attention, inputs,
+                                 grad_rows, **{**kwargs, "dropout_p": 1.0})
+    for name, result in zip(RESULT_NAMES, everything):
+        assert torch.equal(result, torch.zeros_like(result)), name
+
+
+def test_nested_ragged_in_the_batch_like_dim_is_sdpa_s_dense_call_on_the_rows():
+    """(B, j, L, D), ragged in dim 1: torch's SDPA runs the rows (total, L, D) as a dense call."""
+    offsets = torch.tensor([0, 2, 5])
+    inputs = [torch.nested.nested_tensor_from_jagged(make_tensor((5, 6, 8), torch.float64),
+                                                     offsets).requires_grad_(True)
+              for _ in range(3)]
+    grad_values = make_tensor((5, 6, 8), torch.float64)
+
+    def results(function):
+        out = function(*inputs, is_causal=True)
+        grads = torch.autograd.grad(out.values(), inputs, grad_values)
+        return (out.values(),) + tuple(g.values() for g in grads)
+
+    ours = results(causal_attention.scaled_dot_product_attention)
+    assert ours[0].shape == (5, 6, 8)
+    for name, a, b in zip(RESULT_NAMES, ours, results(F.scaled_dot_product_attention)):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def _refused_nested_call(name):
+    """A nested call that cannot be served: (query, key, value, keyword arguments)."""
+    q, k, v = _nested_inputs(NESTED["equal-lengths"])
+    kwargs = {}
+    if name == "dense-key":
+        k = torch.randn(3, 2, 5, 8, dtype=torch.float64)
+    elif name == "dense-query":
+        q = torch.randn(3, 2, 5, 8, dtype=torch.float64)
+    elif name == "strided-layout":
+        q, k, v = (torch.nested.nested_tensor([torch.randn(2, n, 8) for n in (3, 5, 2)])
+                   for _ in range(3))
+    elif name == "attn_mask":
+        kwargs["attn_mask"] = torch.ones(5, 5, dtype=torch.bool)
+    elif name == "causal-bias":
+        kwargs["attn_mask"] = causal_lower_right(5, 5)
+    elif name == "holes":
+        holes = torch.nested.nested_tensor_from_jagged(
+            torch.randn(12, 2, 8, dtype=torch.float64), torch.tensor([0, 4, 9, 12]),
+            lengths=torch.tensor([3, 5, 2]))
+        q = holes.transpose(1, 2)
+    elif name == "ragged-head-dim":
+        q, k, v = (t.transpose(2, 3) for t in (q, k, v))
+    elif name == "3d-ragged-sequence":
+        q, k, v = (torch.nested.nested_tensor([torch.randn(n, 8) for n in (3, 5, 2)],
+                                              layout=torch.jagged) for _ in range(3))
+    elif name == "ragged-dims-differ":
+        k = k.transpose(1, 2)
+    elif name == "heads-without-gqa":
+        k, v = _nested_inputs(NESTED_GQA["gqa"])[1:]
+        q = _jagged([3, 5, 2], 4, 8)
+    elif name == "key-value-lengths-differ":
+        v = _jagged([3, 4, 3], 2, 8)
+    return q, k, v, kwargs
+
+
+# id -> (exception type, what the message says)
+REFUSED_NESTED = {
+    "dense-key": (ValueError, "all nested or all dense, got query nested, key dense, value nested"),
+    "dense-query": (ValueError, "all nested or all dense, got query dense, key nested"),
+    "strided-layout": (TypeError, "a nested query must have layout=torch.jagged, got "
+                                  "layout=torch.strided"),
+    "attn_mask": (ValueError, "attn_mask must be None with nested query, key and value"),
+    "causal-bias": (ValueError, "attn_mask must be None with nested .* got CausalBias"),
+    "holes": (ValueError, r"a nested query must hold its sequences back to back, got one with "
+                          r"holes \(lengths \[3, 5, 2\]\)"),
+    "ragged-head-dim": (ValueError, r"a nested query must be \(B, H, j, D\), ragged in its "
+                                    r"sequence dim, .* ragged in dim 3"),
+    "3d-ragged-sequence": (ValueError, r"got shape \(3, j\d+, 8\), ragged in dim 1$"),
+    "ragged-dims-differ": (ValueError, "query, key and value must be ragged in the same dim, got "
+                                       "key"),
+    "heads-without-gqa": (ValueError, r"key must have query's 4 heads \(or 1\), got 2; "
+                                      r"grouped-query attention takes enable_gqa=True"),
+    "key-value-lengths-differ": (ValueError, r"key and value must have the same sequence "
+                                             r"lengths, got \[3, 5, 2\] and \[3, 4, 3\]"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_NESTED.keys())
+def test_nested_calls_that_cannot_be_served_raise_a_typed_error_naming_the_argument(name):
+    q, k, v, kwargs = _refused_nested_call(name)
+    error, message = REFUSED_NESTED[name]
+    with pytest.raises(error, match=message) as raised:
+        causal_attention.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert str(raised.value).startswith("causal_attention.scaled_dot_product_attention: ")
