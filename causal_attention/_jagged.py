@@ -37,12 +37,13 @@ def ragged_sequences(query: Tensor) -> bool:
 
 def ragged_batch(query: Tensor) -> bool:
     """Whether ``query``'s ragged dim is dim 1 of 4 or more, before its heads and sequence: a
-    batch-like dim, so its rows, ``query.values()``, are a dense call (torch's SDPA serves it
-    so, the way SAM's ragged prompts run)."""
+    batch-like dim, so its rows, ``query.values()``, are a dense call (as torch's SDPA serves
+    it)."""
     return query.dim() >= 4 and query._ragged_idx == 1
 
 
-def check_nested_call(fn: str, query: Tensor, key: Tensor, value: Tensor, attn_mask: object) -> None:
+def check_nested_call(fn: str, query: Tensor, key: Tensor, value: Tensor,
+                      attn_mask: object) -> None:
     """Refuses, naming the argument and what it is, a nested call that cannot be served: nested
     and dense tensors mixed, a nested tensor of strided layout (its rows are no one buffer) or
     with holes (``lengths``), ragged elsewhere than :func:`ragged_sequences` or
@@ -81,7 +82,8 @@ def check_nested_call(fn: str, query: Tensor, key: Tensor, value: Tensor, attn_m
         )
 
 
-def packed_call(fn: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> PackedCall:
+def packed_call(fn: str, query: Tensor, key: Tensor, value: Tensor,
+                enable_gqa: bool) -> PackedCall:
     """The ``(total, H, D)`` buffers of ``(B, H, j, D)`` query, key and value (views, no copy)
     and their offsets as ``cu_seqlens``. key and value must share their sequence lengths; query's
     may differ (cross-attention). Heads as the dense drop-in takes them: equal, key and value

@@ -532,13 +532,20 @@ def test_numbers_sdpa_converts_to_float_are_accepted(kwargs):
 # torch.nested jagged tensors: (B, H, j, D), ragged in the sequence dim, served through
 # varlen_attention on the packed rows (causal bottom-right in each sequence, beyond torch's CPU
 # SDPA); ragged in the batch-like dim 1, the dense call on the rows, as torch serves it.
+def _offsets(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)])
+
+
+def _on_offsets(rows, offsets):
+    """(B, H, j, D) jagged, built as attention layers build one: every sequence's rows in one
+    (total, H, D) buffer, viewed (B, j, H, D) on its offsets and transposed."""
+    return torch.nested.nested_tensor_from_jagged(rows, offsets).transpose(1, 2)
+
+
 def _jagged(lengths, heads, dim, dtype=torch.float64):
-    """A (B, H, j, D) jagged leaf built as attention layers build one: every sequence's rows in
-    one (total, H, D) buffer, viewed (B, j, H, D) on its offsets and transposed."""
-    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
+    """A (B, H, j, D) jagged leaf of random rows."""
     rows = make_tensor((sum(lengths), heads, dim), dtype)
-    nested = torch.nested.nested_tensor_from_jagged(rows, offsets)
-    return nested.transpose(1, 2).detach().requires_grad_(True)
+    return _on_offsets(rows, _offsets(lengths)).detach().requires_grad_(True)
 
 
 def _rows(nested):
@@ -564,9 +571,18 @@ def _per_sequence_sdpa(q, k, v, is_causal=False, **kwargs):
         q_i, k_i, v_i = (r.transpose(0, 1) for r in (rows_q, rows_k, rows_v))
         mask = causal_lower_right(q_i.size(-2), k_i.size(-2)) if is_causal else None
         outs.append(F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, **kwargs))
-    out = torch.cat([o.transpose(0, 1) for o in outs])
-    # Nested for _nested_results, on query's offsets.
-    return torch.nested.nested_tensor_from_jagged(out, q.offsets()).transpose(1, 2)
+    return _on_offsets(torch.cat([o.transpose(0, 1) for o in outs]), q.offsets())
+
+
+def _packed_attention(q, k, v, is_causal=False, enable_gqa=False, **options):
+    """varlen_attention on the jagged inputs' rows (the op reads fewer K/V heads as grouped
+    query attention), causal bottom-right or full: the call the drop-in must make."""
+    cu_seqlens_q, cu_seqlens_k = (t.offsets().to(torch.int32) for t in (q, k))
+    out = causal_attention.varlen_attention(
+        *(_rows(t) for t in (q, k, v)), cu_seqlens_q, cu_seqlens_k,
+        *(int(cu.diff().max()) for cu in (cu_seqlens_q, cu_seqlens_k)),
+        window=(-1, 0) if is_causal else (-1, -1), **options)
+    return _on_offsets(out, q.offsets())
 
 
 # id -> (query lengths, key/value lengths, (Hq, Hkv, D, Dv), keyword arguments)
@@ -603,12 +619,7 @@ def test_nested_calls_match_sdpa_on_the_same_nested_inputs(case, dtype):
     for name, a, b in zip(RESULT_NAMES, ours, sdpa):
         torch.testing.assert_close(a, b, msg=name)
     # It is our op on the packed rows, not a fallback to SDPA.
-    q, k, v = inputs
-    cu_seqlens_q, cu_seqlens_k = (t.offsets().to(torch.int32) for t in (q, k))
-    packed = causal_attention.varlen_attention(
-        *(_rows(t) for t in inputs), cu_seqlens_q, cu_seqlens_k, max(case[0]), max(case[1]),
-        window=(-1, -1), **kwargs)
-    assert torch.equal(ours[0], packed)
+    assert torch.equal(ours[0], _rows(_packed_attention(*inputs, **kwargs)))
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
@@ -664,12 +675,11 @@ def test_nested_calls_read_the_nested_buffers_in_place(monkeypatch):
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_nested_gradients_pass_gradcheck(is_causal):
-    lengths_q, lengths_kv = [2, 3], [3, 3]
-    q_off, kv_off = (torch.tensor([0, *itertools.accumulate(n)]) for n in (lengths_q, lengths_kv))
+    offsets_q, offsets_kv = _offsets([2, 3]), _offsets([3, 3])
 
     def attend(rows_q, rows_k, rows_v):
-        q, k, v = (torch.nested.nested_tensor_from_jagged(rows, offsets).transpose(1, 2)
-                   for rows, offsets in ((rows_q, q_off), (rows_k, kv_off), (rows_v, kv_off)))
+        q, k, v = (_on_offsets(rows, offsets) for rows, offsets in
+                   ((rows_q, offsets_q), (rows_k, offsets_kv), (rows_v, offsets_kv)))
         out = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
                                                             enable_gqa=True)
         return _rows(out)
@@ -697,20 +707,11 @@ def test_nested_dropout_is_the_packed_op_s_for_the_same_generator_state(is_causa
     case = NESTED_GQA["mqa-cross-lengths"]
     inputs, grad_rows = _nested_inputs(case), _grad_rows(case)
     kwargs = dict(dropout_p=0.25, is_causal=is_causal, enable_gqa=True)
-    q, k, v = inputs
-    cu_seqlens_q, cu_seqlens_k = (t.offsets().to(torch.int32) for t in (q, k))
-
-    def packed(q, k, v, dropout_p, is_causal, enable_gqa):
-        out = causal_attention.varlen_attention(
-            *(_rows(t) for t in (q, k, v)), cu_seqlens_q, cu_seqlens_k, max(case[0]),
-            max(case[1]), window=(-1, 0) if is_causal else (-1, -1), dropout_p=dropout_p)
-        return torch.nested.nested_tensor_from_jagged(out, q.offsets()).transpose(1, 2)
-
     torch.manual_seed(11)
     ours = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
                            **kwargs)
     torch.manual_seed(11)
-    ref = _nested_results(packed, inputs, grad_rows, **kwargs)
+    ref = _nested_results(_packed_attention, inputs, grad_rows, **kwargs)
     for name, a, b in zip(RESULT_NAMES, ours, ref):
         assert torch.equal(a, b), name
     dropped = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
