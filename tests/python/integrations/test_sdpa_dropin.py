@@ -652,6 +652,23 @@ def test_nested_calls_in_reduced_precision_within_twice_sdpa_s_error(case, is_ca
     assert not failures, "; ".join(failures)
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_nested_views_of_one_packed_qkv_projection_are_served_in_place(is_causal):
+    """PyTorch's packed test (test_scaled_dot_product_attention_fused_kernels_packed) in the
+    jagged layout: q, k and v are column chunks of one (total, 3 H D) projection, rows 3 H D
+    apart, which torch's CPU SDPA has no backend for."""
+    heads, dim, lengths = 2, 8, [3, 5, 2]
+    qkv = torch.nested.nested_tensor_from_jagged(
+        make_tensor((sum(lengths), 3 * heads * dim), torch.float64), _offsets(lengths))
+    inputs = [t.view(len(lengths), -1, heads, dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+    grad_rows = make_tensor((sum(lengths), heads, dim), torch.float64)
+    ours = _nested_results(causal_attention.scaled_dot_product_attention, inputs, grad_rows,
+                           is_causal=is_causal)
+    ref = _nested_results(_per_sequence_sdpa, inputs, grad_rows, is_causal=is_causal)
+    for name, a, b in zip(RESULT_NAMES, ours, ref):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_nested_calls_read_the_nested_buffers_in_place(monkeypatch):
     """varlen_attention gets the inputs' own (total, H, D) buffers, never a padded or packed
     copy, and the result is a view of its output on query's offsets: its ragged size is
