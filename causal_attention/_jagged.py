@@ -1,6 +1,9 @@
 """``torch.nested`` jagged tensors (``layout=torch.jagged``) in the SDPA drop-in
 (:func:`causal_attention.scaled_dot_product_attention`): the checks of a nested call, its packed
-form for ``varlen_attention`` and the nested result.
+form for ``varlen_attention`` and the nested result. Nested tensors of the strided layout (what
+``torch.nested.nested_tensor`` builds by default, and PyTorch's SDPA tests use) hold each
+sequence apart: they are copied into the jagged layout once (:func:`as_jagged`) and the result
+copied back (:func:`as_strided_nested`), both differentiable.
 
 A jagged ``(B, H, j, D)`` tensor (a ``(B, j, H, D)`` one transposed, as attention layers build
 it) keeps its rows in one ``(total, H, D)`` buffer and its sequence starts in ``offsets``:
@@ -42,13 +45,36 @@ def ragged_batch(query: Tensor) -> bool:
     return query.dim() >= 4 and query._ragged_idx == 1
 
 
+def as_jagged(fn: str, name: str, tensor: Tensor) -> Tensor:
+    """A strided-layout nested ``(B, H, j, D)`` tensor (each sequence ``(H, j, D)``, as a
+    ``(B, j, H, D)`` one transposed) as a jagged one of the same values, copied into one buffer;
+    any other tensor as it is."""
+    if not tensor.is_nested or tensor.layout != torch.strided:
+        return tensor
+    sequences = tensor.unbind()
+    if tensor.dim() != 4 or any(s.shape[0::2] != sequences[0].shape[0::2] for s in sequences):
+        raise ValueError(
+            f"{fn}: a nested {name} of strided layout must be (B, H, j, D), ragged in its "
+            f"sequence dim only, got sequences of shapes {[tuple(s.shape) for s in sequences]}"
+        )
+    rows = [s.transpose(0, 1) for s in sequences]
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged).transpose(1, 2)
+
+
+def as_strided_nested(out: Tensor) -> Tensor:
+    """A jagged ``(B, H, j, D)`` result as a strided-layout nested tensor of the same values,
+    laid out as torch's SDPA returns one for strided inputs (``(B, j, H, D)`` transposed)."""
+    rows = list(out.transpose(1, 2).unbind())
+    return torch.nested.as_nested_tensor(rows, layout=torch.strided).transpose(1, 2)
+
+
 def check_nested_call(fn: str, query: Tensor, key: Tensor, value: Tensor,
                       attn_mask: object) -> None:
     """Refuses, naming the argument and what it is, a nested call that cannot be served: nested
-    and dense tensors mixed, a nested tensor of strided layout (its rows are no one buffer) or
-    with holes (``lengths``), ragged elsewhere than :func:`ragged_sequences` or
-    :func:`ragged_batch` say, and any ``attn_mask`` (torch's SDPA refuses one too: a mask
-    for other lengths in every sequence is no tensor it takes)."""
+    and dense tensors mixed, a nested tensor of a layout other than jagged (a strided one is
+    made jagged first, :func:`as_jagged`) or with holes (``lengths``), ragged elsewhere than
+    :func:`ragged_sequences` or :func:`ragged_batch` say, and any ``attn_mask`` (torch's SDPA
+    refuses one too: a mask for other lengths in every sequence is no tensor it takes)."""
     tensors = {"query": query, "key": key, "value": value}
     if not all(t.is_nested for t in tensors.values()):
         seen = ", ".join(f"{name} {'nested' if t.is_nested else 'dense'}"

@@ -15,7 +15,15 @@ from torch import Tensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ._arguments import refuse_tensor_requiring_grad
-from ._jagged import check_nested_call, is_nested_call, nested_like, packed_call, ragged_batch
+from ._jagged import (
+    as_jagged,
+    as_strided_nested,
+    check_nested_call,
+    is_nested_call,
+    nested_like,
+    packed_call,
+    ragged_batch,
+)
 from .ops import attention, varlen_attention
 
 _OP = "causal_attention.scaled_dot_product_attention"
@@ -115,8 +123,9 @@ def scaled_dot_product_attention(
     Nested jagged (``layout=torch.jagged``) query, key and value ``(B, H, j, D)`` (key and value
     may have other lengths than query) are served on their packed rows by ``varlen_attention``,
     ``is_causal`` bottom-right in each sequence, and give a nested result on query's offsets;
-    what cannot be served (a mask, nested mixed with dense, strided layout, holes, another
-    ragged dim) raises ``TypeError``/``ValueError`` naming the argument.
+    nested tensors of the strided layout are copied into the jagged one and the result back;
+    what cannot be served (a mask, nested mixed with dense, holes, another ragged dim) raises
+    ``TypeError``/``ValueError`` naming the argument.
     """
     _check_argument_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if is_nested_call(query, key, value):
@@ -177,7 +186,19 @@ def _nested_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: obje
     the sequence dim, ``varlen_attention`` on the packed buffers in place, causal bottom-right in
     each sequence (as torch's CUDA flash kernel aligns nested calls; its CPU SDPA has none);
     ragged in a batch-like dim, the dense call on the rows. The op's ``TypeError`` and
-    ``ValueError`` stay what they are, as torch's nested SDPA raises ``ValueError`` for them."""
+    ``ValueError`` stay what they are, as torch's nested SDPA raises ``ValueError`` for them.
+    Strided-layout nested tensors are made jagged (one copy) and the result strided again."""
+    strided = query.is_nested and query.layout == torch.strided
+    query, key, value = (as_jagged(_OP, name, t)
+                         for name, t in (("query", query), ("key", key), ("value", value)))
+    out = _jagged_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return as_strided_nested(out) if strided else out
+
+
+def _jagged_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: object,
+                      dropout_p: float, is_causal: bool, scale: Optional[float],
+                      enable_gqa: bool) -> Tensor:
+    """_nested_attention on jagged tensors (or dense ones mixed in, which the checks refuse)."""
     check_nested_call(_OP, query, key, value, attn_mask)
     if ragged_batch(query):
         out = scaled_dot_product_attention(query.values(), key.values(), value.values(), None,

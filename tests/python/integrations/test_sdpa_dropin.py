@@ -759,6 +759,53 @@ def test_nested_ragged_in_the_batch_like_dim_is_sdpa_s_dense_call_on_the_rows():
         torch.testing.assert_close(a, b, msg=name)
 
 
+def _strided_nested(lengths, heads, dim):
+    """A strided-layout nested (B, H, j, D) leaf, (B, j, H, D) transposed: what
+    torch.nested.nested_tensor builds by default, as PyTorch's SDPA tests build theirs."""
+    rows = [torch.randn(n, heads, dim, dtype=torch.float64) for n in lengths]
+    return torch.nested.nested_tensor(rows).requires_grad_(True)
+
+
+def test_strided_nested_calls_match_sdpa_on_their_contiguous_copies():
+    """Strided-layout nested query, key and value (issue 41, item 1: PyTorch's
+    test_scaled_dot_product_attention_fused_kernels_packed[nested-*] builds these) are served
+    through the jagged path: the result is strided nested as SDPA's, and the values and
+    gradients are SDPA's on the same tensors made contiguous (which torch's CPU SDPA needs)."""
+    leaves = [_strided_nested([3, 5, 2], 2, 8) for _ in range(3)]
+    ours = causal_attention.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves))
+    sdpa = F.scaled_dot_product_attention(*(t.transpose(1, 2).contiguous() for t in leaves))
+    assert ours.is_nested and ours.layout == torch.strided
+    grads_out = [torch.randn_like(t) for t in sdpa.unbind()]
+    results = []
+    for out in (ours, sdpa):
+        loss = sum((o * g).sum() for o, g in zip(out.unbind(), grads_out))
+        results.append((out,) + torch.autograd.grad(loss, leaves))
+    for name, a, b in zip(RESULT_NAMES, *results):
+        for x, y in zip(a.unbind(), b.unbind()):
+            torch.testing.assert_close(x, y, msg=name)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_strided_nested_views_of_one_packed_qkv_are_the_jagged_call(is_causal):
+    """PyTorch's packed test: q, k and v as chunks of one strided nested (B, j, 3 H D)
+    projection, viewed as (B, j, H, D) and transposed; the same values as the jagged call on
+    copies of them (causal bottom-right in each sequence, which torch's CPU SDPA cannot do)."""
+    qkv = torch.nested.nested_tensor(
+        [torch.randn(n, 3 * 2 * 8, dtype=torch.float64) for n in (3, 5, 2)])
+    q, k, v = (t.view(3, -1, 2, 8).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    ours = causal_attention.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    jagged = [torch.nested.as_nested_tensor(list(t.transpose(1, 2).unbind()),
+                                            layout=torch.jagged).transpose(1, 2)
+              for t in (q, k, v)]
+    want = causal_attention.scaled_dot_product_attention(*jagged, is_causal=is_causal)
+    for x, y in zip(ours.unbind(), want.unbind()):
+        torch.testing.assert_close(x, y)
+    if not is_causal:
+        sdpa = F.scaled_dot_product_attention(*(t.contiguous() for t in (q, k, v)))
+        for x, y in zip(ours.unbind(), sdpa.unbind()):
+            torch.testing.assert_close(x, y)
+
+
 def _refused_nested_call(name):
     """A nested call that cannot be served: (query, key, value, keyword arguments)."""
     q, k, v = _nested_inputs(NESTED["equal-lengths"])
@@ -767,9 +814,8 @@ def _refused_nested_call(name):
         k = torch.randn(3, 2, 5, 8, dtype=torch.float64)
     elif name == "dense-query":
         q = torch.randn(3, 2, 5, 8, dtype=torch.float64)
-    elif name == "strided-layout":
-        q, k, v = (torch.nested.nested_tensor([torch.randn(2, n, 8) for n in (3, 5, 2)])
-                   for _ in range(3))
+    elif name == "strided-ragged-heads":
+        q = torch.nested.nested_tensor([torch.randn(h, 5, 8) for h in (2, 3, 2)])
     elif name == "attn_mask":
         kwargs["attn_mask"] = torch.ones(5, 5, dtype=torch.bool)
     elif name == "causal-bias":
@@ -798,8 +844,8 @@ def _refused_nested_call(name):
 REFUSED_NESTED = {
     "dense-key": (ValueError, "all nested or all dense, got query nested, key dense, value nested"),
     "dense-query": (ValueError, "all nested or all dense, got query dense, key nested"),
-    "strided-layout": (TypeError, "a nested query must have layout=torch.jagged, got "
-                                  "layout=torch.strided"),
+    "strided-ragged-heads": (ValueError, r"a nested query of strided layout must be "
+                                        r"\(B, H, j, D\), ragged in its sequence dim only"),
     "attn_mask": (ValueError, "attn_mask must be None with nested query, key and value"),
     "causal-bias": (ValueError, "attn_mask must be None with nested .* got CausalBias"),
     "holes": (ValueError, r"a nested query must hold its sequences back to back, got one with "
