@@ -71,8 +71,8 @@ def as_strided_nested(out: Tensor) -> Tensor:
 def check_nested_call(fn: str, query: Tensor, key: Tensor, value: Tensor,
                       attn_mask: object) -> None:
     """Refuses, naming the argument and what it is, a nested call that cannot be served: nested
-    and dense tensors mixed, a nested tensor of a layout other than jagged (a strided one is
-    made jagged first, :func:`as_jagged`) or with holes (``lengths``), ragged elsewhere than
+    and dense tensors mixed (a strided-layout one is made jagged first, :func:`as_jagged`), a
+    nested tensor with holes (``lengths``), ragged elsewhere than
     :func:`ragged_sequences` or :func:`ragged_batch` say, and any ``attn_mask`` (torch's SDPA
     refuses one too: a mask for other lengths in every sequence is no tensor it takes)."""
     tensors = {"query": query, "key": key, "value": value}
@@ -81,10 +81,6 @@ def check_nested_call(fn: str, query: Tensor, key: Tensor, value: Tensor,
                          for name, t in tensors.items())
         raise ValueError(f"{fn}: query, key and value must be all nested or all dense, got {seen}")
     for name, tensor in tensors.items():
-        if tensor.layout != torch.jagged:
-            raise TypeError(
-                f"{fn}: a nested {name} must have layout=torch.jagged, got layout={tensor.layout}"
-            )
         if tensor.lengths() is not None:
             raise ValueError(
                 f"{fn}: a nested {name} must hold its sequences back to back, got one with "
