@@ -1,21 +1,25 @@
-// CPU backward, FlashAttention-2 style (the steps of a block pair: backward_block_pair.h), in two
-// steps: the row statistics (delta, and where needed a normalizer), one value each per query row,
-// then the gradients. Every gradient element is summed by exactly one task in a fixed order:
+// CPU backward, FlashAttention-2 style (the steps of a block pair: backward_block_pair.h): the row
+// statistics (delta, and where needed a normalizer), one value each per query row, then the
+// gradients. Every gradient element is summed by exactly one task in a fixed order:
 // bitwise identical results at any thread count, no atomics, no per-thread partial sums. The
 // row statistics, and when each way of forming them is taken, are backward_row_statistics.h.
 //
-// The gradients step, two schedules, chosen from the shapes:
-// - One pass (enough (batch, KV head) items to share between threads): a task owns a (batch, KV
-//   head) with every query head of its GQA group and walks its key blocks once, a tile of them at
-//   a time (as many as fit half of L2): K_j^T and V_j^T (packed once per call), dK_j and dV_j
-//   summed over the query blocks that see them, and each pair's dS K_j added to dQ_i, which only
-//   this task sums (in dq itself for float32/float64, else in a float32 buffer of the task's,
-//   rounded once at the end). 5 block products a pair, as in FlashAttention-2.
+// The gradients step, three schedules, chosen from the shapes and the row statistics:
+// - Row panels (enough (batch, KV head) items, statistics from the probabilities): the
+//   statistics summed as the gradients go, 5 block products a pair (backward_row_panels.h).
+// - One pass (enough (batch, KV head) items to share between threads, delta from the output or
+//   given): a task owns a (batch, KV head) with every query head of its GQA group and walks its
+//   key blocks once, a tile of them at a time (as many as fit half of L2): K_j^T and V_j^T
+//   (packed once per call), dK_j and dV_j summed over the query blocks that see them, and each
+//   pair's dS K_j added to dQ_i, which only this task sums (in dq itself for float32/float64,
+//   else in a float32 buffer of the task's, rounded once at the end). 5 block products a pair,
+//   as in FlashAttention-2.
 // - Two passes (few items): tasks own a (batch, KV head, key block) and sum dK_j, dV_j; then
 //   tasks own a (batch, query head, query block) and sum dQ_i. Pass 2 recomputes S and dP once
 //   more: 7 block products, for parallelism over blocks.
 #include "backward_block_pair.h"
 #include "backward_block_walks.h"
+#include "backward_row_panels.h"
 #include "backward_row_statistics.h"
 #include "dtype_dispatch.h"
 #include "geometry.h"
@@ -54,16 +58,23 @@ class BackwardKernel {
         blocks_(pair_.blocks) {}
 
   void run() {
-    statistics_.compute(pair_);
-    gradients();
+    if (statistics_.from_probabilities() && one_pass_items()) {
+      RowPanelGradients<scalar_t, gemm_t>(pair_, statistics_, dq_, dk_, dv_).run();
+    } else {
+      statistics_.compute(pair_);
+      gradients();
+    }
     if (pair_.modifiers.has_sinks()) {
       sink_gradients();
     }
   }
 
  private:
+  // Whether there are enough (batch, KV head) items to share between threads.
+  bool one_pass_items() const { return dims_.batch * dims_.heads_kv >= kMinOnePassItems; }
+
   void gradients() {
-    if (dims_.batch * dims_.heads_kv >= kMinOnePassItems) {
+    if (one_pass_items()) {
       const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
       // A (batch, KV head) costs its visible pairs, plus its rows and keys.
       const auto cost = [&](int64_t bh_kv, int64_t) {

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -45,7 +46,10 @@ class BlockPairGradients {
     std::vector<gemm_t> q_tile, do_tile;
     std::vector<acc_t> p_tile, ds_tile, b_rows;
     std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
-    std::vector<acc_t> p, ds, grad_a, grad_b, softcap_grad, keep_factors;
+    std::vector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
+    // The current pair's P and dS (rows x cols): p_block and ds_block, or a panel slot's.
+    acc_t* p = nullptr;
+    acc_t* ds = nullptr;
     // The keys of the current block each query row sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     BlockMasks masks;                       // of the current block pair
@@ -59,8 +63,8 @@ class BlockPairGradients {
           ds_tile(blocks.query_rows * blocks.keys),
           b_rows(std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim)),
           partial(blocks.query_rows * blocks.keys),
-          p(blocks.query_rows * blocks.keys),
-          ds(blocks.query_rows * blocks.keys),
+          p_block(blocks.query_rows * blocks.keys),
+          ds_block(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
           grad_b(tile * blocks.keys * d.value_dim),
           softcap_grad(blocks.keys),
@@ -127,6 +131,13 @@ class BlockPairGradients {
     return {packed.keys_t(b, h_kv, k0), packed.values_t(b, h_kv, k0)};
   }
 
+  // Where the row-panel schedule keeps the first step of a pair (backward_row_panels.h): P and
+  // dP' (rows x cols each), and the softcap factors of each row where a softcap applies (else
+  // null).
+  struct PanelSlot {
+    acc_t *p, *dp, *softcap_grad;
+  };
+
   // S, P, dP and dS of the pair into s.p (P) and s.ds (dS); s.first_visible, s.visible,
   // s.masks and s.mask_rows the keys each row sees. With record_mask_gradient, also attn_mask's
   // gradient of the pair, where it is asked for (each pair records it once).
@@ -134,40 +145,64 @@ class BlockPairGradients {
                                    int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                                    bool record_mask_gradient, Scratch& s) const {
     const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
+    s.p = s.p_block.data();
+    s.ds = s.ds_block.data();
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
-    const acc_t* row_delta = delta + bh * dims.len_q + q0;
-    const acc_t* row_normalizer = normalizers + bh * dims.len_q + q0;
-    s.masks = dims.block_masks(b, h, q0, rows, k0, cols);
-    acc_t* mask_grad_rows = record_mask_gradient && mask_grad
-                                ? mask_grad + ((bh * dims.len_q + q0) * dims.len_k + k0)
-                                : nullptr;
-    for (int64_t r = 0; r < rows; ++r) {
-      const RowScoring<acc_t> scoring = modifiers.row(dims, b, h, q0 + r, k0, s.masks);
-      s.mask_rows[r] = scoring.mask;
-      // P = exp(x - lse);  dS = P o (dP - delta) o x'
-      const KeyRange range = softmax_gradient_row(
-          s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
-          cols, scoring, row_lse[r], row_normalizer[r], row_delta[r], row_scratch(s),
-          mask_grad_rows ? mask_grad_rows + r * dims.len_k : nullptr);
-      s.first_visible[r] = range.begin;
-      s.visible[r] = range.end;
-    }
+    // P = exp(x - lse);  dP' = dP o keep / (1 - p)
+    finish_gradients(bh, q0, rows, k0, cols, record_mask_gradient, s,
+                     [&](int64_t r, const RowScoring<acc_t>& scoring, KeyRange visible) {
+                       return probabilities_row(s.p + r * cols, s.ds + r * cols, visible, cols,
+                                                scoring, row_lse[r], row_scratch(s))
+                           .range;
+                     });
+  }
+
+  // The same from the first step's P and dP' kept in `slot` (every pair records attn_mask's
+  // gradient: the row-panel schedule finishes each pair once).
+  void gradients_from_panel(int64_t bh, const PanelSlot& slot, int64_t q0, int64_t rows, int64_t k0,
+                            int64_t cols, Scratch& s) const {
+    const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
+    s.p = slot.p;  // finished in place
+    s.ds = slot.dp;
+    const acc_t* row_lse = lse.row(b, h, q0);
+    finish_gradients(bh, q0, rows, k0, cols, /*record_mask_gradient=*/true, s,
+                     [&](int64_t r, const RowScoring<acc_t>& scoring, KeyRange range) {
+                       // The keys probabilities_row reached, and the scratch it left.
+                       if (row_lse[r] == -std::numeric_limits<acc_t>::infinity()) {
+                         range.end = range.begin;
+                       }
+                       if (slot.softcap_grad != nullptr) {
+                         std::copy_n(slot.softcap_grad + r * cols, cols, s.softcap_grad.data());
+                       }
+                       if (scoring.dropout) {
+                         scoring.keep_factors(s.keep_factors.data(), range.begin, range.end,
+                                              scoring.keep_scale);
+                       }
+                       return range;
+                     });
   }
 
   // For each row r of the pair: mass_r += sum_j P_rj and share_r += sum_j P_rj dP'_rj over its
-  // visible keys (row_shares): the row-statistics step of the backward.
+  // visible keys (row_shares): the row-statistics step of the backward. With `keep`, P and dP'
+  // (and the softcap factors) are left there for gradients_from_panel.
   void add_row_shares(int64_t bh, const QueryOperands& qo, const KeyOperands& ko, int64_t q0,
-                      int64_t rows, int64_t k0, int64_t cols, acc_t* mass, acc_t* share,
-                      Scratch& s) const {
+                      int64_t rows, int64_t k0, int64_t cols, acc_t* mass, acc_t* share, Scratch& s,
+                      const PanelSlot* keep = nullptr) const {
     const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
+    s.p = keep != nullptr ? keep->p : s.p_block.data();
+    s.ds = keep != nullptr ? keep->dp : s.ds_block.data();
     scores_and_output_gradients(qo, ko, rows, cols, s);
     const acc_t* row_lse = lse.row(b, h, q0);
     const BlockMasks masks = dims.block_masks(b, h, q0, rows, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      const RowShares<acc_t> row = row_shares(
-          s.p.data() + r * cols, s.ds.data() + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
-          cols, modifiers.row(dims, b, h, q0 + r, k0, masks), row_lse[r], row_scratch(s));
+      GradientRowScratch<acc_t> scratch = row_scratch(s);
+      if (keep != nullptr && keep->softcap_grad != nullptr) {
+        scratch.softcap_grad = keep->softcap_grad + r * cols;
+      }
+      const RowShares<acc_t> row =
+          row_shares(s.p + r * cols, s.ds + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
+                     cols, modifiers.row(dims, b, h, q0 + r, k0, masks), row_lse[r], scratch);
       mass[r] += row.mass;
       share[r] += row.share;
     }
@@ -176,25 +211,24 @@ class BlockPairGradients {
   // dV_j += P^T dO_i (into dv_acc, cols x Dv).
   void add_value_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                           acc_t* dv_acc, Scratch& s) const {
-    const Operand<acc_t> p_t =
-        GradientPack::a_transposed(s.p.data(), rows, cols, cols, s.p_tile.data());
-    add_transposed_product(p_t, s.p.data(), {grad_out.row(b, h, q0), grad_out.row_stride},
-                           dims.value_dim, b, q0, rows, k0, cols, dv_acc, s);
+    const Operand<acc_t> p_t = GradientPack::a_transposed(s.p, rows, cols, cols, s.p_tile.data());
+    add_transposed_product(p_t, s.p, {grad_out.row(b, h, q0), grad_out.row_stride}, dims.value_dim,
+                           b, q0, rows, k0, cols, dv_acc, s);
   }
 
   // dK_j += dS^T Q_i (into dk_acc, cols x D).
   void add_key_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                         acc_t* dk_acc, Scratch& s) const {
     const Operand<acc_t> ds_t =
-        GradientPack::a_transposed(s.ds.data(), rows, cols, cols, s.ds_tile.data());
-    add_transposed_product(ds_t, s.ds.data(), {q.row(b, h, q0), q.row_stride}, dims.head_dim, b, q0,
-                           rows, k0, cols, dk_acc, s);
+        GradientPack::a_transposed(s.ds, rows, cols, cols, s.ds_tile.data());
+    add_transposed_product(ds_t, s.ds, {q.row(b, h, q0), q.row_stride}, dims.head_dim, b, q0, rows,
+                           k0, cols, dk_acc, s);
   }
 
   // acc (rows x D) += dS K_j (dS in s.ds): the dQ product.
   void add_query_product(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
-    const acc_t* a_values = s.ds.data();
+    const acc_t* a_values = s.ds;
     const Operand<acc_t> a = GradientPack::a(a_values, rows, cols, cols, s.ds_tile.data());
     s.guard.multiply_add(
         dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), rows, dims.head_dim, cols, a,
@@ -218,13 +252,38 @@ class BlockPairGradients {
   acc_t* const mask_grad;  // (batch * heads_q, len_q, len_k) where asked for, else null
 
  private:
+  // The rows of a pair from P and dP' on: each row's scoring and keys, first_step(r, scoring,
+  // visible keys) leaving its P and dP' in s.p and s.ds (and its scratch) and returning the keys
+  // it reaches; then dS = P o (dP' - delta) o x' (finish_gradient_row).
+  template <typename FirstStep>
+  void finish_gradients(int64_t bh, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                        bool record_mask_gradient, Scratch& s, const FirstStep& first_step) const {
+    const int64_t b = bh / dims.heads_q, h = bh % dims.heads_q;
+    const acc_t* row_delta = delta + bh * dims.len_q + q0;
+    const acc_t* row_normalizer = normalizers + bh * dims.len_q + q0;
+    s.masks = dims.block_masks(b, h, q0, rows, k0, cols);
+    acc_t* mask_grad_rows = record_mask_gradient && mask_grad
+                                ? mask_grad + ((bh * dims.len_q + q0) * dims.len_k + k0)
+                                : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const RowScoring<acc_t> scoring = modifiers.row(dims, b, h, q0 + r, k0, s.masks);
+      s.mask_rows[r] = scoring.mask;
+      const KeyRange range = first_step(r, scoring, dims.visible_in_block(b, q0 + r, k0, cols));
+      // dS = P o (dP' - delta) o x'
+      finish_gradient_row(s.p + r * cols, s.ds + r * cols, range, cols, scoring, row_normalizer[r],
+                          row_delta[r], row_scratch(s),
+                          mask_grad_rows ? mask_grad_rows + r * dims.len_k : nullptr);
+      s.first_visible[r] = range.begin;
+      s.visible[r] = range.end;
+    }
+  }
+
   // S = Q_i K_j^T into s.p;  dP = dO_i V_j^T into s.ds (in chains: schedule.h, score_chain)
   void scores_and_output_gradients(const QueryOperands& qo, const KeyOperands& ko, int64_t rows,
                                    int64_t cols, Scratch& s) const {
     const int64_t chain = score_chain(dims);
-    multiply_in_chains(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p.data(), cols, chain,
-                       s.partial.data());
-    multiply_in_chains(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds.data(), cols, chain,
+    multiply_in_chains(rows, cols, dims.head_dim, qo.q, ko.k_t, s.p, cols, chain, s.partial.data());
+    multiply_in_chains(rows, cols, dims.value_dim, qo.grad_out, ko.v_t, s.ds, cols, chain,
                        s.partial.data());
   }
 

@@ -69,6 +69,10 @@ class RowStatistics {
   const acc_t* delta() const { return delta_.data(); }
   const acc_t* normalizers() const { return normalizers_.data(); }
 
+  // Whether they are summed from the probabilities the gradients recompute (see the file
+  // comment): by compute(), or by the row-panel schedule (backward_row_panels.h) as it goes.
+  bool from_probabilities() const { return recomputed_statistics_ && !given_delta_.defined(); }
+
   // Sets them for the block pairs of `pair` (see the file comment).
   void compute(const Pair& pair) {
     if (given_delta_.defined()) {
@@ -77,6 +81,36 @@ class RowStatistics {
       row_statistics_from_probabilities(pair);
     } else {
       delta_from_output(pair);
+    }
+  }
+
+  // The sums of query block (bh, q0), which from_probabilities() fills: the row-panel
+  // schedule's, which adds each pair's row shares (mass and share) to them, then calls
+  // finish_block.
+  struct BlockRows {
+    acc_t* normalizer;  // the mass sum_j P_ij until finish_block
+    acc_t* delta;       // the share sum_j P_ij dP'_ij until finish_block
+  };
+  BlockRows block_rows(int64_t bh, int64_t q0, int64_t rows, const AttentionDims& d) {
+    BlockRows block{normalizers_.data() + bh * d.len_q + q0, delta_.data() + bh * d.len_q + q0};
+    std::fill_n(block.normalizer, rows, acc_t(0));
+    std::fill_n(block.delta, rows, acc_t(0));
+    return block;
+  }
+
+  // A query block's mass and share turned into its normalizers 1 / l (l with the sink's share)
+  // and delta = share / l.
+  static void finish_block(const Pair& pair, int64_t b, int64_t h, int64_t q0, int64_t rows,
+                           const BlockRows& block) {
+    const acc_t* lse = pair.lse.row(b, h, q0);
+    const bool sinks = pair.modifiers.has_sinks();
+    const acc_t sink = sinks ? pair.modifiers.sink(h) : acc_t(0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t mass =
+          block.normalizer[r] + (sinks ? std::exp(sink - lse[r * pair.lse.row_stride]) : acc_t(0));
+      // A row that sees nothing (mass 0) has no gradient: any finite normalizer serves.
+      block.normalizer[r] = mass > acc_t(0) ? acc_t(1) / mass : acc_t(1);
+      block.delta[r] *= block.normalizer[r];
     }
   }
 
@@ -119,26 +153,14 @@ class RowStatistics {
       const int64_t b = bh / d.heads_q, h = bh % d.heads_q;
       const int64_t rows = std::min(blocks.query_rows, d.rows_q(b) - q0);
       const auto qo = pair.query_operands(b, h, q0, rows, s);
-      acc_t* delta = delta_.data() + bh * d.len_q + q0;
-      acc_t* normalizer = normalizers_.data() + bh * d.len_q + q0;
-      std::fill_n(delta, rows, acc_t(0));
-      std::fill_n(normalizer, rows, acc_t(0));
+      const BlockRows block = block_rows(bh, q0, rows, d);
       for_each_visible_key_block(d, blocks, b, h, q0, rows, [&](const PairPart& part) {
         const int64_t r = part.q0 - q0;
         pair.add_row_shares(bh, Pair::rows_from(qo, r),
                             pair.key_operands(b, h / d.group(), part.k0), part.q0, part.rows,
-                            part.k0, part.cols, normalizer + r, delta + r, s);
+                            part.k0, part.cols, block.normalizer + r, block.delta + r, s);
       });
-      const acc_t* lse = pair.lse.row(b, h, q0);
-      const bool sinks = pair.modifiers.has_sinks();
-      const acc_t sink = sinks ? pair.modifiers.sink(h) : acc_t(0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const acc_t mass =
-            normalizer[r] + (sinks ? std::exp(sink - lse[r * pair.lse.row_stride]) : acc_t(0));
-        // A row that sees nothing (mass 0) has no gradient: any finite normalizer serves.
-        normalizer[r] = mass > acc_t(0) ? acc_t(1) / mass : acc_t(1);
-        delta[r] *= normalizer[r];
-      }
+      finish_block(pair, b, h, q0, rows, block);
     });
   }
 

@@ -168,15 +168,12 @@ struct RecomputedRow {
 };
 
 // P = exp(x - lse) over the row's keys, zeros elsewhere, with x the modified scores (and their
-// softcap factors into scratch.softcap_grad), times `normalizer` where it is not 1 (the
-// backward's own normalization, backward_row_statistics.h); then, under dropout,
-// dP' = dP o keep / (1 - p) (the keep factors left in scratch.keep_factors). Returns the keys the
-// row reaches (none when lse = -inf: a row that sees nothing) and the sum of P before
-// `normalizer`.
+// softcap factors into scratch.softcap_grad); then, under dropout, dP' = dP o keep / (1 - p) (the
+// keep factors left in scratch.keep_factors). Returns the keys the row reaches (none when
+// lse = -inf: a row that sees nothing) and the sum of P.
 template <typename acc_t>
 inline RecomputedRow<acc_t> probabilities_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
                                               const RowScoring<acc_t>& scoring, acc_t lse,
-                                              acc_t normalizer,
                                               const GradientRowScratch<acc_t>& scratch) {
   if (lse == -std::numeric_limits<acc_t>::infinity()) {
     range.end = range.begin;
@@ -184,11 +181,8 @@ inline RecomputedRow<acc_t> probabilities_row(acc_t* p, acc_t* dp, KeyRange rang
   const int64_t begin = range.begin, end = range.end;
   score_row(scoring, p, begin, end, scratch.softcap_grad);
   const acc_t mass = exp_and_sum(p, begin, end, cols, lse);
-  if (normalizer != acc_t(1)) {
-    scale_row(p + begin, end - begin, normalizer);
-  }
   if (scoring.dropout) {
-    // The mask once, for dP here and for P in softmax_gradient_row.
+    // The mask once, for dP here and for P in finish_gradient_row.
     scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);
     at::vec::map2<acc_t>([](auto x, auto y) { return x * y; }, dp + begin, dp + begin,
                          scratch.keep_factors + begin, end - begin);
@@ -207,8 +201,7 @@ template <typename acc_t>
 inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
                                    const RowScoring<acc_t>& scoring, acc_t lse,
                                    const GradientRowScratch<acc_t>& scratch) {
-  const RecomputedRow<acc_t> row =
-      probabilities_row(p, dp, range, cols, scoring, lse, acc_t(1), scratch);
+  const RecomputedRow<acc_t> row = probabilities_row(p, dp, range, cols, scoring, lse, scratch);
   range = row.range;
   if (scoring.masks_keys()) {
     acc_t share = 0;
@@ -220,20 +213,21 @@ inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t 
   return {row.mass, dot_row(p + range.begin, dp + range.begin, range.end - range.begin)};
 }
 
-// The backward's rows of one block pair, from raw scores p = q.k and ds = dO.v:
-//   P = exp(x - lse) normalizer;  dP' = dP o keep / (1 - p);  dS = P o (dP' - delta) o g
+// The backward's rows of one block pair, from P and dP' as probabilities_row leaves them (over
+// `range`, the keys the row reaches, with the softcap factors and keep factors of its scratch):
+//   P = P normalizer;  dS = P o (dP' - delta) o g
 // over the keys of `range` less those the masks hide, zeros elsewhere; g = dx/d(scale S) /
 // scale (1 - tanh^2 under softcap, else 1). Then P is the dropped P o keep / (1 - p) that dV
 // needs. Where mask_grad is given (the row's attn_mask gradient from the block's first key),
-// dS before g, the gradient of x, is stored there over the range. Returns the range of columns
-// the row reaches.
+// dS before g, the gradient of x, is stored there over the range.
 template <typename acc_t>
-inline KeyRange softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
-                                     const RowScoring<acc_t>& scoring, acc_t lse, acc_t normalizer,
-                                     acc_t delta, const GradientRowScratch<acc_t>& scratch,
-                                     acc_t* mask_grad) {
-  range = probabilities_row(p, ds, range, cols, scoring, lse, normalizer, scratch).range;
+inline void finish_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_t cols,
+                                const RowScoring<acc_t>& scoring, acc_t normalizer, acc_t delta,
+                                const GradientRowScratch<acc_t>& scratch, acc_t* mask_grad) {
   const int64_t begin = range.begin, end = range.end;
+  if (normalizer != acc_t(1)) {
+    scale_row(p + begin, end - begin, normalizer);
+  }
   using Vec = at::vec::Vectorized<acc_t>;
   const auto times = [](Vec x, Vec y) { return x * y; };
   const Vec delta_vec(delta);
@@ -261,7 +255,6 @@ inline KeyRange softmax_gradient_row(acc_t* p, acc_t* ds, KeyRange range, int64_
   if (scoring.dropout) {
     at::vec::map2<acc_t>(times, p + begin, p + begin, scratch.keep_factors + begin, end - begin);
   }
-  return range;
 }
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -231,6 +231,7 @@ class ScoreModifiers {
     return sinks_ ? sinks_[h] : -std::numeric_limits<acc_t>::infinity();
   }
   bool has_sinks() const { return sinks_ != nullptr; }
+  bool has_softcap() const { return softcap_ != acc_t(0); }
   // 1 / (1 - p): the factor of the kept probabilities.
   acc_t keep_scale() const { return keep_scale_; }
 
