@@ -34,6 +34,7 @@ import torch
 
 import causal_attention  # noqa: F401  (loads the ops, block_products among them)
 
+from .cases import FULL, QUICK
 from .limits import block_gemm_gflops, cpu_environment
 from .timing import interleaved_median, timer
 
@@ -44,6 +45,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # of at most 64 k.
 QUERY_ROWS = 64
 SCORE_CHAIN = 64
+# (batch, KV head) items from which the backward takes one task per item (schedule.h,
+# kMinOnePassItems).
+ONE_PASS_ITEMS = 8
 
 CATEGORIES = (
     ("block products (oneDNN JIT)", None),
@@ -73,9 +77,12 @@ def block_products(args):
                ("O += P V", QUERY_ROWS, d, keys, torch.float32, 1)]
     if args.pass_ == "fwd":
         return forward
-    # The backward: S and dP again, for the row statistics too where they are recomputed
-    # (bfloat16/float16), then dV, dK, dQ with P or dS in float32.
-    recompute = 2 if inputs != torch.float32 else 1
+    # The backward: S and dP again (bfloat16/float16 sum the row statistics from them: with
+    # batch * heads >= ONE_PASS_ITEMS in the same pass, csrc/ops/cpu/kernels/
+    # backward_row_panels.h, else in a step of their own that computes them once more), then dV,
+    # dK, dQ with P or dS in float32.
+    two_steps = inputs != torch.float32 and args.batch * args.heads < ONE_PASS_ITEMS
+    recompute = 2 if two_steps else 1
     return forward + [
         ("S = Q K^T (backward)", QUERY_ROWS, keys, chain, inputs, recompute * chains),
         ("dP = dO V^T (backward)", QUERY_ROWS, keys, chain, inputs, recompute * chains),
@@ -110,19 +117,30 @@ def product_limit(args, call_seconds):
     q_blocks = -(-args.length // QUERY_ROWS)
     pairs_per_head = sum(-(-min(args.length, (i + 1) * QUERY_ROWS) // keys) for i in range(q_blocks))
     pairs = pairs_per_head * args.batch * args.heads
-    rows, total = [], 0.0
-    for name, m, n, k, dtype, count in block_products(args):
+    def rate(dtype, m, n, k):
         iterations = max(4, int(args.probe_flops / (2 * m * n * k)))
-        gflops = max(probe(dtype, m, n, k, iterations) for _ in range(3))
+        return max(probe(dtype, m, n, k, iterations) for _ in range(3))
+
+    products = block_products(args)
+    # The best cache-resident rate of each operand type over the benchmark's probe shapes (and
+    # the kernels' own): what "% best" holds the kernels' shapes to.
+    shapes = (QUICK if args.quick else FULL).limit_shapes
+    best = {dtype: max(rate(dtype, *shape) for shape in shapes) for *_, dtype, _ in products}
+    rows, total = [], 0.0
+    for name, m, n, k, dtype, count in products:
+        gflops = rate(dtype, m, n, k)
+        best[dtype] = max(best[dtype], gflops)
         seconds = 2 * m * n * k * count * pairs / (gflops * 1e9)
         total += seconds
-        rows.append((name, f"{m}x{n}x{k}", str(dtype).replace("torch.", ""), count, gflops, seconds))
+        rows.append((name, f"{m}x{n}x{k}", dtype, count, gflops, seconds))
     print(f"\nblock products per visible pair ({pairs} pairs), each timed alone at "
-          f"{args.threads} threads on cache-resident blocks:")
+          f"{args.threads} threads on cache-resident blocks (% best: of the best rate of its "
+          "operands over the shapes " + ", ".join("x".join(map(str, s)) for s in shapes) + "):")
     print(f"  {'product':26s} {'m x n x k':>12s} {'operands':>9s} {'x':>3s} {'GFLOP/s':>8s} "
-          f"{'ms':>8s}")
+          f"{'% best':>6s} {'ms':>8s}")
     for name, shape, dtype, count, gflops, seconds in rows:
-        print(f"  {name:26s} {shape:>12s} {dtype:>9s} {count:3d} {gflops:8.1f} {seconds * 1e3:8.2f}")
+        print(f"  {name:26s} {shape:>12s} {str(dtype).replace('torch.', ''):>9s} {count:3d} "
+              f"{gflops:8.1f} {100 * gflops / best[dtype]:6.0f} {seconds * 1e3:8.2f}")
     print(f"  block products at their probe rate: {total * 1e3:.2f} ms of the call's "
           f"{call_seconds * 1e3:.2f} ms ({100 * total / call_seconds:.0f} %)")
     return total

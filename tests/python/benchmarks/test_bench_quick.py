@@ -205,6 +205,7 @@ def test_breakdown_quick_reports_both_views():
     out = result.stdout
     assert "block products of two inputs: bfloat16 " in out
     assert "block products at their probe rate:" in out
+    assert "% best" in out
     for product in ("S = Q K^T", "O += P V", "dV += P^T dO", "dK += dS^T Q", "dQ += dS K"):
         assert product in out, product
     if "no sampling profile" not in out:
