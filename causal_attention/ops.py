@@ -238,6 +238,7 @@ def paged_attention(
     sinks: Optional[Tensor] = None,
     k_scale: Union[float, Tensor, None] = None,
     v_scale: Union[float, Tensor, None] = None,
+    spec_mask: Optional[Tensor] = None,
     return_lse: bool = False,
 ):
     """Attention against a paged KV cache, read in place through the block table (inference:
@@ -268,11 +269,20 @@ def paged_attention(
     ``k_scale``) or float32 ``(num_pages, page_size, Hkv)``, one per token and KV head (what
     :func:`paged_cache_append` computes); 1 where not given. A scale a sequence reads must be
     positive and finite (``ValueError``).
+
+    ``spec_mask`` says which of its sequence's new tokens (its last ``Lq_b`` keys, the ones its
+    query rows bring) each query row sees, for a step that verifies a tree of draft tokens: bool
+    ``(total_q, max_seqlen_q)`` for packed q (row t, a query of sequence b, sees b's new token j
+    where ``spec_mask[t, j]``) or ``(B, Lq, Lq)`` for dense q, True where the row sees it. Every
+    cached key before the new tokens stays visible, and the causal rule still applies (a row
+    never sees a later token): a chain of drafts is the all-True mask, a tree each token's
+    ancestors and itself. At most 64 new tokens a sequence; a row must see itself
+    (``ValueError``). Key blocks the mask hides are skipped; it costs ``O(B Lq^2)`` memory.
     """
     k_scale, v_scale = (torch.tensor(float(s)) if isinstance(s, (int, float)) else s
                         for s in (k_scale, v_scale))
     out, lse = call_op("paged_attention", q, k_cache, v_cache, block_table, cache_seqlens,
                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
                        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                       k_scale=k_scale, v_scale=v_scale)
+                       k_scale=k_scale, v_scale=v_scale, spec_mask=spec_mask)
     return (out, lse) if return_lse else out

@@ -197,14 +197,25 @@ class PagedKVCache:
         table = torch.tensor(self._pages[request], dtype=torch.long)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def step(self, requests: Sequence, tokens: Sequence[int]) -> PagedStep:
+    def step(self, requests: Sequence, tokens: Sequence[int],
+             spec_mask: Optional[Tensor] = None) -> PagedStep:
         """One serving step: ``tokens[i]`` more tokens of ``requests[i]`` (distinct requests),
         reserved (:meth:`reserve`) and described for every layer's attention, new tokens in
-        request order (a prefill chunk's, a decode's one). Raises RuntimeError, changing
-        nothing, when too few pages are free for them all."""
+        request order (a prefill chunk's, a decode's one). ``spec_mask``, bool ``(total new
+        tokens, max(tokens))``, says which of its request's new tokens each one sees (a step
+        that verifies trees of draft tokens: :func:`causal_attention.paged_attention`). Raises
+        RuntimeError, changing nothing, when too few pages are free for them all."""
         if len(requests) != len(tokens) or len(set(requests)) != len(requests):
             raise ValueError(f"{_NAME}.step: one token count per request, each request once, "
                              f"got {len(requests)} requests and {len(tokens)} counts")
+        if spec_mask is not None:
+            shape = (sum(tokens), max(tokens, default=0))
+            if not isinstance(spec_mask, Tensor) or spec_mask.dtype != torch.bool:
+                raise TypeError(f"{_NAME}.step: spec_mask must be a bool tensor, got "
+                                f"{getattr(spec_mask, 'dtype', type(spec_mask).__name__)}")
+            if tuple(spec_mask.shape) != shape:
+                raise ValueError(f"{_NAME}.step: spec_mask must be (total new tokens, "
+                                 f"max(tokens))={shape}, got {tuple(spec_mask.shape)}")
         needed = self._pages_needed("step", requests, tokens)
         if needed > self._free_count:
             raise RuntimeError(f"{_NAME}.step: the step needs {needed} free pages, "
@@ -232,6 +243,7 @@ class PagedKVCache:
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max(tokens, default=0),
             positions=positions.to(device),
+            spec_mask=spec_mask,
         )
 
     def append(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

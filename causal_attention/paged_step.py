@@ -3,7 +3,7 @@ keys and values written into their slots of the pages (:func:`paged_cache_append
 ``reshape_and_cache``), and each layer's new queries attending through the pages
 (:class:`PagedStep`, which :meth:`PagedKVCache.step` returns)."""
 
-from typing import TYPE_CHECKING, NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -135,8 +135,10 @@ class PagedStep(NamedTuple):
     """One serving step's geometry (:meth:`PagedKVCache.step`): the new tokens' slots
     ``(total,)`` int64, in request order; the requests' block table ``(B, max_pages)`` and
     lengths ``(B,)`` int32 after the step; ``cu_seqlens_q (B + 1,)`` int32 over the new tokens
-    and the most any request adds; and each new token's position in its sequence ``(total,)``
-    int64 (for position embeddings)."""
+    and the most any request adds; each new token's position in its sequence ``(total,)``
+    int64 (for position embeddings); and where the step verifies trees of draft tokens, which of
+    its request's new tokens each new token sees, bool ``(total, max_seqlen_q)``
+    (:func:`causal_attention.paged_attention`'s ``spec_mask``), else None."""
 
     cache: "PagedKVCache"
     slot_mapping: Tensor
@@ -145,18 +147,21 @@ class PagedStep(NamedTuple):
     cu_seqlens_q: Tensor
     max_seqlen_q: int
     positions: Tensor
+    spec_mask: Optional[Tensor] = None
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
         """Writes one layer's new keys ``(total, Hkv, D)`` and values ``(total, Hkv, Dv)`` into
         their slots, then attends the new queries ``(total, Hq, D)`` to every key of their
         requests through the pages (:func:`causal_attention.paged_attention` with ``options``,
-        and the layer's scales where the pages are 8-bit): ``(total, Hq, Dv)``."""
+        and the layer's scales where the pages are 8-bit, and the step's ``spec_mask``):
+        ``(total, Hq, Dv)``."""
         cache = self.cache
         cache.append(layer, k, v, self.slot_mapping)
         return paged_attention(q, cache.key_pages[layer], cache.value_pages[layer],
                                self.block_table, self.seqlens, cu_seqlens_q=self.cu_seqlens_q,
                                max_seqlen_q=self.max_seqlen_q, k_scale=cache.key_scales[layer],
-                               v_scale=cache.value_scales[layer], **options)
+                               v_scale=cache.value_scales[layer], spec_mask=self.spec_mask,
+                               **options)
 
 
 def _bytes(t: Tensor) -> Tensor:

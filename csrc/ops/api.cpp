@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> call_paged_attention(const PagedCall& c) {
   const ScoreOptions& o = c.options;
   return op.call(c.q, c.k_cache, c.v_cache, c.block_table, c.cache_seqlens, c.cu_seqlens_q,
                  c.max_seqlen_q, c.scale, o.window, o.softcap, o.alibi_slopes, o.sinks, c.k_scale,
-                 c.v_scale);
+                 c.v_scale, c.spec_mask);
 }
 
 namespace {
@@ -200,7 +200,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const at::Tensor& cache_seqlens, const AttentionOptions& options,
     const std::optional<at::Tensor>& cu_seqlens_q, std::optional<c10::SymInt> max_seqlen_q,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& spec_mask) {
   TORCH_CHECK_VALUE(!options.key_mask().has_value() && !options.attn_mask().has_value() &&
                         options.dropout_p() == 0 && !options.generator().has_value(),
                     "causal_attention.paged_attention: key_mask, attn_mask and dropout are not "
@@ -215,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   call.options = score_options(options);
   call.k_scale = k_scale;
   call.v_scale = v_scale;
+  call.spec_mask = spec_mask;
   return detail::call_paged_attention(call);
 }
 

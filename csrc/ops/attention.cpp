@@ -124,8 +124,8 @@ TORCH_LIBRARY(causal_attention, m) {
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor cache_seqlens, *, Tensor? cu_seqlens_q=None, SymInt? max_seqlen_q=None, "
       "float? scale=None, int[2] window=[-1, 0], float? softcap=None, Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor "
-      "lse)");
+      "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? spec_mask=None) -> "
+      "(Tensor out, Tensor lse)");
   // How a call of this dtype made now multiplies its blocks on the CPU: "native" or "widened"
   // (cpu/block_gemm.h).
   m.def("block_products(ScalarType dtype) -> str",

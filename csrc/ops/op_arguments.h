@@ -110,6 +110,9 @@ struct PagedCall {
   std::optional<double> scale;
   ScoreOptions options;
   std::optional<at::Tensor> k_scale, v_scale;
+  // Which of its sequence's new tokens each query row sees (speculative trees): bool
+  // (total_q, max_seqlen_q) packed, (B, Lq, Lq) dense; every cached key before them stays visible.
+  std::optional<at::Tensor> spec_mask;
 
   bool packed() const { return cu_seqlens_q.has_value(); }
 };

@@ -68,6 +68,38 @@ void check_cache_dtypes(const char* op, const PagedCall& call) {
   }
 }
 
+// spec_mask's dtype, device and shape (its values, each row seeing itself, are read with the
+// sequences' lengths on the host: paged_attention_cpu.cpp).
+void check_spec_mask(const char* op, const PagedCall& call, const c10::SymInt& batch) {
+  if (!call.spec_mask.has_value()) {
+    return;
+  }
+  const at::Tensor &m = *call.spec_mask, &q = call.q;
+  TORCH_CHECK_TYPE(m.scalar_type() == at::kBool, op,
+                   ": spec_mask must be bool (True where a row sees a new token), got "
+                   "spec_mask.dtype=",
+                   m.scalar_type());
+  TORCH_CHECK_VALUE(
+      m.is_cpu() || (q.is_meta() && m.is_meta()), op,
+      ": spec_mask must be a CPU tensor (read on the host), got spec_mask.device=", m.device());
+  if (call.packed()) {
+    TORCH_CHECK_VALUE(
+        m.dim() == 2 && m.sym_size(0) == q.sym_size(0) && m.sym_size(1) == *call.max_seqlen_q, op,
+        ": spec_mask must be (total_q, max_seqlen_q)=(", q.sym_size(0), ", ", *call.max_seqlen_q,
+        ") for packed q, got spec_mask.shape=", m.sym_sizes());
+  } else {
+    TORCH_CHECK_VALUE(m.dim() == 3 && m.sym_size(0) == batch && m.sym_size(1) == q.sym_size(1) &&
+                          m.sym_size(2) == q.sym_size(1),
+                      op, ": spec_mask must be (B, Lq, Lq)=(", batch, ", ", q.sym_size(1), ", ",
+                      q.sym_size(1), ") for q of shape ", q.sym_sizes(),
+                      ", got spec_mask.shape=", m.sym_sizes());
+  }
+  const c10::SymInt new_tokens = call.packed() ? *call.max_seqlen_q : q.sym_size(1);
+  TORCH_CHECK_VALUE(new_tokens <= kMaxSpecTokens, op, ": spec_mask serves steps of at most ",
+                    kMaxSpecTokens, " new tokens a sequence, got ",
+                    call.packed() ? "max_seqlen_q=" : "Lq=", new_tokens);
+}
+
 }  // namespace
 
 bool is_eight_bit_cache(at::ScalarType dtype) {
@@ -149,6 +181,7 @@ double check_paged_call(const PagedCall& call) {
     TORCH_CHECK_VALUE(!call.max_seqlen_q.has_value(), op,
                       ": max_seqlen_q goes with cu_seqlens_q (packed q), got it for a dense q");
   }
+  check_spec_mask(op, call, batch);
   // Alibi slopes (Hq,) or (B, Hq), as a packed call's: one row per sequence.
   check_score_options(op, q, {batch}, q.sym_size(-2), call.options);
   return resolve_scale(op, q, call.scale);

@@ -142,7 +142,8 @@ std::tuple<at::Tensor, at::Tensor> paged_from_schema(
     const std::optional<at::Tensor>& cu_seqlens_q, std::optional<c10::SymInt> max_seqlen_q,
     std::optional<double> scale, at::IntArrayRef window, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& spec_mask) {
   PagedCall call{q,
                  k_cache,
                  v_cache,
@@ -153,7 +154,8 @@ std::tuple<at::Tensor, at::Tensor> paged_from_schema(
                  scale,
                  score_options(window, softcap, alibi_slopes, sinks, 0.0, std::nullopt),
                  k_scale,
-                 v_scale};
+                 v_scale,
+                 spec_mask};
   return kernel(call);
 }
 

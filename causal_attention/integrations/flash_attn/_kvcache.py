@@ -13,6 +13,23 @@ from ._rotary import _Rotary
 from ._scores import _Scores
 
 
+def _check_spec_mask(fn: str, spec_mask, q: Tensor, causal: bool) -> Optional[Tensor]:
+    """spec_mask as the cache call takes it: bool (batch, seqlen_q, seqlen_q), with causal."""
+    if spec_mask is None:
+        return None
+    if not isinstance(spec_mask, Tensor) or spec_mask.dtype != torch.bool:
+        raise TypeError(f"{fn}: spec_mask must be a bool tensor, got "
+                        f"{getattr(spec_mask, 'dtype', type(spec_mask).__name__)}")
+    shape = (q.size(0), q.size(1), q.size(1))
+    if tuple(spec_mask.shape) != shape:
+        raise ValueError(f"{fn}: spec_mask must be (batch, seqlen_q, seqlen_q)={shape}, got "
+                         f"spec_mask.shape={tuple(spec_mask.shape)}")
+    if not causal:
+        raise ValueError(f"{fn}: spec_mask narrows the causal mask over the new tokens: it needs "
+                         "causal=True")
+    return spec_mask
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -37,6 +54,7 @@ def flash_attn_with_kvcache(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    spec_mask=None,
 ):
     """flash-attn's ``flash_attn_with_kvcache``: ``q (batch, seqlen_q, nheads, headdim)``
     against ``k_cache``/``v_cache`` ``(batch_cache, seqlen_cache, nheads_k, headdim[_v])`` (or
@@ -66,6 +84,12 @@ def flash_attn_with_kvcache(
     magnitude over the format's) and written into the descale tensors in place; ``k``/``v``
     already in the cache's dtype are written as they are (not with per-token descales, nor
     rotary embeddings). ``q_descale`` (an fp8 ``q``) is refused (``NotImplementedError``).
+
+    ``spec_mask`` (keyword, beyond flash-attn's; with ``causal=True``): bool ``(batch, seqlen_q,
+    seqlen_q)``, which of its row's new tokens (the last ``seqlen_q`` keys) each query sees, for a
+    step that verifies a tree of draft tokens (``causal_attention.paged_attention``'s, which
+    serves paged and 8-bit caches in place; a dense cache takes it as an ``attn_mask`` over its
+    keys).
     """
     fn = f"{_PREFIX}.flash_attn_with_kvcache"
     with torch.no_grad():
@@ -74,6 +98,7 @@ def flash_attn_with_kvcache(
         check_descales(fn, q_descale, k_descale, v_descale, cache.eight_bit, k_cache.dtype)
         scores = _Scores.of(fn, causal, window_size, softcap, alibi_slopes, q.size(1),
                             cache.capacity, q.size(0), q.size(2))
+        cache.spec_mask = _check_spec_mask(fn, spec_mask, q, causal)
         _as_int(fn, "num_splits", num_splits)
         softmax_scale = _check_scale(fn, softmax_scale)
         rotary = _Rotary.of(fn, rotary_cos, rotary_sin, rotary_interleaved, q, cache,

@@ -23,6 +23,8 @@ class _KVCacheCall:
     def __init__(self, fn, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, k_descale=None, v_descale=None):
         self.fn = fn
+        # Which new tokens each query sees (flash_attn_with_kvcache's spec_mask), set after.
+        self.spec_mask: Optional[Tensor] = None
         _check_rank(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
         _check_head_dim(fn, q)
         self.paged = block_table is not None
@@ -292,6 +294,8 @@ class _KVCacheCall:
             if bool((first > 0).any()) or bool((ends < length).any()):
                 j = torch.arange(length)
                 key_mask = (j >= first.unsqueeze(1)) & (j < ends.unsqueeze(1))
+            if self.spec_mask is not None:
+                kwargs["attn_mask"] = self._spec_attn_mask(rows, length)
             qh, kh, vh = (t.transpose(1, 2) for t in (q[picked], k, v))
             if with_lse:
                 o, l = attention_forward(qh, kh, vh, scale, key_mask, **kwargs)
@@ -310,6 +314,16 @@ class _KVCacheCall:
                     lse[picked] = l
         return (out, lse) if with_lse else out
 
+    def _spec_attn_mask(self, rows: List[int], length: int) -> Tensor:
+        """spec_mask over the group's keys up to ``length``, ``(len(rows), 1, seqlen_q, length)``:
+        every key before a row's new tokens visible, its new tokens as spec_mask says."""
+        lq = self.q_shape[1]
+        mask = torch.ones(len(rows), 1, lq, length, dtype=torch.bool)
+        for i, b in enumerate(rows):
+            first_new = self.ends[b] - lq
+            mask[i, 0, :, max(first_new, 0):self.ends[b]] = self.spec_mask[b][:, max(-first_new, 0):]
+        return mask
+
     def _attend_pages(self, q: Tensor, scale: float, scores: "_Scores", with_lse: bool):
         """A paged cache, read in place by paged_attention in one call: row b's keys are the
         first ``ends[b]`` rows of its pages (no left padding with pages), its queries aligned to
@@ -320,7 +334,8 @@ class _KVCacheCall:
             kwargs.update(k_scale=self.k_scale.for_pages(self.page),
                           v_scale=self.v_scale.for_pages(self.page))
         out, lse = paged_attention(q, self.k_cache, self.v_cache, self.block_table, ends,
-                                   scale=scale, return_lse=True, **kwargs)
+                                   scale=scale, return_lse=True, spec_mask=self.spec_mask,
+                                   **kwargs)
         if with_lse and scores.alibi_lse_shift:
             # flash-attn's causal ALiBi counts distances from the row's first key (attend).
             lq = self.q_shape[1]
@@ -359,7 +374,9 @@ class _KVCacheCall:
                     q[picked], self.k_cache[:, start:], self.v_cache[:, start:], table,
                     (ends - start).to(torch.int32), scale=scale, return_lse=True,
                     k_scale=self.k_scale.for_rows_from(start, length),
-                    v_scale=self.v_scale.for_rows_from(start, length), **kwargs)
+                    v_scale=self.v_scale.for_rows_from(start, length),
+                    spec_mask=None if self.spec_mask is None else self.spec_mask[picked],
+                    **kwargs)
                 if with_lse and scores.alibi_lse_shift:
                     # flash-attn's ALiBi distances count from the row's first key (attend).
                     positions = torch.arange(lq) + (ends - starts - lq).view(-1, 1, 1)

@@ -80,6 +80,10 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // (float8_e4m3fn, float8_e5m2 or int8, both of one dtype, beside a float32, bfloat16 or float16
 // q): k_scale and v_scale dequantize them (stored value x scale), one per tensor (a one-element
 // tensor) or float32 (num_pages, page_size, Hkv), one per token and KV head; 1 where not given.
+// spec_mask (bool (total_q, max_seqlen_q) packed, (B, Lq, Lq) dense; at most 64 new tokens a
+// sequence) says which of its sequence's new tokens each query row sees, True where it does, as
+// a step that verifies a tree of draft tokens needs; every key before them stays visible, and a
+// row must see itself.
 std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const at::Tensor& cache_seqlens,
@@ -87,7 +91,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const std::optional<at::Tensor>& cu_seqlens_q = std::nullopt,
     std::optional<c10::SymInt> max_seqlen_q = std::nullopt,
     const std::optional<at::Tensor>& k_scale = std::nullopt,
-    const std::optional<at::Tensor>& v_scale = std::nullopt);
+    const std::optional<at::Tensor>& v_scale = std::nullopt,
+    const std::optional<at::Tensor>& spec_mask = std::nullopt);
 
 // The kernel entry: returns (out, lse); lse (..., Hq, Lq) is float32 (float64 for float64
 // inputs). The scale is an argument, not an option; dropout_seed: int64 (2,) (seed, offset),

@@ -12,6 +12,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace causal_attention::cpu {
@@ -105,6 +107,47 @@ at::Tensor kernel_scale(const char* name, const std::optional<at::Tensor>& given
   return given->permute({0, 2, 1});
 }
 
+// spec_mask as the kernels read it (kernel_api.h's KernelAttentionMask over new tokens): each
+// row's bits and padded bools over its sequence's new tokens, and each sequence's first new key.
+// O(B * Lq^2), never proportional to the cache. Each row must see itself.
+KernelAttentionMask new_token_mask(const detail::PagedCall& call,
+                                   const PackedSequences& sequences) {
+  constexpr const char* op = "causal_attention.paged_attention";
+  constexpr int64_t pad = KernelAttentionMask::kNewTokenPad;
+  const int64_t batch = sequences.cu_q.size(0) - 1, rows = sequences.max_len_q;
+  const at::Tensor spec = call.spec_mask->contiguous();
+  const bool* given = spec.data_ptr<bool>();
+  const int32_t* cu_q = sequences.cu_q.data_ptr<int32_t>();
+  const int32_t* cu_k = sequences.cu_k.data_ptr<int32_t>();
+  KernelAttentionMask mask;
+  mask.values = at::ones({batch, rows, pad + rows}, at::kBool);
+  mask.tiles = at::zeros({batch, rows}, at::kLong);
+  mask.first_new_key = at::empty({batch}, at::kLong);
+  bool* bools = mask.values.data_ptr<bool>();
+  int64_t* words = mask.tiles.data_ptr<int64_t>();
+  int64_t* first = mask.first_new_key.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len_q = cu_q[b + 1] - cu_q[b];
+    first[b] = (cu_k[b + 1] - cu_k[b]) - len_q;
+    for (int64_t r = 0; r < len_q; ++r) {
+      // Packed: row cu_q[b] + r of (total_q, max_seqlen_q); dense: (b, r) of (B, Lq, Lq).
+      const bool* row =
+          given + (call.packed() ? cu_q[b] + r : b * spec.size(1) + r) * spec.size(-1);
+      const std::string entry = call.packed() ? c10::str("spec_mask[", cu_q[b] + r, "][", r, "]")
+                                              : c10::str("spec_mask[", b, "][", r, "][", r, "]");
+      TORCH_CHECK_VALUE(row[r], op, ": spec_mask must let each query row see its own token, got ",
+                        entry, "=False (row ", r, " of sequence ", b, ")");
+      uint64_t word = 0;
+      for (int64_t j = 0; j < len_q; ++j) {
+        bools[(b * rows + r) * (pad + rows) + pad + j] = row[j];
+        word |= uint64_t(row[j]) << j;
+      }
+      words[b * rows + r] = static_cast<int64_t>(word);
+    }
+  }
+  return mask;
+}
+
 // paged_attention: every sequence's query rows, one after the other as packed q's, against its
 // keys read in place through the block table (kernels/paged_forward_kernel.cpp).
 std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const detail::PagedCall& call) {
@@ -133,6 +176,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const detail::PagedCall& 
     t.v_scale = kernel_scale("v_scale", call.v_scale, call.v_cache, table, seqlens);
   }
   t.options = kernel_options(t, call.options);
+  if (call.spec_mask.has_value()) {
+    t.attn_mask = new_token_mask(call, t.sequences);
+  }
   const int64_t value_dim = call.v_cache.size(3);
   at::Tensor out = at::empty({total_q, heads_q, value_dim}, call.q.options());
   at::Tensor lse = at::empty({heads_q, total_q}, detail::lse_options(call.q));

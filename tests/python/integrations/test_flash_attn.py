@@ -1043,7 +1043,8 @@ def test_signatures_are_flash_attn_2s():
                                       "max_seqlen_q", "max_seqlen_k")
     ] + scores + [("block_table", None)]
     # flash-attn 2's, then flash-attn 3's descales of 8-bit caches, keyword-only (flash-attn 3
-    # places them elsewhere among its own positional arguments).
+    # places them elsewhere among its own positional arguments), then spec_mask (ours: a tree of
+    # draft tokens' mask).
     assert parameters(flash_attn_with_kvcache) == [
         ("q", REQUIRED), ("k_cache", REQUIRED), ("v_cache", REQUIRED), ("k", None), ("v", None),
         ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
@@ -1051,11 +1052,11 @@ def test_signatures_are_flash_attn_2s():
         ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
         ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
         ("return_softmax_lse", False), ("q_descale", None), ("k_descale", None),
-        ("v_descale", None),
+        ("v_descale", None), ("spec_mask", None),
     ]
     keyword_only = [p.name for p in inspect.signature(flash_attn_with_kvcache).parameters.values()
                     if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert keyword_only == ["q_descale", "k_descale", "v_descale"]
+    assert keyword_only == ["q_descale", "k_descale", "v_descale", "spec_mask"]
 
 
 def func_call(lq=8, lk=8, **kwargs):

@@ -45,11 +45,22 @@ struct KernelScoreOptions {
 // (skipped), leaves it as it is (nothing to read) or must be read entry by entry, without
 // reading the mask. Tiles smaller than a block let a block pair leave out the rows and keys its
 // tiles hide (where a document ends or starts inside a block). Undefined without a mask.
+//
+// Or, where first_new_key is defined, a mask over each sequence's new tokens (paged_attention's
+// spec_mask): sequence b's keys before first_new_key[b] (int64 (batch,): its keys less its query
+// rows) are visible to every row; new token j (key first_new_key[b] + j) is visible to row r where
+// bit j of tiles[b][r] (int64 (batch, max rows)) is set, and values (bool (batch, max rows,
+// kNewTokenPad + max rows)) holds the same row as bools from kNewTokenPad on, after kNewTokenPad
+// true ones: so a block that starts up to kNewTokenPad keys before the first new key (no kernel's
+// block holds more keys) reads its row from one pointer.
 enum MaskTile : uint8_t { kTileHidden = 0, kTileVisible = 1, kTileMixed = 2 };
 struct KernelAttentionMask {
   static constexpr int64_t kTileRows = 4, kTileKeys = 16;
+  static constexpr int64_t kNewTokenPad = 128;
   at::Tensor values, tiles;
+  at::Tensor first_new_key;
   bool defined() const { return values.defined(); }
+  bool over_new_tokens() const { return first_new_key.defined(); }
 };
 
 // q, k, v, out: (batch, heads, rows, dim) with unit stride along dim; lse: (batch, heads_q,

@@ -67,8 +67,8 @@ std::pair<at::Tensor, int64_t> cumulative(const int32_t* cu, const std::vector<i
   return {at::from_blob(sums.data(), {int64_t(sums.size())}, at::kInt).clone(), longest};
 }
 
-// Runs the call's sequences `picked` as a call of their own: their query rows, table rows and
-// ALiBi slopes copied out (the queries, never the cache), their results copied back.
+// Runs the call's sequences `picked` as a call of their own: their query rows, table rows,
+// ALiBi slopes and spec_mask copied out (the queries, never the cache), their results copied back.
 void run_sequences(const PagedForwardTensors& t, const std::vector<int64_t>& picked) {
   const int32_t* cu_q = t.sequences.cu_q.data_ptr<int32_t>();
   std::vector<int64_t> rows;
@@ -90,6 +90,13 @@ void run_sequences(const PagedForwardTensors& t, const std::vector<int64_t>& pic
       cumulative(t.sequences.cu_k.data_ptr<int32_t>(), picked);
   if (t.options.alibi_slopes.defined()) {
     part.options.alibi_slopes = t.options.alibi_slopes.index_select(0, sequence_index);
+  }
+  if (t.attn_mask.over_new_tokens()) {  // spec_mask, one slice a sequence (kernel_api.h)
+    for (at::Tensor KernelAttentionMask::* slice :
+         {&KernelAttentionMask::values, &KernelAttentionMask::tiles,
+          &KernelAttentionMask::first_new_key}) {
+      part.attn_mask.*slice = (t.attn_mask.*slice).index_select(0, sequence_index);
+    }
   }
   run_for_dtype<PagedForwardKernel>(part);
   t.out.index_copy_(2, row_index, part.out);
