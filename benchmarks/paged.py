@@ -16,6 +16,10 @@ Sections (--only):
   memory   the peak resident memory one decode call of B=8 at the longest --lengths adds (its
            VmHWM above its VmRSS before the call), against the cache's size, for a float32
            cache and an 8-bit one
+  verify   a step verifying --drafts draft tokens of each of 8 requests (caches of the smallest
+           --lengths tokens, pages of the smallest --pages) in one call: with a tree mask
+           (spec_mask: each draft sees its ancestors, two branches from the root), with the
+           chain's mask, and without a mask (the same call, causal only)
   precisions  decode and a prefill chunk from float32, bfloat16 and 8-bit caches
            (float8_e4m3fn, float8_e5m2, int8 with their scales) at the serving sizes, each
            against a bare read of its own pages (paged_precisions.py)
@@ -43,7 +47,7 @@ from .limits import probe
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
-SECTIONS = ("decode", "mixed", "memory", "precisions")
+SECTIONS = ("decode", "mixed", "memory", "verify", "precisions")
 
 
 def parse_args(argv=None):
@@ -59,6 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512, help="queries of a prefill chunk")
     parser.add_argument("--mixed-length", type=int, default=4096)
+    parser.add_argument("--drafts", type=int, default=8, help="new tokens a request verifies")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-run-time", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3)
@@ -236,6 +241,44 @@ def section_memory(args) -> list:
         print(json.dumps(result))
         results.append(result)
     return results
+
+
+def two_branch_tree(n: int) -> torch.Tensor:
+    """(n, n) bool: token 0 the root, the odd tokens one branch below it and the even ones the
+    other, each token seeing its ancestors and itself."""
+    sees = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        parent = 0 if i <= 2 else i - 2
+        sees[i] |= sees[parent]
+    return sees
+
+
+def section_verify(args) -> dict:
+    batch, drafts = 8, args.drafts
+    length, page = min(args.lengths), min(args.pages)
+    k = torch.randn(batch, args.kv_heads, length, args.head_dim)
+    v = torch.randn(batch, args.kv_heads, length, args.head_dim)
+    k_cache, v_cache, table = pool(k, v, page)
+    seqlens = torch.full((batch,), length, dtype=torch.int32)
+    q = torch.randn(batch * drafts, args.heads, args.head_dim)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * drafts
+    masks = {"tree": two_branch_tree(drafts).repeat(batch, 1),
+             "chain": torch.ones(drafts, drafts, dtype=torch.bool).tril().repeat(batch, 1)}
+
+    def call(spec_mask):
+        return ca.paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
+                                  max_seqlen_q=drafts, spec_mask=spec_mask)
+
+    # The chain's mask is the causal rule itself.
+    torch.testing.assert_close(call(masks["chain"]), call(None), rtol=0, atol=0)
+    times = seconds({"no_mask": partial(call, None), "chain": partial(call, masks["chain"]),
+                     "tree": partial(call, masks["tree"])}, args)
+    result = {"batch": batch, "drafts": drafts, "length": length, "page": page,
+              **{f"{name}_ms": t * 1e3 for name, t in times.items()},
+              "tree_over_no_mask": times["tree"] / times["no_mask"],
+              "chain_over_no_mask": times["chain"] / times["no_mask"]}
+    print(json.dumps(result))
+    return result
 
 
 def section_precisions(args) -> dict:
