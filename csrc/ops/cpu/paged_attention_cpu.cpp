@@ -133,10 +133,11 @@ KernelAttentionMask new_token_mask(const detail::PagedCall& call,
       // Packed: row cu_q[b] + r of (total_q, max_seqlen_q); dense: (b, r) of (B, Lq, Lq).
       const bool* row =
           given + (call.packed() ? cu_q[b] + r : b * spec.size(1) + r) * spec.size(-1);
-      const std::string entry = call.packed() ? c10::str("spec_mask[", cu_q[b] + r, "][", r, "]")
-                                              : c10::str("spec_mask[", b, "][", r, "][", r, "]");
-      TORCH_CHECK_VALUE(row[r], op, ": spec_mask must let each query row see its own token, got ",
-                        entry, "=False (row ", r, " of sequence ", b, ")");
+      TORCH_CHECK_VALUE(row[r], op,
+                        ": spec_mask must let each query row see its own token, got spec_mask[",
+                        call.packed() ? cu_q[b] + r : b, "]",
+                        call.packed() ? std::string() : c10::str("[", r, "]"), "[", r,
+                        "]=False (row ", r, " of sequence ", b, ")");
       uint64_t word = 0;
       for (int64_t j = 0; j < len_q; ++j) {
         bools[(b * rows + r) * (pad + rows) + pad + j] = row[j];

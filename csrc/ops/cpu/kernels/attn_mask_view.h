@@ -1,7 +1,7 @@
-// attn_mask as the kernels read it: its entries by element strides (0 along broadcast dims) and
-// its tile summary, or a mask over each sequence's new tokens (kernel_api.h) (kernel_api.h's
-// KernelAttentionMask), from which a block pair learns whether the mask hides it, leaves it as it
-// is or must be read entry by entry (geometry.h decides).
+// attn_mask as the kernels read it (kernel_api.h's KernelAttentionMask): its entries by element
+// strides (0 along broadcast dims) and its tile summary, or a mask over each sequence's new
+// tokens (spec_mask) as bits and padded rows, from which a block pair learns whether the mask
+// hides it, leaves it as it is or must be read entry by entry (geometry.h decides).
 //
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
