@@ -20,6 +20,10 @@ Sections (--only):
            --lengths tokens, pages of the smallest --pages) in one call: with a tree mask
            (spec_mask: each draft sees its ancestors, two branches from the root), with the
            chain's mask, and without a mask (the same call, causal only)
+  latent   MLA's decode (B=8, one KV head of D=576, Dv=512, --latent-heads absorbed query
+           heads, bfloat16, caches of --lengths tokens): v_cache a view of k_cache's first 512
+           features (each page read once), against two caches of the same contents and against
+           SDPA on the gathered latent (where its repeated K/V fit in 2 GiB)
   precisions  decode and a prefill chunk from float32, bfloat16 and 8-bit caches
            (float8_e4m3fn, float8_e5m2, int8 with their scales) at the serving sizes, each
            against a bare read of its own pages (paged_precisions.py)
@@ -47,7 +51,7 @@ from .limits import probe
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
-SECTIONS = ("decode", "mixed", "memory", "verify", "precisions")
+SECTIONS = ("decode", "mixed", "memory", "verify", "latent", "precisions")
 
 
 def parse_args(argv=None):
@@ -64,6 +68,7 @@ def parse_args(argv=None):
     parser.add_argument("--chunk", type=int, default=512, help="queries of a prefill chunk")
     parser.add_argument("--mixed-length", type=int, default=4096)
     parser.add_argument("--drafts", type=int, default=8, help="new tokens a request verifies")
+    parser.add_argument("--latent-heads", nargs="+", type=int, default=[16, 128])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-run-time", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3)
@@ -73,6 +78,7 @@ def parse_args(argv=None):
     if args.quick:
         args.batches, args.lengths, args.pages = [2], [256], [16]
         args.chunk, args.mixed_length, args.min_run_time, args.rounds = 16, 128, 0.01, 1
+        args.latent_heads = [4]
         paged_precisions.quick(args)
     return args
 
@@ -279,6 +285,35 @@ def section_verify(args) -> dict:
               "chain_over_no_mask": times["chain"] / times["no_mask"]}
     print(json.dumps(result))
     return result
+
+
+def section_latent(args) -> list:
+    batch, dim, value_dim, page = 8, 576, 512, min(args.pages)
+    rows = []
+    for length in args.lengths:
+        latent = torch.randn(batch, 1, length, dim)
+        k_cache, _, table = pool(latent, latent[..., :value_dim], page)
+        k_cache = k_cache.to(torch.bfloat16)
+        v_view = k_cache[..., :value_dim]
+        k_two, v_two = k_cache.clone(), v_view.contiguous()
+        seqlens = torch.full((batch,), length, dtype=torch.int32)
+        for heads in args.latent_heads:
+            q = torch.randn(batch, 1, heads, dim, dtype=torch.bfloat16)
+            calls = {"shared": partial(ca.paged_attention, q, k_cache, v_view, table, seqlens),
+                     "two_caches": partial(ca.paged_attention, q, k_two, v_two, table, seqlens)}
+            assert torch.equal(calls["shared"](), calls["two_caches"]())
+            if batch * heads * length * dim * 2 <= 2**31:
+                calls["gather_sdpa"] = partial(gathered_sdpa, q.transpose(1, 2), k_cache,
+                                               v_view, table, length)
+            times = seconds(calls, args)
+            row = {"length": length, "heads": heads,
+                   **{f"{name}_ms": t * 1e3 for name, t in times.items()},
+                   "two_caches_over_shared": times["two_caches"] / times["shared"]}
+            if "gather_sdpa" in times:
+                row["sdpa_over_shared"] = times["gather_sdpa"] / times["shared"]
+            print(json.dumps(row))
+            rows.append(row)
+    return rows
 
 
 def section_precisions(args) -> dict:

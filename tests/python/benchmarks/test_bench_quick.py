@@ -232,7 +232,8 @@ def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
 def test_paged_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.paged --quick times every path (paged on shuffled pages and on pages
     in order, contiguous, gathered SDPA, the bare reads of the pages, the mixed batch's three
-    ways, a draft-verifying step with and without its tree mask, the decode and a prefill chunk
+    ways, a draft-verifying step with and without its tree mask, MLA's decode from a latent read
+    once and from two caches, the decode and a prefill chunk
     from float32, bfloat16 and 8-bit caches beside bare
     reads of their pages) and measures a call's memory on a float32 and an int8 cache; the paged
     output is the contiguous op's."""
@@ -243,6 +244,8 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
             "gather_sdpa_ms", "read_pages_ms", "read_in_order_pages_ms"} <= decode.keys()
     assert {"one_call_ms", "per_request_ms", "decodes_then_chunks_ms"} <= report["mixed"].keys()
     assert {"no_mask_ms", "chain_ms", "tree_ms", "tree_over_no_mask"} <= report["verify"].keys()
+    (latent,) = report["latent"]
+    assert {"shared_ms", "two_caches_ms", "two_caches_over_shared"} <= latent.keys()
     assert [m["cache_dtype"] for m in report["memory"]] == ["float32", "int8"]
     for memory in report["memory"]:
         assert {"peak_added_mib", "added_over_cache"} <= memory.keys()

@@ -43,7 +43,13 @@ class DecodeForward {
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
                 const KeyRows& v, const OutputRows<scalar_t, acc_t>& output,
                 const ScoreModifiers<acc_t>& modifiers)
-      : dims_(d), q_(q), k_(k), v_(v), output_(output), modifiers_(modifiers) {}
+      : dims_(d),
+        q_(q),
+        k_(k),
+        v_(v),
+        output_(output),
+        modifiers_(modifiers),
+        values_in_keys_(values_in_keys(d, k, v)) {}
 
   void run() const {
     const int64_t items =
@@ -193,7 +199,7 @@ class DecodeForward {
   }
   int64_t value_stride() const {
     if constexpr (KeyRows::kWidens) {
-      return dims_.value_dim;
+      return values_in_keys_ ? dims_.head_dim : dims_.value_dim;
     } else {
       return v_.row_stride;
     }
@@ -211,21 +217,36 @@ class DecodeForward {
       for (int64_t i = 0; i < n; ++i) {
         Scratch& s = scratch[first + i];
         keys[i] = s.wide_keys.data();
-        values[i] = s.wide_values.data();
-        s.key_runs.assign({{0, cols, s.wide_keys.data()}});
-        s.value_runs.assign({{0, cols, s.wide_values.data()}});
+        values[i] = values_in_keys_ ? s.wide_keys.data() : s.wide_values.data();
+        s.key_runs.assign({{0, cols, keys[i]}});
+        s.value_runs.assign({{0, cols, values[i]}});
       }
       const int64_t h_kv = scratch[first].task.h_kv;
       k_.widen_heads(b, h_kv, n, k0, cols, dims_.head_dim, keys, dims_.head_dim);
-      v_.widen_heads(b, h_kv, n, k0, cols, dims_.value_dim, values, dims_.value_dim);
+      if (!values_in_keys_) {
+        v_.widen_heads(b, h_kv, n, k0, cols, dims_.value_dim, values, dims_.value_dim);
+      }
     }
     if (k0 + cols < key_end) {  // a row past key_end may lie on no page
       const int64_t next = block_keys(k0 + cols, key_end);
       k_.prefetch(b, heads, k0 + cols, next, dims_.head_dim);
-      v_.prefetch(b, heads, k0 + cols, next, dims_.value_dim);
+      if (!values_in_keys_) {
+        v_.prefetch(b, heads, k0 + cols, next, dims_.value_dim);
+      }
     }
   }
   static constexpr int64_t kMaxWidenedHeads = 16;
+
+  // Whether V's rows are the first value_dim columns of K's, widened alike (MLA's latent cache,
+  // v_cache a view of k_cache): then a block's widened keys serve as its values, and its bytes
+  // are read and widened once.
+  static bool values_in_keys(const AttentionDims& d, const KeyRows& k, const KeyRows& v) {
+    if constexpr (KeyRows::kWidens) {
+      return d.value_dim <= d.head_dim && v.same_rows(k);
+    } else {
+      return false;
+    }
+  }
 
   // The runs of K and V rows (KeyRows::run_end) that keys [k0, k0 + cols) of KV head h_kv of
   // batch item b lie on, in order: one, for a tensor's rows. Found once a block, as a page's rows
@@ -361,6 +382,7 @@ class DecodeForward {
   const KeyRows k_, v_;
   const OutputRows<scalar_t, acc_t> output_;
   const ScoreModifiers<acc_t> modifiers_;
+  const bool values_in_keys_;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

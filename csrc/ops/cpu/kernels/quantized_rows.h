@@ -75,6 +75,15 @@ struct WidenedPagedRows {
 
   int64_t run_end(int64_t r) const { return rows.run_end(r); }
 
+  // Whether `other` widens the same rows with the same scales (their first columns: MLA's
+  // values, a view of its latent keys), so that what this widened serves for both.
+  bool same_rows(const WidenedPagedRows& other) const {
+    return rows.same_rows(other.rows) && scales == other.scales &&
+           scale_page_stride == other.scale_page_stride &&
+           scale_head_stride == other.scale_head_stride &&
+           scale_row_stride == other.scale_row_stride && format == other.format;
+  }
+
   // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart.
   void widen(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,
              int64_t ld) const {
