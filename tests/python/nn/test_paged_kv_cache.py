@@ -367,8 +367,9 @@ def slots_of(cache: PagedKVCache, request):
 )
 def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool):
     """Requests come, grow, fork, shrink (truncate) and go at random; after every operation each
-    page's holder count is the number of requests listing it, the free pages are exactly the pages nobody
-    holds, and (every 50 operations, and at the end) every request reads back its own tokens.
+    page's holder count is the number of requests listing it, the free pages are exactly the
+    pages nobody holds, and (every 50 operations, and at the end) every request reads back its
+    own tokens.
     With 8-bit pages a token reads back as it read right after its write (stored x scale): the
     per-token scales go with their pages through forks, copies on write and frees; and (every
     1000 operations, and at the end) paged_attention through the pages equals a float64
@@ -505,8 +506,8 @@ def assert_accounts_as(cache: PagedKVCache, model: ReferencePool):
 
 def test_ten_thousand_random_operations_account_as_a_reference_model():
     """allocate, fork, free, truncate, reserve and step (several requests at once, forks among
-    them) at random on a small pool, each reserved token appended to every layer: after every operation
-    the cache accounts as ReferencePool (free pages, lengths, holder counts, each request's
+    them) at random on a small pool, each reserved token appended to every layer: after every
+    operation the cache accounts as ReferencePool (free pages, lengths, holder counts, each request's
     tokens read back), and it refuses a reserve or step exactly when the model says the pool
     cannot hold it, changing nothing."""
     rng = random.Random(0)
