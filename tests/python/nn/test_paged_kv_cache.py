@@ -507,9 +507,9 @@ def assert_accounts_as(cache: PagedKVCache, model: ReferencePool):
 def test_ten_thousand_random_operations_account_as_a_reference_model():
     """allocate, fork, free, truncate, reserve and step (several requests at once, forks among
     them) at random on a small pool, each reserved token appended to every layer: after every
-    operation the cache accounts as ReferencePool (free pages, lengths, holder counts, each request's
-    tokens read back), and it refuses a reserve or step exactly when the model says the pool
-    cannot hold it, changing nothing."""
+    operation the cache accounts as ReferencePool (free pages, lengths, holder counts, each
+    request's tokens read back), and it refuses a reserve or step exactly when the model says
+    the pool cannot hold it, changing nothing."""
     rng = random.Random(0)
     cache = PagedKVCache(num_pages=24, page_size=3, num_kv_heads=1, head_dim=1, num_layers=2,
                          dtype=torch.float64)
