@@ -73,8 +73,9 @@ def parse_args(argv=None):
         args.dtype = args.dtype or "float64"
         args.draft_layers = args.draft_layers or 1
     args.dtype = getattr(torch, args.dtype or "float32")
-    if not 1 <= args.depth <= 31:
-        parser.error(f"--depth must be in [1, 31] (a tree's 64 new tokens), got {args.depth}")
+    if not 1 <= args.depth <= 21:
+        parser.error(f"--depth must be in [1, 21] (a tree step's 64 new tokens), got "
+                     f"{args.depth}")
     if args.draft_layers is not None and not 1 <= args.draft_layers <= args.layers:
         parser.error(f"--draft-layers must be in [1, --layers={args.layers}], got "
                      f"{args.draft_layers}")

@@ -90,8 +90,10 @@ class Speculator:
                  accept: Callable[[Tree, List[int]], List[int]] = accept_greedy) -> None:
         if branches not in (1, 2):
             raise ValueError(f"branches must be 1 (a chain) or 2 (a tree), got {branches}")
-        if not 1 <= depth <= 31:
-            raise ValueError(f"depth must be in [1, 31] (at most 64 new tokens), got {depth}")
+        # A tree step feeds up to depth + 1 re-fed tokens and 2 x depth nodes: paged_attention's
+        # spec_mask takes at most 64 new tokens a sequence.
+        if not 1 <= depth <= 21:
+            raise ValueError(f"depth must be in [1, 21] (at most 64 new tokens), got {depth}")
         self.target, self.draft, self.depth, self.branches = target, draft, depth, branches
         self.max_batch, self.accept = max_batch, accept
         self.target_cache = target.make_paged_cache(num_pages, page_size)
