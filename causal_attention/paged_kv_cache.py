@@ -180,6 +180,24 @@ class PagedKVCache:
             self._release(page)
         del self._lengths[request]
 
+    def truncate(self, request, length: int) -> None:
+        """Drops the tokens of ``request`` at positions ``>= length`` (rejected draft tokens):
+        its pages past the first ``ceil(length / page_size)`` are released (freed unless a fork
+        still holds them). A kept partly filled page that a fork shares is never written here:
+        the request's next tokens copy it first (:meth:`reserve`), as for any shared page."""
+        current = self._lengths[self._known(request)]
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"{_NAME}.truncate: length must be an int, got {length!r}")
+        if not 0 <= length <= current:
+            raise ValueError(f"{_NAME}.truncate: length must be in [0, {current}] (the tokens "
+                             f"request {request!r} holds), got {length}")
+        pages = self._pages[request]
+        kept = -(-length // self.page_size)
+        for page in pages[kept:]:
+            self._release(page)
+        del pages[kept:]
+        self._lengths[request] = length
+
     def reserve(self, request, tokens: int) -> Tensor:
         """Room for ``tokens`` more tokens of ``request``: pages drawn as needed, and a shared
         partly filled last page copied first (every layer), so that the new tokens go to pages

@@ -64,6 +64,15 @@ class ReferencePool:
         for page in self.pages.pop(request):
             self._release(page)
 
+    def truncate(self, request, length: int) -> None:
+        """``request``'s tokens past the first ``length`` dropped, and the pages they alone
+        took released."""
+        del self.tokens[request][length:]
+        kept = -(-length // self.page_size)
+        for page in self.pages[request][kept:]:
+            self._release(page)
+        del self.pages[request][kept:]
+
     def pages_needed(self, writes) -> int:
         """The pages ``writes`` (request -> its new tokens' values, written in turn) take: found
         by writing them into a copy of this model."""

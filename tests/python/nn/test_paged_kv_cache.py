@@ -1,6 +1,6 @@
 """causal_attention.paged_kv_cache: paged_cache_append writes tokens into their slots in place,
-and PagedKVCache's pages (allocate, reserve, append, fork with copy on write, free) hold every
-request's tokens, shared where forked, none leaked, after 10k random operations (reserves and
+and PagedKVCache's pages (allocate, reserve, append, fork with copy on write, truncate, free) hold
+every request's tokens, shared where forked, none leaked, after 10k random operations (reserves and
 steps among them) accounted as a reference model does; flash-attn's paged call reads them."""
 
 import random
@@ -163,6 +163,67 @@ def test_fork_shares_full_pages_and_copies_the_partial_one_on_first_write():
     assert cache.pages_in_use == 0 and cache.free_pages == 8
 
 
+def written_cache(tokens: int):
+    """A 4-row-page cache holding ``tokens`` random tokens of request "a", and those tokens."""
+    cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    cache.allocate("a")
+    x = torch.randn(tokens, 1, 2)
+    cache.append(0, x, -x, cache.reserve("a", tokens))
+    return cache, x
+
+
+@pytest.mark.parametrize("length, pages", [(0, 0), (10, 3), (9, 3), (6, 2), (4, 1), (3, 1)],
+                         ids=["to-0", "to-the-length", "inside-the-last-page",
+                              "inside-an-earlier-page", "to-a-page-boundary", "across-pages"])
+def test_truncate_keeps_the_first_tokens_and_frees_the_pages_past_them(length, pages):
+    cache, x = written_cache(10)
+    kept = cache.pages_of("a")[:pages]
+    cache.truncate("a", length)
+    assert cache.length("a") == length and cache.pages_of("a") == kept
+    assert cache.free_pages == 8 - pages
+    assert torch.equal(gathered(cache, "a")[0], x[:length])
+    more = torch.randn(5, 1, 2)  # the next tokens go where the dropped ones were
+    cache.append(0, more, -more, cache.reserve("a", 5))
+    assert torch.equal(gathered(cache, "a")[0], torch.cat([x[:length], more]))
+    assert torch.equal(gathered(cache, "a")[1], -torch.cat([x[:length], more]))
+
+
+def test_truncate_of_a_forked_request_releases_shared_pages_and_copies_on_its_next_write():
+    """A page the fork shares is only released by the request that truncates, never cleared
+    for the other holder; a shared partly filled page it keeps is copied before it writes."""
+    cache, x = written_cache(10)  # pages: 4 + 4 + 2 tokens
+    cache.fork("a", "b")
+    shared = cache.pages_of("a")
+    cache.truncate("a", 6)
+    assert cache.pages_of("a") == shared[:2] and cache.pages_of("b") == shared
+    assert [cache.holders(p) for p in shared] == [2, 2, 1] and cache.free_pages == 5
+    mine = torch.randn(3, 1, 2)
+    cache.append(0, mine, -mine, cache.reserve("a", 3))
+    assert cache.pages_of("a")[0] == shared[0] and cache.pages_of("a")[1] != shared[1]
+    assert torch.equal(gathered(cache, "a")[0], torch.cat([x[:6], mine]))
+    assert torch.equal(gathered(cache, "b")[0], x)  # untouched
+    cache.truncate("b", 0)
+    assert cache.pages_of("b") == [] and cache.holders(shared[0]) == 1
+    cache.free("a")
+    cache.free("b")
+    assert cache.free_pages == 8
+
+
+@pytest.mark.parametrize("length, error, match", [
+    (11, ValueError, r"length must be in \[0, 10\].*got 11"),
+    (-1, ValueError, r"length must be in \[0, 10\].*got -1"),
+    (2.0, TypeError, "length must be an int, got 2.0"),
+    (True, TypeError, "length must be an int, got True"),
+])
+def test_truncate_refuses_a_length_outside_the_request_and_changes_nothing(length, error, match):
+    cache, x = written_cache(10)
+    with pytest.raises(error, match=match):
+        cache.truncate("a", length)
+    assert cache.length("a") == 10 and cache.free_pages == 5
+    with pytest.raises(KeyError, match="not allocated"):
+        cache.truncate("z", 0)
+
+
 def test_a_reserve_the_pool_cannot_hold_raises_and_changes_nothing():
     cache = PagedKVCache(num_pages=3, page_size=4, num_kv_heads=1, head_dim=2)
     cache.allocate("a")
@@ -305,9 +366,10 @@ def slots_of(cache: PagedKVCache, request):
     ],
 )
 def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool):
-    """Requests come, grow, fork and go at random; after every operation each page's holder
-    count is the number of requests listing it, the free pages are exactly the pages nobody
-    holds, and (every 50 operations, and at the end) every request reads back its own tokens.
+    """Requests come, grow, fork, shrink (truncate) and go at random; after every operation each
+    page's holder count is the number of requests listing it, the free pages are exactly the
+    pages nobody holds, and (every 50 operations, and at the end) every request reads back its
+    own tokens.
     With 8-bit pages a token reads back as it read right after its write (stored x scale): the
     per-token scales go with their pages through forks, copies on write and frees; and (every
     1000 operations, and at the end) paged_attention through the pages equals a float64
@@ -370,6 +432,13 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool
             r = rng.choice(list(expected))
             cache.free(r)
             del expected[r]
+        elif roll < 0.55:
+            r = rng.choice(list(expected))
+            length = rng.randint(0, cache.length(r))
+            cache.truncate(r, length)
+            if expected[r]:
+                keys, values = (torch.cat(t)[:length] for t in zip(*expected[r]))
+                expected[r] = [(keys, values)]
         else:
             r = rng.choice(list(expected))
             tokens = rng.choice([1, 1, 1, 2, 4, 7])
@@ -436,11 +505,11 @@ def assert_accounts_as(cache: PagedKVCache, model: ReferencePool):
 
 
 def test_ten_thousand_random_operations_account_as_a_reference_model():
-    """allocate, fork, free, reserve and step (several requests at once, forks among them) at
-    random on a small pool, each reserved token appended to every layer: after every operation
-    the cache accounts as ReferencePool (free pages, lengths, holder counts, each request's
-    tokens read back), and it refuses a reserve or step exactly when the model says the pool
-    cannot hold it, changing nothing."""
+    """allocate, fork, free, truncate, reserve and step (several requests at once, forks among
+    them) at random on a small pool, each reserved token appended to every layer: after every
+    operation the cache accounts as ReferencePool (free pages, lengths, holder counts, each
+    request's tokens read back), and it refuses a reserve or step exactly when the model says
+    the pool cannot hold it, changing nothing."""
     rng = random.Random(0)
     cache = PagedKVCache(num_pages=24, page_size=3, num_kv_heads=1, head_dim=1, num_layers=2,
                          dtype=torch.float64)
@@ -461,6 +530,11 @@ def test_ten_thousand_random_operations_account_as_a_reference_model():
             r = rng.choice(list(model.tokens))
             cache.free(r)
             model.free(r)
+        elif roll < 0.5:
+            r = rng.choice(list(model.tokens))
+            length = rng.randint(0, len(model.tokens[r]))
+            cache.truncate(r, length)
+            model.truncate(r, length)
         else:
             alone = roll < 0.65
             chosen = rng.sample(list(model.tokens), 1 if alone else min(len(model.tokens), 4))
