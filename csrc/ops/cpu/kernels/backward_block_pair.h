@@ -1,5 +1,5 @@
 // The steps of the backward on one block pair (query rows [q0, q0 + rows) of head h, keys
-// [k0, k0 + cols) of its KV head), shared by its one-pass and two-pass schedules:
+// [k0, k0 + cols) of its KV head), shared by its schedules (row panels, one pass, two passes):
 //   S = Q_i K_j^T;  P = exp(x(S) - lse);  dP = dO_i V_j^T;  dS = P o (dP - delta) o x'(S)
 //   dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dQ_i += dS K_j
 // with x the modified scores of score_modifiers.h (x' / scale = 1 - tanh^2 under softcap, else 1)

@@ -1,7 +1,7 @@
-// The walks over block pairs that both steps of the backward take (the row statistics of
-// backward_row_statistics.h, the gradients of attention_backward_kernel.cpp): every query block of
-// every (batch, query head), in parallel, and the parts of the key blocks one query block sees,
-// in order.
+// The walks over block pairs that the steps of the backward take (the row statistics of
+// backward_row_statistics.h, the gradients of attention_backward_kernel.cpp and the row panels of
+// backward_row_panels.h): every query block of every (batch, query head), in parallel, and the
+// parts of the key blocks one query block sees, in order.
 //
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
