@@ -152,9 +152,11 @@ class BlockPairGradients {
     // P = exp(x - lse);  dP' = dP o keep / (1 - p)
     finish_gradients(bh, q0, rows, k0, cols, record_mask_gradient, s,
                      [&](int64_t r, const RowScoring<acc_t>& scoring, KeyRange visible) {
-                       return probabilities_row(s.p + r * cols, s.ds + r * cols, visible, cols,
-                                                scoring, row_lse[r], row_scratch(s))
-                           .range;
+                       return FirstStepRow{
+                           probabilities_row(s.p + r * cols, s.ds + r * cols, visible, cols,
+                                             scoring, row_lse[r], row_scratch(s))
+                               .range,
+                           row_scratch(s)};
                      });
   }
 
@@ -168,18 +170,17 @@ class BlockPairGradients {
     const acc_t* row_lse = lse.row(b, h, q0);
     finish_gradients(bh, q0, rows, k0, cols, /*record_mask_gradient=*/true, s,
                      [&](int64_t r, const RowScoring<acc_t>& scoring, KeyRange range) {
-                       // The keys probabilities_row reached, and the scratch it left.
+                       // The keys probabilities_row reached, and the scratch it left (the
+                       // softcap factors in the slot; the dropout mask made again).
                        if (row_lse[r] == -std::numeric_limits<acc_t>::infinity()) {
                          range.end = range.begin;
                        }
-                       if (slot.softcap_grad != nullptr) {
-                         std::copy_n(slot.softcap_grad + r * cols, cols, s.softcap_grad.data());
-                       }
+                       const GradientRowScratch<acc_t> scratch = panel_scratch(slot, r, cols, s);
                        if (scoring.dropout) {
-                         scoring.keep_factors(s.keep_factors.data(), range.begin, range.end,
+                         scoring.keep_factors(scratch.keep_factors, range.begin, range.end,
                                               scoring.keep_scale);
                        }
-                       return range;
+                       return FirstStepRow{range, scratch};
                      });
   }
 
@@ -196,10 +197,8 @@ class BlockPairGradients {
     const acc_t* row_lse = lse.row(b, h, q0);
     const BlockMasks masks = dims.block_masks(b, h, q0, rows, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      GradientRowScratch<acc_t> scratch = row_scratch(s);
-      if (keep != nullptr && keep->softcap_grad != nullptr) {
-        scratch.softcap_grad = keep->softcap_grad + r * cols;
-      }
+      const GradientRowScratch<acc_t> scratch =
+          keep != nullptr ? panel_scratch(*keep, r, cols, s) : row_scratch(s);
       const RowShares<acc_t> row =
           row_shares(s.p + r * cols, s.ds + r * cols, dims.visible_in_block(b, q0 + r, k0, cols),
                      cols, modifiers.row(dims, b, h, q0 + r, k0, masks), row_lse[r], scratch);
@@ -252,9 +251,16 @@ class BlockPairGradients {
   acc_t* const mask_grad;  // (batch * heads_q, len_q, len_k) where asked for, else null
 
  private:
+  // What the first step leaves of a row: the keys it reaches, and its scratch (softcap factors,
+  // dropout mask).
+  struct FirstStepRow {
+    KeyRange range;
+    GradientRowScratch<acc_t> scratch;
+  };
+
   // The rows of a pair from P and dP' on: each row's scoring and keys, first_step(r, scoring,
-  // visible keys) leaving its P and dP' in s.p and s.ds (and its scratch) and returning the keys
-  // it reaches; then dS = P o (dP' - delta) o x' (finish_gradient_row).
+  // visible keys) leaving its P and dP' in s.p and s.ds and returning its FirstStepRow; then
+  // dS = P o (dP' - delta) o x' (finish_gradient_row).
   template <typename FirstStep>
   void finish_gradients(int64_t bh, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                         bool record_mask_gradient, Scratch& s, const FirstStep& first_step) const {
@@ -268,10 +274,11 @@ class BlockPairGradients {
     for (int64_t r = 0; r < rows; ++r) {
       const RowScoring<acc_t> scoring = modifiers.row(dims, b, h, q0 + r, k0, s.masks);
       s.mask_rows[r] = scoring.mask;
-      const KeyRange range = first_step(r, scoring, dims.visible_in_block(b, q0 + r, k0, cols));
+      const auto [range, scratch] =
+          first_step(r, scoring, dims.visible_in_block(b, q0 + r, k0, cols));
       // dS = P o (dP' - delta) o x'
       finish_gradient_row(s.p + r * cols, s.ds + r * cols, range, cols, scoring, row_normalizer[r],
-                          row_delta[r], row_scratch(s),
+                          row_delta[r], scratch,
                           mask_grad_rows ? mask_grad_rows + r * dims.len_k : nullptr);
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
@@ -301,6 +308,12 @@ class BlockPairGradients {
 
   static GradientRowScratch<acc_t> row_scratch(Scratch& s) {
     return {s.softcap_grad.data(), s.keep_factors.data()};
+  }
+  // Row r's scratch where its softcap factors live in a panel slot.
+  static GradientRowScratch<acc_t> panel_scratch(const PanelSlot& slot, int64_t r, int64_t cols,
+                                                 Scratch& s) {
+    return {slot.softcap_grad != nullptr ? slot.softcap_grad + r * cols : s.softcap_grad.data(),
+            s.keep_factors.data()};
   }
 
   // acc (cols x width) += A^T B_i, B_i the query rows `rows_of_b` (rows x width).
