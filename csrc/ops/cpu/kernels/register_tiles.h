@@ -59,9 +59,25 @@ struct StreamAhead {
     constexpr int64_t kLineBytes = 64;
     for (int64_t i = first; i < std::min(first + n, rows.count); ++i) {
       for (int64_t c = 0; c < rows.row_bytes; c += kLineBytes) {
-        __builtin_prefetch(rows.data + i * rows.stride_bytes + c, /*rw=*/0, kLocality);
+        request_line<kLocality>(rows.data + i * rows.stride_bytes + c);
       }
     }
+  }
+
+  // One cache line requested. Not __builtin_prefetch: GCC 12 takes a function whose only effect
+  // is that builtin for a pure one and deletes the calls to it, and at_keys compiled to nothing
+  // (the library held no prefetch instruction). An asm volatile statement is an effect it keeps.
+  template <int kLocality>
+  static C10_ALWAYS_INLINE void request_line(const char* line) {
+#if defined(__x86_64__) || defined(__i386__)
+    if constexpr (kLocality == kNear) {
+      asm volatile("prefetcht0 %0" : : "m"(*line));
+    } else {
+      asm volatile("prefetcht1 %0" : : "m"(*line));
+    }
+#else
+    __builtin_prefetch(line, /*rw=*/0, kLocality);
+#endif
   }
 };
 
