@@ -22,10 +22,10 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
-// The forward over pages in q's dtype, read in place (float32, float64) or widened a block at a
-// time (bfloat16, float16), or over 8-bit pages (k_scale given), widened with their scales
-// (quantized_rows.h). The checks refuse 8-bit caches beside a
-// float64 q, the one dtype without a kernel for them.
+// The forward over pages in q's dtype, read in place (bfloat16 and float16 rows widened in
+// registers), or over 8-bit pages (k_scale given), widened a block at a time with their scales
+// (quantized_rows.h). The checks refuse 8-bit caches beside a float64 q, the one dtype without a
+// kernel for them.
 template <typename scalar_t, typename gemm_t>
 class PagedForwardKernel {
  public:
@@ -36,10 +36,8 @@ class PagedForwardKernel {
       if constexpr (!std::is_same_v<scalar_t, double>) {
         run_with<QuantizedPagedRows>();
       }
-    } else if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
-      run_with<PagedRows<const scalar_t>>();
     } else {
-      run_with<WidenedPagedRows<scalar_t>>();  // bfloat16, float16: widened once, as 8-bit rows
+      run_with<PagedRows<const scalar_t>>();
     }
   }
 

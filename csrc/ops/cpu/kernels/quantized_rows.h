@@ -34,8 +34,8 @@ inline EightBit eight_bit_format(at::ScalarType dtype) {
   }
 }
 
-// dst[i] = src[i] * scale for i < n: a row of 8-bit values (eight_bit_values.h) or of bfloat16
-// or float16 ones, widened in registers, times its scale.
+// dst[i] = src[i] * scale for i < n: a row of 8-bit values (eight_bit_values.h), widened in
+// registers, times its scale.
 template <typename T>
 inline void widen_scaled(const T* src, int64_t n, float scale, float* dst) {
   using Vec = at::vec::Vectorized<float>;
@@ -49,21 +49,19 @@ inline void widen_scaled(const T* src, int64_t n, float scale, float* dst) {
   }
 }
 
-// The rows of a paged cache viewed as (num_pages, heads, page_size, col), found as PagedRows
-// finds them, read by widening a block of them at a time into float32 rows with their scales:
-// float32 viewed the same way without col (stride 0 along every dim for a scale per tensor; 1
-// where the tensor is undefined). stored_t: uint8_t for an 8-bit cache (its format read from its
-// dtype), or a bfloat16 or float16 cache's own type, which a decode reads faster widened once than
-// widened in registers by every query row of the GQA group (benchmarks.paged, precisions).
-template <typename T>
-struct WidenedPagedRows {
-  using stored_t = T;
+// The rows of an 8-bit paged cache viewed as (num_pages, heads, page_size, col), found as
+// PagedRows finds them, read by widening a block of them at a time into float32 rows with their
+// scales: float32 viewed the same way without col (stride 0 along every dim for a scale per
+// tensor; 1 where the tensor is undefined). Its bytes are uint8_t; their format is read from the
+// cache's dtype.
+struct QuantizedPagedRows {
+  using stored_t = uint8_t;
   PagedRows<const stored_t> rows;
   const float* scales;
   int64_t scale_page_stride = 0, scale_head_stride = 0, scale_row_stride = 0;
   EightBit format;
 
-  WidenedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
+  QuantizedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
       : rows(cache, table), scales(&kOne), format(eight_bit_format(cache.scalar_type())) {
     if (scale.defined()) {
       scales = scale.data_ptr<float>();
@@ -77,7 +75,7 @@ struct WidenedPagedRows {
 
   // Whether `other` widens the same rows with the same scales (their first columns: MLA's
   // values, a view of its latent keys), so that what this widened serves for both.
-  bool same_rows(const WidenedPagedRows& other) const {
+  bool same_rows(const QuantizedPagedRows& other) const {
     return rows.same_rows(other.rows) && scales == other.scales &&
            scale_page_stride == other.scale_page_stride &&
            scale_head_stride == other.scale_head_stride &&
@@ -100,18 +98,9 @@ struct WidenedPagedRows {
     });
   }
 
-  // Requests rows [r, r + count) of every head (`heads`, `width` values each) into L2, for a
-  // block widened next.
-  void prefetch(int64_t b, int64_t heads, int64_t r, int64_t count, int64_t width) const {
-    constexpr int64_t kLineBytes = 64;
-    for (int64_t key = r; key < r + count; ++key) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const char* row = reinterpret_cast<const char*>(rows.row(b, h, key));
-        for (int64_t c = 0; c < width * int64_t(sizeof(stored_t)); c += kLineBytes) {
-          __builtin_prefetch(row + c, /*rw=*/0, /*locality=*/2);
-        }
-      }
-    }
+  // Where row r of (b, h) lies in the cache, for the prefetches of a block widened next.
+  const char* row_address(int64_t b, int64_t h, int64_t r) const {
+    return reinterpret_cast<const char*>(rows.row(b, h, r));
   }
 
   // The products read float32 rows widened into scratch (decode.h, packed_kv.h).
@@ -123,22 +112,18 @@ struct WidenedPagedRows {
  private:
   static constexpr float kOne = 1.0f;
 
-  // Calls fn with a null `const element_t*`, element_t the type of the values the rows hold:
-  // c10::Float8_e4m3fn, c10::Float8_e5m2 or int8_t for an 8-bit cache (by its dtype), else
-  // stored_t, which widen_scaled reads (row_as).
+  // Calls fn with a null `const element_t*`, element_t the type of the values the rows hold (by
+  // the cache's dtype): c10::Float8_e4m3fn, c10::Float8_e5m2 or int8_t, which widen_scaled reads
+  // (row_as).
   template <typename Fn>
   void with_element_type(const Fn& fn) const {
-    if constexpr (std::is_same_v<stored_t, uint8_t>) {
-      switch (format) {
-        case EightBit::kE4M3:
-          return fn(static_cast<const c10::Float8_e4m3fn*>(nullptr));
-        case EightBit::kE5M2:
-          return fn(static_cast<const c10::Float8_e5m2*>(nullptr));
-        case EightBit::kInt8:
-          return fn(static_cast<const int8_t*>(nullptr));
-      }
-    } else {
-      fn(static_cast<const stored_t*>(nullptr));
+    switch (format) {
+      case EightBit::kE4M3:
+        return fn(static_cast<const c10::Float8_e4m3fn*>(nullptr));
+      case EightBit::kE5M2:
+        return fn(static_cast<const c10::Float8_e5m2*>(nullptr));
+      case EightBit::kInt8:
+        return fn(static_cast<const int8_t*>(nullptr));
     }
   }
 
@@ -171,8 +156,5 @@ struct WidenedPagedRows {
     }
   }
 };
-
-// An 8-bit cache's rows.
-using QuantizedPagedRows = WidenedPagedRows<uint8_t>;
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
