@@ -7,8 +7,9 @@
 // come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut a key
 // block's products into runs, one a page). Where KeyRows interleaves the heads' rows (a page), a
 // task carries every KV head of its sequence through each key block instead (heads_together).
-// Rows of an 8-bit cache (quantized_rows.h) are widened block by block, with their scales, into
-// the task's scratch, and the products read those (one run a block, kv_t float32).
+// Rows of an 8-bit cache (ScaledPagedRows, quantized_rows.h) are read in place too, widened in
+// registers as bfloat16 rows are; their scales are folded into the scores (K's) and into the
+// probabilities the values are weighted by (V's), one multiply a key.
 #pragma once
 
 #include "attn_mask_view.h"
@@ -36,20 +37,14 @@ class DecodeForward {
   using acc_t = at::opmath_type<scalar_t>;
   using Tasks = DecodeTasks<KeyRows>;
   using TaskRows = typename Tasks::TaskRows;
-  // The K and V rows the products read: KeyRows' own, or float32 rows widened into the scratch.
+  // The K and V rows the products read, in place.
   using kv_t = typename KeyRows::row_t;
 
  public:
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
                 const KeyRows& v, const OutputRows<scalar_t, acc_t>& output,
                 const ScoreModifiers<acc_t>& modifiers)
-      : dims_(d),
-        q_(q),
-        k_(k),
-        v_(v),
-        output_(output),
-        modifiers_(modifiers),
-        values_in_keys_(values_in_keys(d, k, v)) {}
+      : dims_(d), q_(q), k_(k), v_(v), output_(output), modifiers_(modifiers) {}
 
   void run() const {
     const int64_t items =
@@ -107,10 +102,7 @@ class DecodeForward {
     std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
     NonFiniteRowGuard<kv_t> guard;
-    std::vector<kv_t> wide_keys, wide_values;  // the current block's rows, where KeyRows widens
-    // and where the next block's rows of this head lie in the cache, requested as the scores run
-    std::vector<const char*> next_key_rows, next_value_rows;
-    int64_t next_rows = 0;
+    std::vector<acc_t> key_scales, value_scales;  // the block's row scales, where KeyRows has them
     TaskRows task{};  // the rows this scratch serves in the current item
     explicit Scratch(const AttentionDims& d)
         : queries(Tasks::task_rows(d) * d.head_dim),
@@ -125,10 +117,8 @@ class DecodeForward {
           run_visible(Tasks::task_rows(d)),
           run_mask_rows(Tasks::task_rows(d)),
           state(Tasks::task_rows(d), d.value_dim),
-          wide_keys(KeyRows::kWidens ? kKeyBlock * d.head_dim : 0),
-          wide_values(KeyRows::kWidens ? kKeyBlock * d.value_dim : 0),
-          next_key_rows(KeyRows::kWidens ? kKeyBlock : 0),
-          next_value_rows(KeyRows::kWidens ? kKeyBlock : 0) {}
+          key_scales(kScaled ? kKeyBlock : 0),
+          value_scales(kScaled ? kKeyBlock : 0) {}
   };
 
   // The keys of chunk `split` that the task's rows see, from the first key block one of them
@@ -171,9 +161,6 @@ class DecodeForward {
     for (int64_t k0 = key_begin, cols; k0 < key_end; k0 += cols) {
       cols = block_keys(k0, key_end);
       if (dims_.kept_keys(first.b, k0, cols) > 0) {  // a block the key mask hides is skipped
-        if constexpr (KeyRows::kWidens) {
-          widen_block(first.b, k0, cols, key_end, scratch);
-        }
         for (Scratch& s : scratch) {
           key_block(s.task, k0, cols, key_end, s);
         }
@@ -195,66 +182,30 @@ class DecodeForward {
     return std::min(kKeyBlock, key_end - k0);
   }
 
-  // Where the products read the rows of K and V: in place (KeyRows' row_stride apart), or from
-  // the scratch they were widened into.
-  int64_t key_stride() const {
-    if constexpr (KeyRows::kWidens) {
-      return dims_.head_dim;
-    } else {
-      return k_.row_stride;
-    }
-  }
-  int64_t value_stride() const {
-    if constexpr (KeyRows::kWidens) {
-      return values_in_keys_ ? dims_.head_dim : dims_.value_dim;
-    } else {
-      return v_.row_stride;
+  // Whether KeyRows' rows come with scales (an 8-bit cache's) that the products leave out.
+  static constexpr bool kScaled = has_row_scales_v<KeyRows>;
+
+  // The block's K and V row scales of KV head h_kv of batch item b into the scratch.
+  void block_scales(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
+    for (int64_t j = 0; j < cols; ++j) {
+      s.key_scales[j] = k_.scale(b, h_kv, k0 + j);
+      s.value_scales[j] = v_.scale(b, h_kv, k0 + j);
     }
   }
 
-  // Keys [k0, k0 + cols) of batch item b widened into the scratch of every KV head of the item
-  // (scratch[h] for KV head h, heads_together()), in one sweep through the pages' bytes (the
-  // heads' rows interleave in a page); and where the next block's rows lie, which each head's
-  // scores request into L2 a share at a time (run_stream) while the block's products run.
-  void widen_block(int64_t b, int64_t k0, int64_t cols, int64_t key_end,
-                   std::vector<Scratch>& scratch) const {
-    float *keys[kMaxWidenedHeads], *values[kMaxWidenedHeads];
-    const int64_t heads = int64_t(scratch.size());
-    for (int64_t first = 0; first < heads; first += kMaxWidenedHeads) {
-      const int64_t n = std::min(kMaxWidenedHeads, heads - first);
-      for (int64_t i = 0; i < n; ++i) {
-        Scratch& s = scratch[first + i];
-        keys[i] = s.wide_keys.data();
-        values[i] = values_in_keys_ ? s.wide_keys.data() : s.wide_values.data();
-        s.key_runs.assign({{0, cols, keys[i]}});
-        s.value_runs.assign({{0, cols, values[i]}});
+  // m[r * ld + j] *= factors[j] for r < rows, j < cols.
+  static void scale_columns(acc_t* m, int64_t ld, int64_t rows, int64_t cols,
+                            const acc_t* factors) {
+    using Vec = at::vec::Vectorized<acc_t>;
+    for (int64_t r = 0; r < rows; ++r) {
+      acc_t* row = m + r * ld;
+      int64_t j = 0;
+      for (; j + Vec::size() <= cols; j += Vec::size()) {
+        (Vec::loadu(row + j) * Vec::loadu(factors + j)).store(row + j);
       }
-      const int64_t h_kv = scratch[first].task.h_kv;
-      k_.widen_heads(b, h_kv, n, k0, cols, dims_.head_dim, keys, dims_.head_dim);
-      if (!values_in_keys_) {
-        v_.widen_heads(b, h_kv, n, k0, cols, dims_.value_dim, values, dims_.value_dim);
+      for (; j < cols; ++j) {
+        row[j] *= factors[j];
       }
-    }
-    // None past key_end, where a row may lie on no page.
-    const int64_t next = k0 + cols < key_end ? block_keys(k0 + cols, key_end) : 0;
-    for (Scratch& s : scratch) {
-      s.next_rows = next;
-      for (int64_t j = 0; j < next; ++j) {
-        s.next_key_rows[j] = k_.row_address(b, s.task.h_kv, k0 + cols + j);
-        s.next_value_rows[j] = v_.row_address(b, s.task.h_kv, k0 + cols + j);
-      }
-    }
-  }
-  static constexpr int64_t kMaxWidenedHeads = 16;
-
-  // Whether V's rows are the first value_dim columns of K's, widened alike (MLA's latent cache,
-  // v_cache a view of k_cache): then a block's widened keys serve as its values, and its bytes
-  // are read and widened once.
-  static bool values_in_keys(const AttentionDims& d, const KeyRows& k, const KeyRows& v) {
-    if constexpr (KeyRows::kWidens) {
-      return d.value_dim <= d.head_dim && v.same_rows(k);
-    } else {
-      return false;
     }
   }
 
@@ -280,17 +231,7 @@ class DecodeForward {
   StreamAhead run_stream(const Scratch& s, size_t i, size_t& next) const {
     const RowRun<kv_t>& run = s.value_runs[i];
     StreamAhead stream;
-    stream.values = StreamAhead::Rows::of(run.first, run.count, dims_.value_dim, value_stride());
-    if constexpr (KeyRows::kWidens) {  // one run, the widened block; the next lies in the cache
-      using stored_t = typename KeyRows::stored_t;
-      stream.next_keys = StreamAhead::Rows::at(s.next_key_rows.data(), s.next_rows,
-                                               dims_.head_dim * int64_t(sizeof(stored_t)));
-      if (!values_in_keys_) {
-        stream.next_values = StreamAhead::Rows::at(s.next_value_rows.data(), s.next_rows,
-                                                   dims_.value_dim * int64_t(sizeof(stored_t)));
-      }
-      return stream;
-    }
+    stream.values = StreamAhead::Rows::of(run.first, run.count, dims_.value_dim, v_.row_stride);
     const auto& ahead = s.next_key_runs;
     while (next < ahead.size() && ahead[next].offset + ahead[next].count <= run.offset) {
       ++next;
@@ -298,11 +239,11 @@ class DecodeForward {
     if (next < ahead.size()) {
       const int64_t skipped = run.offset - ahead[next].offset;
       const int64_t count = std::min(run.count, ahead[next].count - skipped);
-      stream.next_keys = StreamAhead::Rows::of(ahead[next].first + skipped * key_stride(), count,
-                                               dims_.head_dim, key_stride());
+      stream.next_keys = StreamAhead::Rows::of(ahead[next].first + skipped * k_.row_stride, count,
+                                               dims_.head_dim, k_.row_stride);
       stream.next_values =
-          StreamAhead::Rows::of(s.next_value_runs[next].first + skipped * value_stride(), count,
-                                dims_.value_dim, value_stride());
+          StreamAhead::Rows::of(s.next_value_runs[next].first + skipped * v_.row_stride, count,
+                                dims_.value_dim, v_.row_stride);
     }
     return stream;
   }
@@ -325,32 +266,34 @@ class DecodeForward {
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
     // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches)
-    if constexpr (!KeyRows::kWidens) {  // else widened by run_item
-      block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
-      s.next_key_runs.clear();
-      s.next_value_runs.clear();
-      if (k0 + cols < key_end) {  // a row past key_end may lie on no page
-        block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
-                   s.next_value_runs);
-      }
+    block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
+    s.next_key_runs.clear();
+    s.next_value_runs.clear();
+    if (k0 + cols < key_end) {  // a row past key_end may lie on no page
+      block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
+                 s.next_value_runs);
     }
     size_t next = 0;
     for (size_t i = 0; i < s.key_runs.size(); ++i) {
       const RowRun<kv_t>& run = s.key_runs[i];
       const StreamAhead stream = run_stream(s, i, next);
       if (padded(rows) > 0) {
-        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, key_stride(),
+        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
                                                       s.keys.data() + run.offset * D);
         key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld,
                          run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
                          stream);
       } else {
-        query_key_scores(s.queries.data(), D, rows, run.first, key_stride(), run.count, D,
+        query_key_scores(s.queries.data(), D, rows, run.first, k_.row_stride, run.count, D,
                          s.scores.data() + run.offset, cols, stream);
       }
     }
     if (padded(rows) > 0) {
       transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
+    }
+    if constexpr (kScaled) {  // q . (k x scale) as (q . k) x scale
+      block_scales(b, h_kv, k0, cols, s);
+      scale_columns(s.scores.data(), cols, rows, cols, s.key_scales.data());
     }
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
     // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
@@ -362,9 +305,12 @@ class DecodeForward {
       s.state.fold_row(s.scores.data() + r * cols, r, range, cols,
                        modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks));
     }
+    if constexpr (kScaled) {  // P (v x scale) as (P x scale) v
+      scale_columns(s.scores.data(), cols, rows, cols, s.value_scales.data());
+    }
     // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
     if (!attn_mask_read && !kept) {
-      const RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), value_stride()};
+      const RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
       accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
                                  s.visible.data(), values, Dv, s.state.out.data(), Dv);
       return;
@@ -378,7 +324,7 @@ class DecodeForward {
         s.run_mask_rows[r] = s.mask_rows[r].from(run.offset);
       }
       const bool* run_kept = kept ? kept + run.offset : nullptr;
-      const Operand<kv_t> value_rows{run.first, value_stride()};
+      const Operand<kv_t> value_rows{run.first, v_.row_stride};
       const Operand<kv_t> values =
           attn_mask_read
               ? s.guard.without_non_finite_rows(value_rows, run.count, Dv)
@@ -402,7 +348,6 @@ class DecodeForward {
   const KeyRows k_, v_;
   const OutputRows<scalar_t, acc_t> output_;
   const ScoreModifiers<acc_t> modifiers_;
-  const bool values_in_keys_;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -1,8 +1,8 @@
 // The forward of one call: few query rows against a long cache take the decode path (decode.h),
 // the others the block path (block_forward.h), both on K/V rows that the call's tensors say where
 // to read: a tensor's (HeadRows, attention_forward_kernel.cpp) or a paged cache's through its
-// block table (PagedRows, paged_forward_kernel.cpp), or an 8-bit one's, widened as they are read
-// (QuantizedPagedRows).
+// block table (PagedRows, paged_forward_kernel.cpp), or an 8-bit one's: read in place with their
+// scales by the decode (ScaledPagedRows), widened with them by the block path (QuantizedPagedRows).
 #pragma once
 
 #include "block_forward.h"
@@ -29,7 +29,7 @@ std::pair<HeadRows<const scalar_t>, HeadRows<const scalar_t>> key_value_rows(
 // A paged cache's, found through the block table: in q's dtype, or 8-bit with their scales.
 template <typename KeyRows>
 std::pair<KeyRows, KeyRows> paged_key_value_rows(const PagedForwardTensors& t) {
-  if constexpr (KeyRows::kWidens) {
+  if constexpr (KeyRows::kWidens || has_row_scales_v<KeyRows>) {
     return {KeyRows(t.k, t.k_scale, t.block_table), KeyRows(t.v, t.v_scale, t.block_table)};
   } else {
     return {KeyRows(t.k, t.block_table), KeyRows(t.v, t.block_table)};
@@ -63,13 +63,24 @@ class ForwardKernel {
         output_{HeadRows<scalar_t>(t.out, dims_.cu_q), HeadRows<acc_t>(t.lse, dims_.cu_q),
                 dims_.heads_q, dims_.value_dim, modifiers_} {}
 
+  // Whether the call takes the decode path.
+  bool decodes() const { return forward_decodes(dims_); }
+
+  // The call on its path. An 8-bit cache's rows serve one path each: those of the decode
+  // (ScaledPagedRows) and those of the block path (QuantizedPagedRows); the caller picks by
+  // decodes().
   void run() const {
     const auto& [k, v] = kv_;
-    if (forward_decodes(dims_)) {
-      DecodeForward<scalar_t, KeyRows>(dims_, q_, k, v, output_, modifiers_).run();
-    } else {
+    if (decodes()) {
+      if constexpr (!KeyRows::kWidens) {
+        DecodeForward<scalar_t, KeyRows>(dims_, q_, k, v, output_, modifiers_).run();
+        return;
+      }
+    } else if constexpr (!has_row_scales_v<KeyRows>) {
       BlockForward<scalar_t, gemm_t, KeyRows>(dims_, q_, k, v, output_, modifiers_).run();
+      return;
     }
+    TORCH_INTERNAL_ASSERT(false, "ForwardKernel: these K/V rows serve the other path");
   }
 
  private:

@@ -23,31 +23,40 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 namespace {
 
 // The forward over pages in q's dtype, read in place (bfloat16 and float16 rows widened in
-// registers), or over 8-bit pages (k_scale given), widened a block at a time with their scales
-// (quantized_rows.h). The checks refuse 8-bit caches beside a float64 q, the one dtype without a
-// kernel for them.
+// registers), or over 8-bit pages (k_scale given) with their scales: read in place by the decode,
+// widened a block at a time by the block path (quantized_rows.h). The checks refuse 8-bit caches
+// beside a float64 q, the one dtype without a kernel for them.
 template <typename scalar_t, typename gemm_t>
 class PagedForwardKernel {
  public:
   explicit PagedForwardKernel(const PagedForwardTensors& t) : t_(t) {}
 
   void run() const {
-    if (t_.k_scale.defined()) {
-      if constexpr (!std::is_same_v<scalar_t, double>) {
-        run_with<QuantizedPagedRows>();
+    if (!t_.k_scale.defined()) {
+      kernel<PagedRows<const scalar_t>>().run();
+    } else if constexpr (!std::is_same_v<scalar_t, double>) {
+      const auto block_path = kernel<QuantizedPagedRows>();
+      if (!block_path.decodes()) {
+        block_path.run();
+        return;
       }
-    } else {
-      run_with<PagedRows<const scalar_t>>();
+      switch (eight_bit_format(t_.k.scalar_type())) {
+        case EightBit::kE4M3:
+          return kernel<ScaledPagedRows<c10::Float8_e4m3fn>>().run();
+        case EightBit::kE5M2:
+          return kernel<ScaledPagedRows<c10::Float8_e5m2>>().run();
+        case EightBit::kInt8:
+          return kernel<ScaledPagedRows<int8_t>>().run();
+      }
     }
   }
 
  private:
   template <typename KeyRows>
-  void run_with() const {
-    ForwardKernel<scalar_t, gemm_t, PagedForwardTensors, KeyRows>(
-        t_, [](const PagedForwardTensors& t,
-               const AttentionDims&) { return paged_key_value_rows<KeyRows>(t); })
-        .run();
+  ForwardKernel<scalar_t, gemm_t, PagedForwardTensors, KeyRows> kernel() const {
+    return {t_, [](const PagedForwardTensors& t, const AttentionDims&) {
+              return paged_key_value_rows<KeyRows>(t);
+            }};
   }
 
   const PagedForwardTensors& t_;

@@ -1,9 +1,11 @@
 // The rows of an 8-bit paged KV cache (float8_e4m3fn, float8_e5m2 or int8 pages, each row with
-// its dequantization scale: stored value x scale = key or value). The kernels never read such a
-// row in place: a block of them is widened once, with its scales, into float32 rows in the
-// task's scratch (decode.h) or into the call's packed blocks (packed_kv.h), and the products run
-// on those. The scale is applied as the row is widened: one multiply on a value already in a
-// register, exact up to that one float32 rounding, whether it is per tensor or per token.
+// its dequantization scale: stored value x scale = key or value), read two ways:
+// - by the decode in place (ScaledPagedRows), widened in registers by the products as bfloat16
+//   rows are, with no copy; the decode multiplies each key's scores by K's scale and its
+//   probabilities by V's (decode.h), one multiply a key and query row;
+// - by the block path (prefill chunks) a block at a time, widened once with their scales into the
+//   call's packed blocks (QuantizedPagedRows, packed_kv.h), and multiplied as a bfloat16 cache's.
+//   The scale is applied as the row is widened: one multiply on a value already in a register.
 //
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
@@ -49,38 +51,60 @@ inline void widen_scaled(const T* src, int64_t n, float scale, float* dst) {
   }
 }
 
-// The rows of an 8-bit paged cache viewed as (num_pages, heads, page_size, col), found as
-// PagedRows finds them, read by widening a block of them at a time into float32 rows with their
-// scales: float32 viewed the same way without col (stride 0 along every dim for a scale per
-// tensor; 1 where the tensor is undefined). Its bytes are uint8_t; their format is read from the
-// cache's dtype.
-struct QuantizedPagedRows {
-  using stored_t = uint8_t;
-  PagedRows<const stored_t> rows;
-  const float* scales;
-  int64_t scale_page_stride = 0, scale_head_stride = 0, scale_row_stride = 0;
-  EightBit format;
-
-  QuantizedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
-      : rows(cache, table), scales(&kOne), format(eight_bit_format(cache.scalar_type())) {
+// The scales of a paged cache's rows: float32 viewed as (num_pages, heads, page_size) (stride 0
+// along every dim for a scale per tensor; 1 where the tensor is undefined).
+class PageScales {
+ public:
+  explicit PageScales(const at::Tensor& scale) {
     if (scale.defined()) {
-      scales = scale.data_ptr<float>();
-      scale_page_stride = scale.stride(0);
-      scale_head_stride = scale.stride(1);
-      scale_row_stride = scale.stride(2);
+      scales_ = scale.data_ptr<float>();
+      page_stride_ = scale.stride(0);
+      head_stride_ = scale.stride(1);
+      row_stride_ = scale.stride(2);
     }
   }
 
-  int64_t run_end(int64_t r) const { return rows.run_end(r); }
-
-  // Whether `other` widens the same rows with the same scales (their first columns: MLA's
-  // values, a view of its latent keys), so that what this widened serves for both.
-  bool same_rows(const QuantizedPagedRows& other) const {
-    return rows.same_rows(other.rows) && scales == other.scales &&
-           scale_page_stride == other.scale_page_stride &&
-           scale_head_stride == other.scale_head_stride &&
-           scale_row_stride == other.scale_row_stride && format == other.format;
+  // The scales of (b, heads from h) on the page that row r lies on, through `rows`' block table:
+  // head h + i's at [i * head_stride()], row r's first.
+  template <typename T>
+  const float* at(const PagedRows<T>& rows, int64_t b, int64_t h, int64_t r) const {
+    const int64_t page = rows.block_table[b * rows.table_width + r / rows.page_size];
+    return scales_ + page * page_stride_ + h * head_stride_ + (r % rows.page_size) * row_stride_;
   }
+  int64_t head_stride() const { return head_stride_; }
+
+ private:
+  static constexpr float kOne = 1.0f;
+  const float* scales_ = &kOne;
+  int64_t page_stride_ = 0, head_stride_ = 0, row_stride_ = 0;
+};
+
+// An 8-bit paged cache's rows as the decode reads them: in place, element_t
+// (c10::Float8_e4m3fn, c10::Float8_e5m2 or int8_t) as PagedRows finds them, each with its scale.
+template <typename element_t>
+struct ScaledPagedRows : PagedRows<const element_t> {
+  PageScales scales;
+
+  ScaledPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
+      : PagedRows<const element_t>(cache, table), scales(scale) {}
+
+  // Stored value x scale(b, h, r) = element of row r of (b, h).
+  float scale(int64_t b, int64_t h, int64_t r) const { return *scales.at(*this, b, h, r); }
+};
+
+// The rows of an 8-bit paged cache viewed as (num_pages, heads, page_size, col), found as
+// PagedRows finds them, read by widening a block of them at a time into float32 rows with their
+// scales (PageScales). Its bytes are uint8_t; their format is read from the cache's dtype.
+struct QuantizedPagedRows {
+  using stored_t = uint8_t;
+  PagedRows<const stored_t> rows;
+  PageScales scales;
+  EightBit format;
+
+  QuantizedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
+      : rows(cache, table), scales(scale), format(eight_bit_format(cache.scalar_type())) {}
+
+  int64_t run_end(int64_t r) const { return rows.run_end(r); }
 
   // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart.
   void widen(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,
@@ -98,20 +122,13 @@ struct QuantizedPagedRows {
     });
   }
 
-  // Where row r of (b, h) lies in the cache, for the prefetches of a block widened next.
-  const char* row_address(int64_t b, int64_t h, int64_t r) const {
-    return reinterpret_cast<const char*>(rows.row(b, h, r));
-  }
-
-  // The products read float32 rows widened into scratch (decode.h, packed_kv.h).
+  // The products read float32 rows widened into the packed blocks (packed_kv.h).
   using row_t = float;
   static constexpr bool kWidens = true;
   static constexpr bool kInterleavedHeads = PagedRows<const stored_t>::kInterleavedHeads;
   static constexpr bool kOneRun = false;
 
  private:
-  static constexpr float kOne = 1.0f;
-
   // Calls fn with a null `const element_t*`, element_t the type of the values the rows hold (by
   // the cache's dtype): c10::Float8_e4m3fn, c10::Float8_e5m2 or int8_t, which widen_scaled reads
   // (row_as).
@@ -134,22 +151,16 @@ struct QuantizedPagedRows {
     return reinterpret_cast<const element_t*>(rows.row(b, h, r));
   }
 
-  // The scales of the page that row r of batch item b lies on.
-  const float* page_scales(int64_t b, int64_t r) const {
-    return scales + rows.block_table[b * rows.table_width + r / rows.page_size] * scale_page_stride;
-  }
-
   template <typename element_t>
   void widen_runs(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
                   float* const* dst, int64_t ld) const {
     for (int64_t key = r, end; key < r + count; key = end) {  // a page at a time
       end = std::min(r + count, run_end(key));
-      const float* page = page_scales(b, key);
       for (int64_t k = key; k < end; ++k) {
         const element_t* src = row_as<element_t>(b, h, k);
-        const float* scale = page + (k % rows.page_size) * scale_row_stride;
+        const float* scale = scales.at(rows, b, h, k);
         for (int64_t i = 0; i < heads; ++i) {
-          widen_scaled(src + i * rows.head_stride, width, scale[(h + i) * scale_head_stride],
+          widen_scaled(src + i * rows.head_stride, width, scale[i * scales.head_stride()],
                        dst[i] + (k - r) * ld);
         }
       }

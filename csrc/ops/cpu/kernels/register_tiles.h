@@ -29,19 +29,11 @@ struct StreamAhead {
   struct Rows {
     const char* data = nullptr;
     int64_t count = 0, row_bytes = 0, stride_bytes = 0;
-    const char* const* starts = nullptr;  // where set, row i lies at starts[i], not stride_bytes
-                                          // apart from data (a block's rows on their pages)
 
     template <typename T>
     static Rows of(const T* data, int64_t count, int64_t width, int64_t ld) {
       return {reinterpret_cast<const char*>(data), count, width * int64_t(sizeof(T)),
               ld * int64_t(sizeof(T))};
-    }
-    static Rows at(const char* const* starts, int64_t count, int64_t row_bytes) {
-      return {nullptr, count, row_bytes, 0, starts};
-    }
-    const char* row(int64_t i) const {
-      return starts != nullptr ? starts[i] : data + i * stride_bytes;
     }
   };
   Rows values, next_keys, next_values;
@@ -67,7 +59,7 @@ struct StreamAhead {
     constexpr int64_t kLineBytes = 64;
     for (int64_t i = first; i < std::min(first + n, rows.count); ++i) {
       for (int64_t c = 0; c < rows.row_bytes; c += kLineBytes) {
-        request_line<kLocality>(rows.row(i) + c);
+        request_line<kLocality>(rows.data + i * rows.stride_bytes + c);
       }
     }
   }

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -76,14 +77,6 @@ struct PagedRows {
     return data + page * page_stride + (r % page_size) * row_stride + h * head_stride;
   }
   int64_t run_end(int64_t r) const { return (r / page_size + 1) * page_size; }
-  // Whether `other` finds each row where this does (the first columns of the same rows: MLA's
-  // values, a view of its latent keys).
-  bool same_rows(const PagedRows& other) const {
-    return data == other.data && page_stride == other.page_stride &&
-           head_stride == other.head_stride && row_stride == other.row_stride &&
-           block_table == other.block_table && table_width == other.table_width &&
-           page_size == other.page_size;
-  }
   // A page holds the rows of every head side by side: (page_size, heads, col) in flash-attn's
   // layout.
   static constexpr bool kInterleavedHeads = true;
@@ -92,5 +85,13 @@ struct PagedRows {
   using stored_t = row_t;
   static constexpr bool kWidens = false;
 };
+
+// Whether a KeyRows source's rows come with scales (an 8-bit cache's, quantized_rows.h: stored
+// value x scale(b, h, r) = key or value), which the products leave to their callers.
+template <typename KeyRows, typename = void>
+inline constexpr bool has_row_scales_v = false;
+template <typename KeyRows>
+inline constexpr bool has_row_scales_v<
+    KeyRows, std::void_t<decltype(std::declval<const KeyRows&>().scale(0, 0, 0))>> = true;
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
