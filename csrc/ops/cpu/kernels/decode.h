@@ -103,7 +103,8 @@ class DecodeForward {
     RowState<acc_t> state;
     NonFiniteRowGuard<kv_t> guard;
     std::vector<acc_t> key_scales, value_scales;  // the block's row scales, where KeyRows has them
-    TaskRows task{};  // the rows this scratch serves in the current item
+    std::vector<acc_t> wide_values;  // the block's value rows widened once, for many query rows
+    TaskRows task{};                 // the rows this scratch serves in the current item
     explicit Scratch(const AttentionDims& d)
         : queries(Tasks::task_rows(d) * d.head_dim),
           queries_t(padded(Tasks::task_rows(d)) * d.head_dim),
@@ -118,7 +119,9 @@ class DecodeForward {
           run_mask_rows(Tasks::task_rows(d)),
           state(Tasks::task_rows(d), d.value_dim),
           key_scales(kScaled ? kKeyBlock : 0),
-          value_scales(kScaled ? kKeyBlock : 0) {}
+          value_scales(kScaled ? kKeyBlock : 0),
+          wide_values(kWidensValues && padded(Tasks::task_rows(d)) > 0 ? kKeyBlock * d.value_dim
+                                                                       : 0) {}
   };
 
   // The keys of chunk `split` that the task's rows see, from the first key block one of them
@@ -184,6 +187,29 @@ class DecodeForward {
 
   // Whether KeyRows' rows come with scales (an 8-bit cache's) that the products leave out.
   static constexpr bool kScaled = has_row_scales_v<KeyRows>;
+  // Whether the value rows are of a reduced or 8-bit dtype, widened to acc_t as they are read.
+  static constexpr bool kWidensValues = !std::is_same_v<kv_t, acc_t>;
+
+  // The block's value rows (its runs') widened to acc_t into s.wide_values, value_dim apart: with
+  // as many query rows as a vector holds, the values' 4-row tiles would widen each value vector
+  // once a tile (MLA's 16-128 absorbed heads: 4-32 times).
+  void widen_values(Scratch& s) const {
+    using Vec = at::vec::Vectorized<acc_t>;
+    const int64_t Dv = dims_.value_dim;
+    for (const RowRun<kv_t>& run : s.value_runs) {
+      for (int64_t j = 0; j < run.count; ++j) {
+        const kv_t* src = run.first + j * v_.row_stride;
+        acc_t* dst = s.wide_values.data() + (run.offset + j) * Dv;
+        int64_t c = 0;
+        for (; c + Vec::size() <= Dv; c += Vec::size()) {
+          load_as<acc_t>(src + c).store(dst + c);
+        }
+        if (c < Dv) {
+          load_as<acc_t>(src + c, Dv - c).store(dst + c, Dv - c);
+        }
+      }
+    }
+  }
 
   // The block's K and V row scales of KV head h_kv of batch item b into the scratch.
   void block_scales(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
@@ -310,6 +336,16 @@ class DecodeForward {
     }
     // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
     if (!attn_mask_read && !kept) {
+      if constexpr (kWidensValues) {
+        if (padded(rows) > 0) {
+          widen_values(s);
+          const RowRun<acc_t> wide{0, cols, s.wide_values.data()};
+          accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
+                                     s.visible.data(), RunRows<acc_t>{&wide, 1, Dv}, Dv,
+                                     s.state.out.data(), Dv);
+          return;
+        }
+      }
       const RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
       accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
                                  s.visible.data(), values, Dv, s.state.out.data(), Dv);
