@@ -211,11 +211,16 @@ class DecodeForward {
     }
   }
 
-  // The block's K and V row scales of KV head h_kv of batch item b into the scratch.
-  void block_scales(int64_t b, int64_t h_kv, int64_t k0, int64_t cols, Scratch& s) const {
-    for (int64_t j = 0; j < cols; ++j) {
-      s.key_scales[j] = k_.scale(b, h_kv, k0 + j);
-      s.value_scales[j] = v_.scale(b, h_kv, k0 + j);
+  // The block's K and V row scales of KV head h_kv of batch item b into the scratch, a page
+  // (run) at a time: its scales lie at one stride.
+  void block_scales(int64_t b, int64_t h_kv, int64_t k0, Scratch& s) const {
+    for (const RowRun<kv_t>& run : s.key_runs) {
+      const auto keys = k_.scales_from(b, h_kv, k0 + run.offset);
+      const auto values = v_.scales_from(b, h_kv, k0 + run.offset);
+      for (int64_t j = 0; j < run.count; ++j) {
+        s.key_scales[run.offset + j] = keys.first[j * keys.stride];
+        s.value_scales[run.offset + j] = values.first[j * values.stride];
+      }
     }
   }
 
@@ -318,7 +323,7 @@ class DecodeForward {
       transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
     }
     if constexpr (kScaled) {  // q . (k x scale) as (q . k) x scale
-      block_scales(b, h_kv, k0, cols, s);
+      block_scales(b, h_kv, k0, s);
       scale_columns(s.scores.data(), cols, rows, cols, s.key_scales.data());
     }
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');

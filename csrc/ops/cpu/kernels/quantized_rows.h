@@ -72,11 +72,18 @@ class PageScales {
     return scales_ + page * page_stride_ + h * head_stride_ + (r % rows.page_size) * row_stride_;
   }
   int64_t head_stride() const { return head_stride_; }
+  int64_t row_stride() const { return row_stride_; }
 
  private:
   static constexpr float kOne = 1.0f;
   const float* scales_ = &kOne;
   int64_t page_stride_ = 0, head_stride_ = 0, row_stride_ = 0;
+};
+
+// Scales of successive rows: row i's at first[i * stride].
+struct RowScales {
+  const float* first;
+  int64_t stride;
 };
 
 // An 8-bit paged cache's rows as the decode reads them: in place, element_t
@@ -88,8 +95,11 @@ struct ScaledPagedRows : PagedRows<const element_t> {
   ScaledPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
       : PagedRows<const element_t>(cache, table), scales(scale) {}
 
-  // Stored value x scale(b, h, r) = element of row r of (b, h).
-  float scale(int64_t b, int64_t h, int64_t r) const { return *scales.at(*this, b, h, r); }
+  // The scales of rows r, r + 1, ... of (b, h) up to the end of r's page (run_end): stored value
+  // x scale = element.
+  RowScales scales_from(int64_t b, int64_t h, int64_t r) const {
+    return {scales.at(*this, b, h, r), scales.row_stride()};
+  }
 };
 
 // The rows of an 8-bit paged cache viewed as (num_pages, heads, page_size, col), found as

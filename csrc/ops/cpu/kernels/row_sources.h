@@ -87,11 +87,12 @@ struct PagedRows {
 };
 
 // Whether a KeyRows source's rows come with scales (an 8-bit cache's, quantized_rows.h: stored
-// value x scale(b, h, r) = key or value), which the products leave to their callers.
+// value x scale = key or value, from scales_from(b, h, r)), which the products leave to their
+// callers.
 template <typename KeyRows, typename = void>
 inline constexpr bool has_row_scales_v = false;
 template <typename KeyRows>
 inline constexpr bool has_row_scales_v<
-    KeyRows, std::void_t<decltype(std::declval<const KeyRows&>().scale(0, 0, 0))>> = true;
+    KeyRows, std::void_t<decltype(std::declval<const KeyRows&>().scales_from(0, 0, 0))>> = true;
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
