@@ -340,11 +340,10 @@ def test_opcheck_compile_and_export():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("lengths", [(1, 3000), (3, 500), (1, 70)], ids=str)
-def test_reduced_precision_pages_widened_a_block_at_a_time_give_the_contiguous_ops_bits(
-        lengths, dtype):
-    """A bfloat16 or float16 decode widens each key block of the pages once into float32
-    (as 8-bit pages are), where the contiguous op widens them in registers: the same values in
-    the same order of sums, so bitwise the contiguous op's results."""
+def test_reduced_precision_pages_give_the_contiguous_ops_bits(lengths, dtype):
+    """A bfloat16 or float16 decode reads the pages' rows where they lie, run by run, and the
+    contiguous op reads its rows at one stride: the same values in the same order of sums, so
+    bitwise the contiguous op's results."""
     torch.manual_seed(7)
     len_q, length = lengths
     batch, hq, hkv, d, page = 3, 8, 2, 64, 16
