@@ -17,6 +17,18 @@ chunks ``r`` and ``2N - 1 - r``, so every rank sees the same number of (query, k
 :func:`shard_sequence`, :func:`unshard_sequence` and :func:`shard_positions` (the global
 positions of a shard, for rotary embeddings) convert.
 
+Packed documents. With ``cu_seqlens`` (varlen_attention's document boundaries of the whole
+batch, int32, the same on every rank) the calls take each rank's tokens of a packed batch,
+``(tokens, H, D)``, and each document attends only to itself, its window and ALiBi on its own
+positions. ``"zigzag"`` then cuts *each document* into ``2N`` near-equal chunks (any lengths)
+and gives rank ``r`` chunks ``r`` and ``2N - 1 - r`` of every one, so the ranks' causal work is
+equal whatever the documents' lengths; ``"contiguous"`` gives rank ``r`` tokens
+``[r T/N, (r + 1) T/N)`` of the batch. The shards may differ in length by a few tokens; every
+rank derives every rank's chunks from cu_seqlens (:class:`Sharding`). The ring's pairs keep to
+one document, and steps whose shard holds no document a local row sees are skipped.
+:func:`shard_positions` gives each token's position within its document and
+:func:`shard_cu_seqlens` the shard's own document boundaries.
+
 Every step calls the kernel ops with ``query_offset``, the key position of its first query row,
 so the caller's window and ALiBi apply to global positions unchanged; the backward gives the
 kernel the rows' delta, which is over all the keys a row sees, not the step's. Steps whose key
@@ -25,8 +37,9 @@ run, so their shards are never sent. Sinks join each row once, after the merge.
 
 Each call (the attention calls and :func:`unshard_sequence`) first exchanges one fixed-size
 message among the ranks, with a timeout and before any other collective: it names the call and
-describes its arguments (dtypes, shapes, the option tensors' values, scale, window, softcap,
-dropout_p, layout, dim), and every rank raises the same error when they disagree, so no rank is
+describes its arguments (dtypes, shapes, the option tensors' values, cu_seqlens' included,
+scale, window, softcap, dropout_p, layout, dim, max_seqlen), and every rank raises the same error
+when they disagree (or a packed shard's length is not the one cu_seqlens gives), so no rank is
 left waiting in (or aborted by) a collective its peers never reach, nor computes with options
 its peers do not share.
 
@@ -39,7 +52,8 @@ layouts and sharding), ``call_checks`` (the handshake), ``ring_schedule``, ``rin
 
 from .call_checks import HANDSHAKE_TIMEOUT, handshake
 from .context_parallel import METHODS, ContextParallel
-from .layout import LAYOUTS, Chunk, resolve_group, shard_chunks, shard_positions, shard_sequence
+from .layout import (LAYOUTS, Chunk, Sharding, resolve_group, shard_chunks, shard_cu_seqlens,
+                     shard_positions, shard_sequence)
 from .ring import ring_attention
 from .ring_schedule import MAX_PARTS, MIN_PART_KEYS, MIN_PART_ROWS
 from .ulysses import rank_generator, ulysses_attention
@@ -51,6 +65,8 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
     "shard_positions",
+    "shard_cu_seqlens",
+    "Sharding",
     "shard_chunks",
     "Chunk",
     "resolve_group",

@@ -79,7 +79,7 @@ class _RingAttention(torch.autograd.Function):
         # Each part's dK/dV sums travel with it: received from the previous rank (the sums of
         # the ranks it has visited), this rank's share added in pair order, passed on; after the
         # last step they go home. The same bits on every run.
-        sums_inbox = _Inbox(ring, 1, ring.prev, lambda p: kv.own[p], dtype=acc)
+        sums_inbox = _Inbox(ring, 1, ring.prev, (k, v), dtype=acc)
         outbox, home = _Outbox(), {}
         statistics = {}  # a row part's lse and delta, contiguous, for every key part it meets
 
@@ -99,7 +99,8 @@ class _RingAttention(torch.autograd.Function):
         for i, unit in enumerate(ring.units):
             held_k, held_v = kv.get(i)
             if unit.step + 1 == ring.steps and ring.steps > 1:
-                home[unit.part] = ring.receive(kv.own[unit.part], ring.home_from, 2, unit,
+                own = kv.own[unit.part]
+                home[unit.part] = ring.receive(own, own[0].shape[-2], ring.home_from, 2, unit,
                                                dtype=acc)
             sums = None
             for pair in _row_parts(ring.unit_pairs[i]):
@@ -156,35 +157,51 @@ def _lse_rows(t: Tensor, chunk: Chunk) -> Tensor:
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Optional[float] = None,
                    window: Sequence[int] = (-1, 0), softcap: Optional[float] = None,
                    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                   layout: str = "zigzag", return_lse: bool = False):
+                   layout: str = "zigzag", return_lse: bool = False,
+                   cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None):
     """Exact attention of this rank's queries over the whole sharded sequence, by ring attention.
 
     Args:
         q, k, v: this rank's shard, ``(B, Hq, L/N, D)``, ``(B, Hkv, L/N, D)``,
-            ``(B, Hkv, L/N, Dv)``, the same shapes and dtype on every rank, in ``layout``.
+            ``(B, Hkv, L/N, Dv)``, the same shapes and dtype on every rank, in ``layout``. With
+            ``cu_seqlens``, this rank's tokens of a packed batch in varlen_attention's layout,
+            ``(tokens, Hq, D)``, ``(tokens, Hkv, D)``, ``(tokens, Hkv, Dv)``, as
+            :func:`shard_sequence` (``cu_seqlens=cu_seqlens``) cuts them.
         group: a ProcessGroup, a 1-D DeviceMesh, or None (the default group).
         scale, window, softcap, alibi_slopes, sinks: as :func:`causal_attention.attention`, over
             global positions (the window and ALiBi's distances are between tokens of the whole
-            sequence). ``sinks`` is differentiable; its gradient on each rank is that rank's rows'
-            share, summed over the group by the gradient sync of replicated parameters (DDP, or
-            ``all_reduce``), like every other parameter's.
+            sequence; of a packed batch, between positions within each document). ``sinks`` is
+            differentiable; its gradient on each rank is that rank's rows' share, summed over
+            the group by the gradient sync of replicated parameters (DDP, or ``all_reduce``),
+            like every other parameter's.
         layout: ``"zigzag"`` or ``"contiguous"`` (see the module's docstring).
         return_lse: also return the rows' lse (float32, float64 for float64), not
             differentiable.
+        cu_seqlens: the packed batch's document boundaries, int32 ``(documents + 1,)`` from 0,
+            the same on every rank (varlen_attention's, of the whole batch): each document
+            attends only to itself, causally and windowed on its own positions.
+        max_seqlen: optional, at least the longest document's length (flash-attn's argument).
 
     Returns:
-        ``(B, Hq, L/N, Dv)``, this rank's rows of the output, in q's dtype (and the lse).
+        ``(B, Hq, L/N, Dv)``, this rank's rows of the output, in q's dtype (and the lse,
+        ``(B, Hq, L/N)``); packed: ``(tokens, Hq, Dv)`` (and ``(Hq, tokens)``).
 
     The same inputs give bitwise the same results on every run, at any thread count: the steps,
     the merges and the dK/dV sums run in a fixed order. Differentiable in q, k, v and sinks;
     dropout, key_mask and attn_mask are not taken (:func:`ulysses_attention` takes key_mask).
     """
     caller = "causal_attention.distributed.ring_attention"
-    group, rank, world, window = _begin_call(
+    group, rank, window, sharding = _begin_call(
         caller, group,
         [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)],
-        scale=scale, window=window, softcap=softcap, layout=layout)
-    if k.shape[-2] != q.shape[-2]:
+        scale=scale, window=window, softcap=softcap, layout=layout, cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen)
+    packed = cu_seqlens is not None
+    if packed:
+        # The packed tokens as one sequence of (1, H, tokens, D): the ring's pairs keep to their
+        # documents, and the kernel ops take each pair's rows and keys as dense slices.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    elif k.shape[-2] != q.shape[-2]:
         raise ValueError(f"{caller}: q and k must hold the same tokens (the shards of one "
                          f"sequence), got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
     if scale is None:
@@ -195,7 +212,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, scale: Option
                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     # MIN_PART_KEYS read from its module at each call, as _Ring reads MAX_PARTS and
     # MIN_PART_ROWS, so that setting ring_schedule.MIN_PART_KEYS reaches every call.
-    rings = [_Ring(group, rank, world, q.shape[-2], layout, window, part_keys)
+    rings = [_Ring(group, rank, sharding, window, part_keys)
              for part_keys in (None, ring_schedule.MIN_PART_KEYS)]
     out, lse = _RingAttention.apply(q, k, v, sinks, rings, scale, window, softcap, alibi_slopes)
+    if packed:
+        out, lse = out[0].transpose(0, 1).contiguous(), lse[0]
     return (out, lse) if return_lse else out

@@ -64,11 +64,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
         ``(B, Hq, L/N, Dv)``, this rank's rows, differentiable in q, k, v and sinks.
     """
     caller = "causal_attention.distributed.ulysses_attention"
-    group, rank, world, window = _begin_call(
+    group, rank, window, sharding = _begin_call(
         caller, group,
         [("q", q), ("k", k), ("v", v), ("key_mask", key_mask), ("alibi_slopes", alibi_slopes),
          ("sinks", sinks)],
         scale=scale, window=window, softcap=softcap, layout=layout, dropout_p=dropout_p)
+    world = sharding.world
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_q % world:
         raise ValueError(f"{caller}: Ulysses gives each of the N={world} ranks Hq/N query heads, "
@@ -84,7 +85,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
                       stacklevel=2)
         k = k.repeat_interleave(repeated // heads_kv, dim=1)
         v = v.repeat_interleave(repeated // heads_kv, dim=1)
-    order = _global_order(q.shape[-2], world, layout, q.device)
+    order = _global_order(sharding, q.device)
     q_heads, k_heads, v_heads = (_sequence_to_heads(t, group, world, order) for t in (q, k, v))
     local = slice(rank * heads_q // world, (rank + 1) * heads_q // world)
     whole_mask = None

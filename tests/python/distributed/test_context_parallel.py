@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import causal_attention as ca
-from attention_testing.ranks import run_ranks, whole_sequence
+from attention_testing.ranks import assert_every_rank_raised, errors_of, run_ranks, whole_sequence
 from causal_attention import distributed as cp
 from causal_attention.distributed import call_checks
 from causal_attention.distributed.ring_schedule import _Ring
@@ -214,37 +214,18 @@ def test_zigzag_gives_every_rank_the_same_causal_work():
 def test_ring_steps_whose_shards_no_row_sees_are_not_run():
     """A sliding window of 16 keys over shards of 64: contiguous rank r needs only shards r and
     r - 1, so 2 of 4 steps run (their shards travel once); causal attention runs all 4."""
-    assert _Ring.steps_needed(64, 4, "contiguous", (15, 0)) == 2
-    assert _Ring.steps_needed(64, 4, "contiguous", (-1, 0)) == 4
-    assert _Ring.steps_needed(64, 4, "zigzag", (-1, 0)) == 4
+    def steps(layout, window):
+        return _Ring.steps_needed(cp.Sharding(256, 4, layout), window)
+
+    assert steps("contiguous", (15, 0)) == 2
+    assert steps("contiguous", (-1, 0)) == 4
+    assert steps("zigzag", (-1, 0)) == 4
     # A window back 64 keys reaches one shard back.
-    assert _Ring.steps_needed(64, 4, "contiguous", (64, 0)) == 2
-    assert _Ring.steps_needed(64, 4, "contiguous", (65, 0)) == 3
+    assert steps("contiguous", (64, 0)) == 2
+    assert steps("contiguous", (65, 0)) == 3
 
 
 # --- bad calls ------------------------------------------------------------------------------
-
-
-def errors_of(calls: Dict[str, object]) -> dict:
-    """What each call raised on this rank, (type name, message), or None."""
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
-            errors[name] = (type(error).__name__, str(error))
-    return errors
-
-
-def assert_every_rank_raised(per_rank: List[dict], expected: Dict[str, tuple]) -> None:
-    """Each call named in ``expected`` raised its (type name, words of the message) on every
-    rank, the same error on each."""
-    for name, (kind, words) in expected.items():
-        for rank, errors in enumerate(per_rank):
-            assert errors[name] is not None, f"{name}: rank {rank} raised nothing"
-            assert errors[name][0] == kind and words in errors[name][1], (name, errors[name])
-        assert all(errors[name] == per_rank[0][name] for errors in per_rank), name
 
 
 def bad_calls_worker(rank: int, world: int) -> dict:
