@@ -1,0 +1,180 @@
+"""Attention over (query chunk, key chunk) pairs, what the ring and the all-gather run at each of
+their steps: the call's entry (the handshake and checks, a packed batch seen as one sequence),
+a pair's partial output merged into the running one by their lse, the sinks joined once, and a
+pair's gradients from the rows' lse and delta over every key they see, with the sinks'."""
+
+import math
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .call_checks import _begin_call
+from .layout import Chunk, Sharding
+from .ring_schedule import _Pair
+
+
+class _PairOptions(NamedTuple):
+    """The score options every pair's kernel call takes."""
+
+    scale: float
+    window: Tuple[int, int]
+    softcap: Optional[float]
+    alibi_slopes: Optional[Tensor]
+
+
+class _Call(NamedTuple):
+    """A checked call: the group, this rank, the sharding, q, k and v as ``(B, H, L/N, D)``
+    (a packed batch's tokens as one sequence of ``(1, H, tokens, D)``) and the options."""
+
+    group: object
+    rank: int
+    sharding: Sharding
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    options: _PairOptions
+
+
+def _begin_attention(caller: str, q, k, v, group, *, scale, window, softcap, alibi_slopes,
+                     sinks, layout, cu_seqlens, max_seqlen) -> _Call:
+    """The handshake and every check of a ring or all-gather call, alike on every rank."""
+    group, rank, window, sharding = _begin_call(
+        caller, group,
+        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)],
+        scale=scale, window=window, softcap=softcap, layout=layout, cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen)
+    if cu_seqlens is not None:
+        # The packed tokens as one sequence of (1, H, tokens, D): the pairs keep to their
+        # documents, and the kernel ops take each pair's rows and keys as dense slices.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    elif k.shape[-2] != q.shape[-2]:
+        raise ValueError(f"{caller}: q and k must hold the same tokens (the shards of one "
+                         f"sequence), got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    # The op's own checks (heads, dims, options) on this rank's call: every rank's call has the
+    # same shapes but a packed shard's length, so each raises the same error.
+    ops.attention_forward(q[..., :0, :], k[..., :0, :], v[..., :0, :], scale, window=window,
+                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    return _Call(group, rank, sharding, q, k, v,
+                 _PairOptions(scale, window, softcap, alibi_slopes))
+
+
+def _end_attention(call: _Call, out: Tensor, lse: Tensor, return_lse: bool):
+    """The call's result in its inputs' layout (a packed batch's: ``(tokens, Hq, Dv)`` and the
+    lse ``(Hq, tokens)``)."""
+    if call.sharding.cu_seqlens is not None:
+        out, lse = out[0].transpose(0, 1).contiguous(), lse[0]
+    return (out, lse) if return_lse else out
+
+
+def _rows(t: Tensor, chunk: Chunk) -> Tensor:
+    return t.narrow(-2, chunk.start, chunk.length)
+
+
+def _lse_rows(t: Tensor, chunk: Chunk) -> Tensor:
+    return t.narrow(-1, chunk.start, chunk.length)
+
+
+def _running_output(q: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """The merged output and lse before any pair, in the accumulation dtype."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc),
+            q.new_full(q.shape[:-1], -math.inf, dtype=acc))
+
+
+def _merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """``out`` and ``lse`` (in the accumulation dtype) over the union of their keys and a
+    disjoint set's (``part_out``, ``part_lse``), in place; rows that see neither stay zero with
+    lse -inf."""
+    merged = torch.logaddexp(lse, part_lse)
+    finite = merged.masked_fill(torch.isneginf(merged), 0)
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1))
+    out.addcmul_(part_out, torch.exp(part_lse - finite).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _attend_pair(q: Tensor, k: Tensor, v: Tensor, pair: _Pair, out: Tensor, lse: Tensor,
+                 options: _PairOptions) -> None:
+    """The pair's rows' output and lse merged with the pair's keys (``k`` and ``v`` hold them)."""
+    rows, keys = pair.rows, pair.keys
+    part_out, part_lse = ops.attention_forward(
+        _rows(q, rows), _rows(k, keys), _rows(v, keys), options.scale, window=options.window,
+        softcap=options.softcap, alibi_slopes=options.alibi_slopes,
+        query_offset=pair.query_offset)
+    _merge_into(_rows(out, rows), _lse_rows(lse, rows), part_out, part_lse)
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]):
+    """Each row's output and lse with its head's sink in the softmax denominator, from those
+    without it (the sink joins once, after every step is merged)."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.to(lse.dtype).view(-1, 1).expand_as(lse)
+    total = torch.logaddexp(lse, sink)
+    finite = total.masked_fill(torch.isneginf(total), 0)
+    return out * torch.exp(lse - finite).unsqueeze(-1), total
+
+
+def _forward_result(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
+                    out_acc: Tensor, lse: Tensor, options: _PairOptions):
+    """The merged output with the sinks, rounded once to q's dtype, and its lse; the autograd
+    context keeps what the backward needs."""
+    out_acc, lse = _with_sinks(out_acc, lse, sinks)
+    out = out_acc.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out_acc, out, lse, sinks)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+    return out, lse
+
+
+class _RowStatistics:
+    """The rows' lse and delta = rowsum(dO o O) over every key they see, delta from the merged
+    output in the accumulation dtype (each pair's kernel takes both as given); a row part's,
+    contiguous, for every key part it meets."""
+
+    def __init__(self, grad_out: Tensor, out_acc: Tensor, lse: Tensor):
+        self.lse = lse
+        self.delta = (grad_out.to(lse.dtype) * out_acc).sum(-1)
+        self.parts: Dict[Chunk, Tuple[Tensor, Tensor]] = {}
+
+    def of(self, rows: Chunk) -> Tuple[Tensor, Tensor]:
+        if rows not in self.parts:
+            self.parts[rows] = (_lse_rows(self.lse, rows).contiguous(),
+                                _lse_rows(self.delta, rows).contiguous())
+        return self.parts[rows]
+
+
+def _pair_gradients(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    statistics: _RowStatistics, pair: _Pair, options: _PairOptions):
+    """The pair's shares of dQ (its rows) and dK, dV (its keys), in the accumulation dtype."""
+    rows, keys = pair.rows, pair.keys
+    rows_lse, rows_delta = statistics.of(rows)
+    dq, dk, dv, _ = ops.attention_backward(
+        _rows(grad_out, rows), _rows(q, rows), _rows(k, keys), _rows(v, keys), _rows(out, rows),
+        rows_lse, options.scale, window=options.window, softcap=options.softcap,
+        alibi_slopes=options.alibi_slopes, query_offset=pair.query_offset, delta=rows_delta)
+    return dq, dk, dv
+
+
+def _backward_start(ctx, grad_out: Tensor):
+    """What the forward kept, the rows' statistics and dQ's sum (zeros) for the backward."""
+    q, k, v, out_acc, out, lse, sinks = ctx.saved_tensors
+    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+    return q, k, v, out, sinks, _RowStatistics(grad_out, out_acc, lse), dq
+
+
+def _backward_result(ctx, q, k, v, sinks, statistics: _RowStatistics, dq, dk, dv):
+    """The gradients of the Function's inputs (q, k, v, sinks, then two not differentiable),
+    in their dtypes. The sinks': d lse / d sink_h = P_sink, and d out / d sink_h = -P_sink out:
+    this rank's rows' share, which the gradient sync of replicated parameters sums over the
+    group."""
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[3]:
+        lse = statistics.lse
+        p_sink = torch.exp(sinks.to(lse.dtype).view(-1, 1) - lse)
+        dsinks = -(p_sink * statistics.delta).sum(-1).reshape(-1, sinks.shape[0]).sum(0).to(
+            sinks.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
