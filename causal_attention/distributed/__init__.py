@@ -54,6 +54,7 @@ from .call_checks import HANDSHAKE_TIMEOUT, handshake
 from .context_parallel import METHODS, ContextParallel
 from .layout import (LAYOUTS, Chunk, Sharding, resolve_group, shard_chunks, shard_cu_seqlens,
                      shard_positions, shard_sequence)
+from .allgather import allgather_attention
 from .ring import ring_attention
 from .ring_schedule import MAX_PARTS, MIN_PART_KEYS, MIN_PART_ROWS
 from .ulysses import rank_generator, ulysses_attention
@@ -61,6 +62,7 @@ from .unshard import unshard_sequence
 
 __all__ = [
     "ring_attention",
+    "allgather_attention",
     "ulysses_attention",
     "shard_sequence",
     "unshard_sequence",

@@ -20,7 +20,7 @@ from .layout import LAYOUTS, Sharding, _check_cu_seqlens, _check_layout, resolve
 HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=120)
 
 # The calls that handshake, by their number in the message: every rank reads the same table.
-CALLS = ("ring_attention", "ulysses_attention", "unshard_sequence")
+CALLS = ("ring_attention", "ulysses_attention", "unshard_sequence", "allgather_attention")
 _PREFIX = "causal_attention.distributed"
 
 # The message's slots, the same for every call, so that every rank's message has one size (gloo

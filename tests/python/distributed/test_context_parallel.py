@@ -1,5 +1,5 @@
 """Context parallelism on real processes (gloo on 127.0.0.1): ring attention (zigzag and
-contiguous) and Ulysses on 2 and 4 ranks, outputs and every gradient against the single-process
+contiguous), Ulysses and all-gather attention on 2 and 4 ranks, outputs and every gradient against the single-process
 op on the unsharded tensors (float64 within 1e-10; float32 and bfloat16 within twice the
 single-process op's own error against float64), bitwise the same on a second run at another
 thread count; the zigzag layout's balance and the ring's skipped steps; and bad calls raising
@@ -44,6 +44,9 @@ CASES = {
     "ulysses-contiguous-window-f64": (
         "ulysses", "contiguous", torch.float64, 64, {"window": (9, 0), "softcap": 3.0}),
     "ulysses-zigzag-bf16": ("ulysses", "zigzag", torch.bfloat16, 128, {}),
+    "allgather-zigzag-window-sinks-f64": (
+        "allgather", "zigzag", torch.float64, 64, {"window": (11, 0), "sinks": True}),
+    "allgather-contiguous-f32": ("allgather", "contiguous", torch.float32, 128, {"alibi": True}),
 }
 CASES_4 = {
     "ring-zigzag-window-alibi-sinks-f64": (
@@ -51,7 +54,10 @@ CASES_4 = {
     "ring-contiguous-f64": ("ring", "contiguous", torch.float64, 64, {"softcap": 2.0}),
     "ring-zigzag-f32": ("ring", "zigzag", torch.float32, 128, {}),
     "ulysses-zigzag-f64": ("ulysses", "zigzag", torch.float64, 64, {"sinks": True}),
+    "allgather-zigzag-softcap-f64": ("allgather", "zigzag", torch.float64, 64, {"softcap": 2.0}),
 }
+ATTEND = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention,
+          "allgather": cp.allgather_attention}
 
 
 def inputs(dtype: torch.dtype, length: int, options: dict, seed: int = 0) -> Dict[str, object]:
@@ -84,8 +90,7 @@ def run_case(function: str, layout: str, dtype, length: int, options: dict) -> d
     leaves = {name: shard[name].clone().requires_grad_() for name in ("q", "k", "v")}
     if "sinks" in t:
         leaves["sinks"] = t["sinks"].clone().requires_grad_()
-    attend = cp.ring_attention if function == "ring" else cp.ulysses_attention
-    out = attend(leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
+    out = ATTEND[function](leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
                  layout=layout, **kwargs)
     out.backward(shard["grad_out"])
     result = {"out": out.detach()}

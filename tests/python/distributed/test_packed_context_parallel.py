@@ -1,5 +1,5 @@
 """Context parallelism over packed documents (cu_seqlens) on real processes (gloo on
-127.0.0.1): ring attention in both layouts on 2 and 4 ranks, outputs and every gradient against
+127.0.0.1): ring and all-gather attention in both layouts on 2 and 4 ranks, outputs and every gradient against
 varlen_attention in one process on the whole packed batch (float64 within 1e-12; other dtypes
 within twice the single-process op's own error against float64), bitwise the same on a second
 run at another thread count; shard_sequence/unshard_sequence/shard_positions/shard_cu_seqlens of
@@ -38,13 +38,25 @@ CASES = {
     "ring-zigzag-f32": ("ring", "zigzag", torch.float32, {"alibi": True, "sinks": True}),
     "ring-zigzag-bf16": ("ring", "zigzag", torch.bfloat16, {}),
     "ring-contiguous-f16": ("ring", "contiguous", torch.float16, {"softcap": 5.0}),
+    "allgather-zigzag-window-alibi-sinks-f64": (
+        "allgather", "zigzag", torch.float64, {"window": (9, 0), "alibi": True, "sinks": True}),
+    "allgather-contiguous-causal-f64": ("allgather", "contiguous", torch.float64, {}),
+    "allgather-zigzag-parts-softcap-f64": ("allgather", "zigzag", torch.float64,
+                                           {"parts": True, "softcap": 3.0}),
+    "allgather-zigzag-f32": ("allgather", "zigzag", torch.float32, {"sinks": True}),
+    "allgather-contiguous-bf16": ("allgather", "contiguous", torch.bfloat16, {"alibi": True}),
 }
 CASES_4 = {
     "ring-zigzag-window-alibi-sinks-f64": (
         "ring", "zigzag", torch.float64, {"window": (13, 0), "alibi": True, "sinks": True}),
     "ring-contiguous-softcap-f64": ("ring", "contiguous", torch.float64, {"softcap": 2.0}),
     "ring-zigzag-parts-f32": ("ring", "zigzag", torch.float32, {"parts": True}),
+    "allgather-zigzag-parts-alibi-sinks-f64": (
+        "allgather", "zigzag", torch.float64, {"parts": True, "alibi": True, "sinks": True}),
+    "allgather-contiguous-window-f32": ("allgather", "contiguous", torch.float32,
+                                        {"window": (7, 0)}),
 }
+ATTEND = {"ring": cp.ring_attention, "allgather": cp.allgather_attention}
 
 
 def cu_seqlens(documents=DOCUMENTS) -> torch.Tensor:
@@ -78,8 +90,8 @@ def run_case(function: str, layout: str, dtype, options: dict) -> dict:
     leaves = {name: shard[name].clone().requires_grad_() for name in ("q", "k", "v")}
     if "sinks" in t:
         leaves["sinks"] = t["sinks"].clone().requires_grad_()
-    out = cp.ring_attention(leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
-                            layout=layout, cu_seqlens=cu, max_seqlen=max(DOCUMENTS), **kwargs)
+    out = ATTEND[function](leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
+                           layout=layout, cu_seqlens=cu, max_seqlen=max(DOCUMENTS), **kwargs)
     out.backward(shard["grad_out"])
     result = {"out": out.detach()}
     result.update({"d" + name: leaf.grad for name, leaf in leaves.items()})
@@ -274,6 +286,10 @@ def packed_mismatch_worker(rank: int, world: int) -> dict:
                                                max_seqlen=mine(64, 65)),
         "unshard: cu_seqlens": lambda: cp.unshard_sequence(q, cu_seqlens=mine(cu, other)),
         "unshard: tokens": lambda: cp.unshard_sequence(q[:-1] if rank else q, cu_seqlens=cu),
+        "allgather: cu_seqlens": lambda: cp.allgather_attention(q, k, v,
+                                                                cu_seqlens=mine(cu, other)),
+        "ring and allgather": mine(lambda: ring(q, k, v, cu_seqlens=cu),
+                                   lambda: cp.allgather_attention(q, k, v, cu_seqlens=cu)),
     }
     errors = errors_of(calls)
     errors["agreed afterwards"] = errors_of({"ring": lambda: ring(q, k, v, cu_seqlens=cu)})
@@ -294,6 +310,10 @@ PACKED_MISMATCHES = {
     "max_seqlen on one rank": ("ValueError", "max_seqlen must be the same on every rank"),
     "unshard: cu_seqlens": ("ValueError", "cu_seqlens must have the same values on every rank"),
     "unshard: tokens": ("ValueError", "x must hold this rank's tokens of the packed batch"),
+    "allgather: cu_seqlens": ("ValueError", "allgather_attention: cu_seqlens must have the same "
+                              "values on every rank"),
+    "ring and allgather": ("ValueError", "every rank of the group must make the same call, got "
+                           "rank 0: ring_attention, rank 1: allgather_attention"),
 }
 
 
