@@ -12,8 +12,8 @@ from torch import Tensor
 
 from . import ring_schedule
 from .attend_pairs import (_attend_pair, _backward_result, _backward_start, _begin_attention,
-                           _end_attention, _forward_result, _pair_gradients, _PairOptions,
-                           _rows, _running_output)
+                           _end_attention, _forward_result, _joined_rows, _pair_gradients,
+                           _PairOptions, _rows, _running_output)
 from .layout import Sharding, _cuts
 from .ring_schedule import _pairs, _part_chunks, _part_count, _row_parts
 
@@ -131,7 +131,7 @@ class _AllGatherAttention(torch.autograd.Function):
             sending = gathering.send_home(sums, p)
             del sums
         homes.append(gathering.home((k, v), sending))
-        dk, dv = (torch.cat([home[i] for home in homes], -2) for i in (0, 1))
+        dk, dv = (_joined_rows([home[i] for home in homes], like) for i, like in ((0, k), (1, v)))
         return _backward_result(ctx, q, k, v, sinks, statistics, dq, dk, dv)
 
 

@@ -4,7 +4,7 @@ a pair's partial output merged into the running one by their lse, the sinks join
 pair's gradients from the rows' lse and delta over every key they see, with the sinks'."""
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -46,9 +46,10 @@ def _begin_attention(caller: str, q, k, v, group, *, scale, window, softcap, ali
         scale=scale, window=window, softcap=softcap, layout=layout, cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen)
     if cu_seqlens is not None:
-        # The packed tokens as one sequence of (1, H, tokens, D): the pairs keep to their
-        # documents, and the kernel ops take each pair's rows and keys as dense slices.
-        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+        # The packed tokens seen as one sequence of (1, H, tokens, D), a view (the kernel ops
+        # read any strides): the pairs keep to their documents, and the ops take each pair's
+        # rows and keys as dense slices.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     elif k.shape[-2] != q.shape[-2]:
         raise ValueError(f"{caller}: q and k must hold the same tokens (the shards of one "
                          f"sequence), got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
@@ -66,7 +67,7 @@ def _end_attention(call: _Call, out: Tensor, lse: Tensor, return_lse: bool):
     """The call's result in its inputs' layout (a packed batch's: ``(tokens, Hq, Dv)`` and the
     lse ``(Hq, tokens)``)."""
     if call.sharding.cu_seqlens is not None:
-        out, lse = out[0].transpose(0, 1).contiguous(), lse[0]
+        out, lse = out[0].transpose(0, 1), lse[0]  # out was laid out as q (_zeros_in_order)
     return (out, lse) if return_lse else out
 
 
@@ -78,10 +79,37 @@ def _lse_rows(t: Tensor, chunk: Chunk) -> Tensor:
     return t.narrow(-1, chunk.start, chunk.length)
 
 
+def _memory_order(t: Tensor) -> List[int]:
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def _zeros_in_order(like: Tensor, last: int, dtype: torch.dtype) -> Tensor:
+    """Zeros of ``like``'s shape but ``last`` in its last dim, laid out in memory as ``like`` is
+    (its dims by decreasing stride): for a packed batch's (1, H, tokens, D) view, a view of a
+    (tokens, H, last) tensor, which its caller gets (and autograd passes on) without a copy."""
+    order = _memory_order(like)
+    shape = [*like.shape[:-1], last]
+    zeros = torch.zeros([shape[d] for d in order], dtype=dtype, device=like.device)
+    return zeros.permute([order.index(d) for d in range(like.dim())])
+
+
+def _joined_rows(parts: List[Tensor], like: Tensor) -> Tensor:
+    """The parts joined along the rows, laid out as ``like`` (one part so laid out already is
+    not copied)."""
+    if len(parts) == 1 and _memory_order(parts[0]) == _memory_order(like):
+        return parts[0]
+    joined = _zeros_in_order(like, parts[0].shape[-1], parts[0].dtype)
+    start = 0
+    for part in parts:
+        joined.narrow(-2, start, part.shape[-2]).copy_(part)
+        start += part.shape[-2]
+    return joined
+
+
 def _running_output(q: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
-    """The merged output and lse before any pair, in the accumulation dtype."""
+    """The merged output (laid out as q) and lse before any pair, in the accumulation dtype."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc),
+    return (_zeros_in_order(q, v.shape[-1], acc),
             q.new_full(q.shape[:-1], -math.inf, dtype=acc))
 
 
@@ -162,7 +190,7 @@ def _pair_gradients(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 def _backward_start(ctx, grad_out: Tensor):
     """What the forward kept, the rows' statistics and dQ's sum (zeros) for the backward."""
     q, k, v, out_acc, out, lse, sinks = ctx.saved_tensors
-    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+    dq = _zeros_in_order(q, q.shape[-1], lse.dtype)
     return q, k, v, out, sinks, _RowStatistics(grad_out, out_acc, lse), dq
 
 

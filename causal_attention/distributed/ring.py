@@ -9,8 +9,8 @@ from torch import Tensor
 
 from . import ring_schedule
 from .attend_pairs import (_attend_pair, _backward_result, _backward_start, _begin_attention,
-                           _end_attention, _forward_result, _pair_gradients, _PairOptions,
-                           _rows, _running_output)
+                           _end_attention, _forward_result, _joined_rows, _pair_gradients,
+                           _PairOptions, _rows, _running_output)
 from .ring_schedule import _Ring, _Unit, _row_parts
 from .ring_streams import _Inbox, _KVStream, _Outbox, _wait
 
@@ -81,8 +81,8 @@ class _RingAttention(torch.autograd.Function):
         # are gone.
         for _, works in home.values():
             _wait(works)
-        dk, dv = (torch.cat([home[p][0][piece] for p in range(ring.parts)], -2)
-                  if ring.parts > 1 else home[0][0][piece] for piece in (0, 1))
+        dk, dv = (_joined_rows([home[p][0][piece] for p in range(ring.parts)], like)
+                  for piece, like in ((0, k), (1, v)))
         return _backward_result(ctx, q, k, v, sinks, statistics, dq, dk, dv)
 
 
