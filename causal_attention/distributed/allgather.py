@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ring_schedule
-from .attend_pairs import (_attend_pair, _backward_result, _backward_start, _begin_attention,
-                           _end_attention, _forward_result, _joined_rows, _pair_gradients,
-                           _PairOptions, _rows, _running_output)
+from .attend_pairs import (_attend_pairs, _backward_result, _backward_start, _begin_attention,
+                           _end_attention, _forward_operand, _forward_result, _joined_rows,
+                           _pair_gradients, _PairOptions, _rows, _running_output)
 from .layout import Sharding, _cuts
 from .ring_schedule import _pairs, _part_chunks, _part_count, _row_parts
 
@@ -97,10 +97,11 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, gathering: _Gathering, options: _PairOptions):
         out_acc, lse = _running_output(q, v)
+        q_forward = _forward_operand(q)
         for p, parts in gathering.each_part(k, v):
             for s, (held_k, held_v) in enumerate(parts):
-                for pair in gathering.pairs[p][s]:
-                    _attend_pair(q, held_k, held_v, pair, out_acc, lse, options)
+                _attend_pairs(q_forward, held_k, held_v, gathering.pairs[p][s], out_acc, lse,
+                              options)
             del parts
         out, lse = _forward_result(ctx, q, k, v, sinks, out_acc, lse, options)
         ctx.gathering = gathering

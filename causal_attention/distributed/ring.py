@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from . import ring_schedule
-from .attend_pairs import (_attend_pair, _backward_result, _backward_start, _begin_attention,
-                           _end_attention, _forward_result, _joined_rows, _pair_gradients,
-                           _PairOptions, _rows, _running_output)
+from .attend_pairs import (_attend_pairs, _backward_result, _backward_start, _begin_attention,
+                           _end_attention, _forward_operand, _forward_result, _joined_rows,
+                           _pair_gradients, _PairOptions, _rows, _running_output)
 from .ring_schedule import _Ring, _Unit, _row_parts
 from .ring_streams import _Inbox, _KVStream, _Outbox, _wait
 
@@ -20,11 +20,11 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, rings: List[_Ring], options: _PairOptions):
         ring = rings[0]  # the forward's, whole chunks; rings[1] is the backward's
         out_acc, lse = _running_output(q, v)
+        q_forward = _forward_operand(q)
         kv = _KVStream(ring, k, v)
         for i in range(len(ring.units)):
             held_k, held_v = kv.get(i)
-            for pair in ring.unit_pairs[i]:
-                _attend_pair(q, held_k, held_v, pair, out_acc, lse, options)
+            _attend_pairs(q_forward, held_k, held_v, ring.unit_pairs[i], out_acc, lse, options)
             del held_k, held_v  # held by the outbox while they are sent, else freed
         kv.finish()
         out, lse = _forward_result(ctx, q, k, v, sinks, out_acc, lse, options)
