@@ -67,7 +67,8 @@ def _end_attention(call: _Call, out: Tensor, lse: Tensor, return_lse: bool):
     """The call's result in its inputs' layout (a packed batch's: ``(tokens, Hq, Dv)`` and the
     lse ``(Hq, tokens)``)."""
     if call.sharding.cu_seqlens is not None:
-        out, lse = out[0].transpose(0, 1), lse[0]  # out was laid out as q (_zeros_in_order)
+        # squeeze, not [0]: its gradient is a view, where select's copies the whole output.
+        out, lse = out.squeeze(0).transpose(0, 1), lse.squeeze(0)  # laid out as q
     return (out, lse) if return_lse else out
 
 

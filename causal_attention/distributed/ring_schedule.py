@@ -55,14 +55,16 @@ def _part_count(sharding: Sharding, min_part_keys: Optional[int]) -> int:
     """How many parts every shard travels in (each cut into that many near-equal row ranges):
     a dense shard's chunks each in equal parts of at least ``min_part_keys`` (None: whole
     chunks); a packed shard, whose chunks are documents' pieces, as a whole in parts of at least
-    ``min_part_keys`` keys of the shortest shard (None: one part)."""
+    ``min_part_keys`` keys of the shortest shard (None: two parts, as a dense zigzag shard's two
+    chunks: the next step's first part arrives while the second is computed, so that a rank
+    holds one shard and a half, not two)."""
     if sharding.cu_seqlens is None:
         chunks = sharding.chunks(0)
         per_chunk = 1 if min_part_keys is None else max(
             1, min(MAX_PARTS // len(chunks), chunks[0].length // min_part_keys))
         return len(chunks) * per_chunk
     if min_part_keys is None:
-        return 1
+        return 2
     shortest = min(sharding.shard_length(r) for r in range(sharding.world))
     return max(1, min(MAX_PARTS, shortest // min_part_keys))
 
