@@ -20,8 +20,8 @@ Ulysses attention, zigzag or contiguous shards), which train as one process does
 data; with --ddp the N processes form a 2-D mesh of N/C data-parallel groups of C.
 --pack-documents trains on packed documents: each step one row of --batch-size x --seq-len bytes
 cut where the corpus' files begin (and every --seq-len bytes), each document's positions from 0
-and attending only to itself (varlen_attention; under --context-parallel the ring or all-gather
-over cu_seqlens, each document in zigzag chunks); the loss is the mean over the row's bytes but
+and attending only to itself (varlen_attention; under --context-parallel the ring, all-gather
+or Ulysses over cu_seqlens, each document in zigzag chunks); the loss is the mean over the row's bytes but
 each document's last, whose next byte begins another document.
 """
 
@@ -92,10 +92,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--pack-documents", action="store_true",
                    help="packed documents, positions restarted per document (no --ddp)")
     args = p.parse_args(argv)
-    if args.pack_documents and (args.ddp or args.compile or args.attention != "causal_attention"
-                                or args.context_parallel_method == "ulysses"):
-        p.error("--pack-documents takes our attention, eager, alone or with --context-parallel "
-                "(ring or allgather), not --ddp, --compile, --attention sdpa or ulysses")
+    if args.pack_documents and (args.ddp or args.compile or args.attention != "causal_attention"):
+        p.error("--pack-documents takes our attention, eager, alone or with --context-parallel, "
+                "not --ddp, --compile or --attention sdpa")
     if args.steps < 0 or args.batch_size <= 0 or args.seq_len <= 0:
         p.error("--steps must be >= 0, --batch-size and --seq-len positive")
     if args.context_parallel < 1:

@@ -27,6 +27,8 @@ _PREFIX = "causal_attention.distributed"
 # aborts an all-gather of unequal messages): a call leaves the arguments it does not take None.
 # The option tensors are replicated (the same values on every rank), the others sharded.
 TENSORS = ("q", "k", "v", "key_mask", "x")
+# Those a packed batch's shards hold its tokens in (ShardRows); a key mask has no place there.
+PACKED_TENSORS = ("q", "k", "v", "x")
 OPTION_TENSORS = ("alibi_slopes", "sinks", "cu_seqlens")
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.int64,
            torch.int32)
@@ -193,9 +195,10 @@ def _compare(caller: str, table: List[List[int]], shard_rows: Optional[ShardRows
                              f"{_per_rank(per_rank, setting.show)}")
         start += 1 + setting.width
     for name in TENSORS:
-        _compare_tensor(caller, name, tensors[name], "(equal shards)", shard_rows)
+        _compare_tensor(caller, name, tensors[name], "(equal shards)",
+                        shard_rows if name in PACKED_TENSORS else None)
     if shard_rows is not None and shard_rows.counts is not None:
-        for name in TENSORS:
+        for name in PACKED_TENSORS:
             _compare_shard_rows(caller, name, tensors[name], shard_rows)
 
 

@@ -44,9 +44,9 @@ class ContextParallel(NamedTuple):
                       max_seqlen: Optional[int], dropout_p: float = 0.0, **options):
         """This rank's tokens' attention over the whole packed batch (``(tokens, H, D)``)."""
         if self.method == "ulysses":
-            raise NotImplementedError("causal_attention.distributed: packed documents "
-                                      "(cu_seqlens) under context parallelism are served by "
-                                      "method='ring' or 'allgather', not 'ulysses'")
+            return ulysses_attention(q, k, v, self.group, layout=self.layout,
+                                     dropout_p=dropout_p, cu_seqlens=cu_seqlens,
+                                     max_seqlen=max_seqlen, **options)
         self._check_served(False, dropout_p)
         return self._attention()(q, k, v, self.group, layout=self.layout,
                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **options)

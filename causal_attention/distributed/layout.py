@@ -225,15 +225,20 @@ class _Order(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)  # per sharding and device, not per call (the tensors are shared)
-def _global_order(sharding: Sharding, device: torch.device) -> Optional[_Order]:
-    """The orders of a sequence sharded by ``sharding``; None where the shards, concatenated,
-    are in sequence order already (a contiguous layout's equal shards)."""
+def _global_order(sharding: Sharding, device: torch.device,
+                  padded: bool = True) -> Optional[_Order]:
+    """The orders of a sequence sharded by ``sharding``, its shards concatenated each padded to
+    the longest (or not); None where the concatenated shards are in sequence order already (a
+    contiguous layout's equal shards)."""
     lengths = [sharding.shard_length(r) for r in range(sharding.world)]
     if sharding.layout == "contiguous" and min(lengths) == max(lengths):
         return None
     order = torch.cat([_token_index(sharding, r) for r in range(sharding.world)])
-    padded = torch.cat([torch.arange(r * max(lengths), r * max(lengths) + n)
-                        for r, n in enumerate(lengths)])
+    if padded:
+        starts = [r * max(lengths) for r in range(sharding.world)]
+    else:
+        starts = [sum(lengths[:r]) for r in range(sharding.world)]
+    places = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths)])
     to_sequence = torch.empty_like(order)
-    to_sequence[order] = padded
+    to_sequence[order] = places
     return _Order(to_sequence.to(device), torch.argsort(to_sequence).to(device))

@@ -24,7 +24,7 @@ class ContextParallelism:
         and returns this rank's rows of the output, attending the whole sequence by ``method``:
         ``"ring"``, ``"allgather"`` or ``"ulysses"`` (which also serves ``key_mask``, this
         rank's shard of it, and ``attn_dropout``); ``forward_packed`` then takes this rank's
-        tokens of a packed batch of documents (ring or all-gather). Windows, softcap, sinks and
+        tokens of a packed batch of documents. Windows, softcap, sinks and
         ALiBi apply to global positions. Training and inference without a cache or attn_mask.
         Returns the module. Eager only (a scripted module attends unsharded)."""
         from ..distributed import ContextParallel

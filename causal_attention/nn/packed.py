@@ -23,7 +23,7 @@ class PackedDocuments:
         dropout); returns ``(tokens, E)``. Under context parallelism (set_context_parallel)
         ``x`` is this rank's tokens of the batch as ``distributed.shard_sequence(...,
         cu_seqlens=cu_seqlens)`` cuts them, ``cu_seqlens`` the whole batch's, attended by the
-        ring or the all-gather (no attention dropout there). ``max_seqlen``: at least the
+        method set (attention dropout with Ulysses only). ``max_seqlen``: at least the
         longest document's length (computed when None). Eager only."""
         if not isinstance(x, Tensor) or x.dim() != 2 or x.size(1) != self.embed_dim:
             raise ValueError(

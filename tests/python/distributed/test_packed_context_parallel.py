@@ -1,11 +1,11 @@
 """Context parallelism over packed documents (cu_seqlens) on real processes (gloo on
-127.0.0.1): ring and all-gather attention in both layouts on 2 and 4 ranks, outputs and every
-gradient against varlen_attention in one process on the whole packed batch (float64 within
-1e-12; other dtypes within twice the single-process op's own error against float64, gradients
-within 1.2x), bitwise the same on a second run at another thread count;
-shard_sequence/unshard_sequence/shard_positions/shard_cu_seqlens of a packed batch; the
-per-document zigzag layout's balance; and ranks that disagree on cu_seqlens, or hold other
-tokens than it gives them, raising the same error on every rank."""
+127.0.0.1): ring, all-gather and Ulysses attention in both layouts on 2 and 4 ranks, outputs
+and every gradient against varlen_attention in one process on the whole packed batch (float64
+within 1e-12; other dtypes within twice the single-process op's own error against float64, the
+ring's and the all-gather's gradients within 1.2x), bitwise the same on a second run at another
+thread count; shard_sequence/unshard_sequence/shard_positions/shard_cu_seqlens of a packed
+batch; the per-document zigzag layout's balance; and ranks that disagree on cu_seqlens, or hold
+other tokens than it gives them, raising the same error on every rank."""
 
 import random
 from typing import Dict, List
@@ -48,6 +48,11 @@ CASES = {
                                            {"parts": True, "softcap": 3.0}),
     "allgather-zigzag-f32": ("allgather", "zigzag", torch.float32, {"sinks": True}),
     "allgather-contiguous-bf16": ("allgather", "contiguous", torch.bfloat16, {"alibi": True}),
+    "ulysses-zigzag-alibi-sinks-f64": ("ulysses", "zigzag", torch.float64,
+                                       {"alibi": True, "sinks": True}),
+    "ulysses-contiguous-window-softcap-f64": ("ulysses", "contiguous", torch.float64,
+                                              {"window": (5, 0), "softcap": 2.0}),
+    "ulysses-zigzag-bf16": ("ulysses", "zigzag", torch.bfloat16, {}),
 }
 CASES_4 = {
     "ring-zigzag-window-alibi-sinks-f64": (
@@ -58,8 +63,10 @@ CASES_4 = {
         "allgather", "zigzag", torch.float64, {"parts": True, "alibi": True, "sinks": True}),
     "allgather-contiguous-window-f32": ("allgather", "contiguous", torch.float32,
                                         {"window": (7, 0)}),
+    "ulysses-zigzag-sinks-f64": ("ulysses", "zigzag", torch.float64, {"sinks": True}),
 }
-ATTEND = {"ring": cp.ring_attention, "allgather": cp.allgather_attention}
+ATTEND = {"ring": cp.ring_attention, "allgather": cp.allgather_attention,
+          "ulysses": cp.ulysses_attention}
 
 
 def cu_seqlens(documents=DOCUMENTS) -> torch.Tensor:
@@ -146,13 +153,15 @@ def packed_whole(shards: List[torch.Tensor], layout: str) -> torch.Tensor:
 
 
 def check_cases(cases: dict, per_rank: List[dict]) -> None:
-    for name, (_, layout, dtype, options) in cases.items():
+    for name, (function, layout, dtype, options) in cases.items():
         assert all(r[name]["bitwise"] for r in per_rank), f"{name}: a second run differs"
         results = [r[name]["result"] for r in per_rank]
         exact = reference(dtype, options, torch.float64)
         single = reference(dtype, options, dtype) if dtype != torch.float64 else None
         for key in exact:
-            factor = SHARDED_GRADIENT_FACTOR if key in ("dq", "dk", "dv") else SHARDED_FACTOR
+            factor = SHARDED_FACTOR
+            if function != "ulysses" and key in ("dq", "dk", "dv"):
+                factor = SHARDED_GRADIENT_FACTOR
             assert_sharded_result_close(f"{name} {key}",
                                         packed_whole([r[key] for r in results], layout),
                                         exact[key], single and single[key], 1e-12, factor)
@@ -288,6 +297,10 @@ def packed_mismatch_worker(rank: int, world: int) -> dict:
                                                                 cu_seqlens=mine(cu, other)),
         "ring and allgather": mine(lambda: ring(q, k, v, cu_seqlens=cu),
                                    lambda: cp.allgather_attention(q, k, v, cu_seqlens=cu)),
+        "ulysses: key_mask": lambda: cp.ulysses_attention(
+            q, k, v, cu_seqlens=cu, key_mask=torch.ones(1, 8, dtype=torch.bool)),
+        "ulysses: cu_seqlens": lambda: cp.ulysses_attention(q, k, v,
+                                                            cu_seqlens=mine(cu, other)),
     }
     errors = errors_of(calls)
     errors["agreed afterwards"] = errors_of({"ring": lambda: ring(q, k, v, cu_seqlens=cu)})
@@ -312,6 +325,9 @@ PACKED_MISMATCHES = {
                               "values on every rank"),
     "ring and allgather": ("ValueError", "every rank of the group must make the same call, got "
                            "rank 0: ring_attention, rank 1: allgather_attention"),
+    "ulysses: key_mask": ("ValueError", "key_mask must be None with cu_seqlens"),
+    "ulysses: cu_seqlens": ("ValueError", "ulysses_attention: cu_seqlens must have the same "
+                            "values on every rank"),
 }
 
 
