@@ -3,7 +3,7 @@ a step's K/V shard travels in, the steps that compute something on some rank, th
 the tags that match each receive with its send."""
 
 import functools
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
