@@ -8,8 +8,12 @@
   dK/dV around the ring with the shards (ring-flash-attention's scheme), recomputing every block
   from the merged lse. A rank holds at most two K/V shards (and two dK/dV) at once.
 - :func:`ulysses_attention` (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head
-  shards, the op runs on whole sequences for ``H / N`` heads, and an all-to-all turns the output
-  back.
+  shards, the op runs on whole sequences (varlen_attention on a whole packed batch) for
+  ``H / N`` heads, and an all-to-all turns the output back.
+- :func:`allgather_attention` (llama3's context parallelism): each rank gathers every rank's K/V
+  part by part (bounded memory, the next part in flight), attends its own rows to them, and
+  sends each part's dK/dV shares to the part's owner, which sums them in rank order. No chain of
+  N dependent steps (when to pick it: docs/benchmarks/README.md).
 
 Layouts. ``"contiguous"``: rank ``r`` holds tokens ``[r L/N, (r + 1) L/N)``. ``"zigzag"`` (the
 default, for causal load balance): the sequence is cut into ``2N`` chunks and rank ``r`` holds
@@ -24,8 +28,9 @@ positions. ``"zigzag"`` then cuts *each document* into ``2N`` near-equal chunks 
 and gives rank ``r`` chunks ``r`` and ``2N - 1 - r`` of every one, so the ranks' causal work is
 equal whatever the documents' lengths; ``"contiguous"`` gives rank ``r`` tokens
 ``[r T/N, (r + 1) T/N)`` of the batch. The shards may differ in length by a few tokens; every
-rank derives every rank's chunks from cu_seqlens (:class:`Sharding`). The ring's pairs keep to
-one document, and steps whose shard holds no document a local row sees are skipped.
+rank derives every rank's chunks from cu_seqlens (:class:`Sharding`). The ring's and the
+all-gather's pairs keep to one document, and ring steps whose shard holds no document a local
+row sees are skipped; Ulysses attends the whole batch by varlen_attention.
 :func:`shard_positions` gives each token's position within its document and
 :func:`shard_cu_seqlens` the shard's own document boundaries.
 
@@ -45,9 +50,10 @@ its peers do not share.
 
 The package holds one concept a module, each importing only those listed before it:
 ``collectives`` (the differentiable all-to-all and all-gather), ``layout`` (the group, the
-layouts and sharding), ``call_checks`` (the handshake), ``ring_schedule``, ``ring_streams`` and
-``ring`` (ring attention), ``ulysses``, ``unshard`` (the whole sequence back), and
-``context_parallel`` (what a module uses).
+layouts and sharding, dense and packed), ``call_checks`` (the handshake), ``ring_schedule`` (the
+pairs and parts), ``attend_pairs`` (a pair's forward and gradients, the calls' entry),
+``ring_streams`` and ``ring`` (ring attention), ``ulysses``, ``allgather``, ``unshard`` (the
+whole sequence back), and ``context_parallel`` (what a module uses).
 """
 
 from .call_checks import HANDSHAKE_TIMEOUT, handshake
