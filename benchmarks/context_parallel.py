@@ -16,8 +16,15 @@ Sections (--only):
 Every process is started fresh (so that its peak memory is its own); in the memory section with
 MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB, so that freed tensors leave the resident set.
 
+With --packed, the sequence is a packed batch of documents of seeded random lengths in
+--doc-lengths (the last one cut to fill --seq-len), each causal by itself: ring and all-gather
+attention in the per-document zigzag and the contiguous layouts and Ulysses, against one process
+running varlen_attention on the whole batch; the balance section gives each rank's share of the
+batch's causal (query, key) pairs.
+
     python -m benchmarks.context_parallel                      # L=16384, B=1, H=8, D=64 (minutes)
     python -m benchmarks.context_parallel --quick --out /tmp/cp.json     # seconds
+    python -m benchmarks.context_parallel --packed --only memory time balance
 """
 
 import argparse
@@ -57,12 +64,44 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--packed", action="store_true",
+                        help="a packed batch of documents (cu_seqlens) instead of one sequence")
+    parser.add_argument("--doc-lengths", type=int, nargs=2, default=(512, 4096),
+                        metavar=("MIN", "MAX"), help="--packed: the documents' lengths")
+    parser.add_argument("--doc-seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_out/context_parallel.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_len, args.heads, args.rounds, args.balance_world = 512, 2, 1, 2
     args.kv_heads = args.kv_heads or args.heads
+    if args.packed and "bytes" in args.only:
+        parser.error("--packed: the bytes section's formula is the dense ring's; use --only")
     return args
+
+
+def cu_seqlens(args) -> torch.Tensor:
+    """The packed batch's document boundaries: seeded lengths in --doc-lengths, the last one cut
+    where the batch ends."""
+    g = torch.Generator().manual_seed(args.doc_seed)
+    low, high = args.doc_lengths
+    bounds = [0]
+    while bounds[-1] < args.seq_len:
+        length = int(torch.randint(low, high + 1, (), generator=g))
+        bounds.append(min(bounds[-1] + length, args.seq_len))
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def methods(args) -> list:
+    """The (method, layout) pairs the sections compare with one process."""
+    if args.packed:
+        return [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
+                ("allgather", "contiguous"), ("ulysses", "zigzag")]
+    return [("ring", "zigzag"), ("ulysses", "zigzag")]
+
+
+def label(args, method: str, layout: str) -> str:
+    """A method's key in the report: its name, with its layout where --packed compares two."""
+    return f"{method} ({layout})" if args.packed else method
 
 
 # --- in a process -----------------------------------------------------------------------------
@@ -73,6 +112,9 @@ def inputs(args, length: int, seed: int = 0):
     dtype = DTYPES[args.dtype]
     shape = (args.batch, args.heads, length, args.head_dim)
     kv_shape = (args.batch, args.kv_heads, length, args.head_dim)
+    if args.packed:  # varlen_attention's (tokens, H, D)
+        shape = (length, args.heads, args.head_dim)
+        kv_shape = (length, args.kv_heads, args.head_dim)
     q, k, v = (torch.randn(s, generator=g).to(dtype).requires_grad_()
                for s in (shape, kv_shape, kv_shape))
     return q, k, v, torch.randn(shape, generator=g).to(dtype)
@@ -84,13 +126,16 @@ def bytes_written() -> int:
         return int(next(line for line in f if line.startswith("wchar:")).split()[1])
 
 
-def forward_backward(method: str, layout: str, q, k, v, grad_out) -> None:
-    if method == "single":
+def forward_backward(method: str, layout: str, q, k, v, grad_out, cu=None) -> None:
+    if method == "single" and cu is not None:
+        longest = int(cu.diff().max())
+        out = ca.varlen_attention(q, k, v, cu, cu, longest, longest)
+    elif method == "single":
         out = ca.attention(q, k, v)
-    elif method == "ring":
-        out = cp.ring_attention(q, k, v, layout=layout)
     else:
-        out = cp.ulysses_attention(q, k, v, layout=layout)
+        attend = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention,
+                  "allgather": cp.allgather_attention}[method]
+        out = attend(q, k, v, layout=layout, **({} if cu is None else {"cu_seqlens": cu}))
     out.backward(grad_out)
     q.grad = k.grad = v.grad = None
 
@@ -98,12 +143,14 @@ def forward_backward(method: str, layout: str, q, k, v, grad_out) -> None:
 def measure(args, method: str, layout: str, section: str) -> dict:
     """One process's measurement: this rank's shard (the whole sequence for "single")."""
     whole = inputs(args, args.seq_len)
+    cu = cu_seqlens(args) if args.packed else None
     if method == "single":
-        tensors = whole
+        tensors = list(whole)
     else:
-        tensors = [cp.shard_sequence(t.detach(), dim=2, layout=layout) for t in whole]
+        tensors = [cp.shard_sequence(t.detach(), layout=layout, cu_seqlens=cu) for t in whole]
         tensors = [t.requires_grad_(i < 3) for i, t in enumerate(tensors)]
     del whole
+    tensors.append(cu)
     barrier = dist.barrier if method != "single" else (lambda: None)
     if section == "memory":
         # Warmed up as a training step is: gloo's connections and oneDNN's kernels are made
@@ -200,21 +247,23 @@ def ratio(part: float, whole: float):
 def section_memory(args, scratch: Path) -> dict:
     single = run(args, "single", "zigzag", "memory", 1, scratch)[0]["peak_added_mib"]
     result = {"single_mib": single}
-    for method in ("ring", "ulysses"):
-        ranks = [r["peak_added_mib"] for r in run(args, method, "zigzag", "memory", args.world,
+    for method, layout in methods(args):
+        ranks = [r["peak_added_mib"] for r in run(args, method, layout, "memory", args.world,
                                                   scratch)]
-        result[method] = {"per_rank_mib": ranks, "ratio_to_single": ratio(max(ranks), single)}
+        result[label(args, method, layout)] = {"per_rank_mib": ranks,
+                                               "ratio_to_single": ratio(max(ranks), single)}
     return result
 
 
 def section_time(args, scratch: Path) -> dict:
     single = statistics.median(run(args, "single", "zigzag", "time", 1, scratch)[0]["seconds"])
     result = {"single_s": single}
-    for method in ("ring", "ulysses"):
-        ranks = run(args, method, "zigzag", "time", args.world, scratch)
+    for method, layout in methods(args):
+        ranks = run(args, method, layout, "time", args.world, scratch)
         slowest = [max(r["seconds"][i] for r in ranks) for i in range(args.rounds)]
         median = statistics.median(slowest)
-        result[method] = {"median_s": median, "ratio_to_single": median / single}
+        result[label(args, method, layout)] = {"median_s": median,
+                                               "ratio_to_single": median / single}
     return result
 
 
@@ -231,20 +280,28 @@ def section_bytes(args, scratch: Path) -> dict:
     return result
 
 
+def causal_pairs(args, world: int, layout: str) -> list:
+    """Each rank's causal (query, key) pairs: a row sees the keys of its document up to itself."""
+    bounds = tuple(cu_seqlens(args).tolist()) if args.packed else None
+    sharding = cp.Sharding(args.seq_len, world, layout, bounds)
+    return [sum(c.length * c.position + c.length * (c.length + 1) // 2
+                for c in sharding.chunks(rank)) for rank in range(world)]
+
+
 def section_balance(args, scratch: Path) -> dict:
     result = {}
     world = args.balance_world
     for layout in ("zigzag", "contiguous"):
         cpu = [r["cpu_s"] for r in run(args, "ring", layout, "balance", world, scratch)]
-        pairs = []
-        for rank in range(world):
-            count = 0
-            for c in cp.shard_chunks(args.seq_len // world, rank, world, layout):
-                count += sum(range(c.position + 1, c.position + c.length + 1))
-            pairs.append(count)
+        pairs = causal_pairs(args, world, layout)
         result[layout] = {"cpu_s_per_rank": cpu, "busiest_over_least_cpu": max(cpu) / min(cpu),
                           "pairs_per_rank": pairs, "busiest_over_least_pairs":
-                          max(pairs) / min(pairs)}
+                          max(pairs) / min(pairs),
+                          "share_of_pairs_per_rank": [p / sum(pairs) for p in pairs]}
+        if args.packed and world != args.world:
+            pairs = causal_pairs(args, args.world, layout)
+            result[layout][f"share_of_pairs_per_rank_at_{args.world}"] = [
+                p / sum(pairs) for p in pairs]
     return result
 
 
@@ -252,6 +309,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "cpu": cpu_name()}
+    if args.packed:
+        report["documents"] = cu_seqlens(args).diff().tolist()
     with tempfile.TemporaryDirectory() as scratch:  # where the processes leave their results
         for section in args.only:
             report[section] = globals()[f"section_{section}"](args, Path(scratch))

@@ -7,6 +7,8 @@ library, with our attention op or, for comparison, torch's SDPA in the attention
     torchrun --nproc-per-node 2 -m training.train --ddp --out runs/ddp
     torchrun --nproc-per-node 2 -m training.train --context-parallel 2 --out runs/cp
     torchrun --nproc-per-node 4 -m training.train --ddp --context-parallel 2 --out runs/dp_cp
+    torchrun --nproc-per-node 2 -m training.train --context-parallel 2 --pack-documents \
+        --out runs/packed
 
 Writes into --out: log.csv (step, loss, lr, tokens/s, elapsed), loss.png, checkpoint.pt (every
 --checkpoint-every steps and at the end) and, with --sample, sample.txt. --resume continues from
@@ -16,6 +18,11 @@ N processes takes 1/N of every batch, and the averaged gradients are the whole b
 --context-parallel C shards every sequence over C ranks (causal_attention.distributed: ring or
 Ulysses attention, zigzag or contiguous shards), which train as one process does on the same
 data; with --ddp the N processes form a 2-D mesh of N/C data-parallel groups of C.
+--pack-documents trains on packed documents: each step one row of --batch-size x --seq-len bytes
+cut where the corpus' files begin (and every --seq-len bytes), each document's positions from 0
+and attending only to itself (varlen_attention; under --context-parallel the ring, all-gather
+or Ulysses over cu_seqlens, each document in zigzag chunks); the loss is the mean over the row's bytes but
+each document's last, whose next byte begins another document.
 """
 
 import argparse
@@ -37,7 +44,8 @@ from causal_attention.distributed.layout import _check_divisible
 from causal_attention.models import GPT
 from causal_attention.models.gpt import ATTENTION_MODULES
 
-from .byte_corpus import VOCAB_SIZE, RandomWindows, decode, encode, stdlib_source_bytes
+from .byte_corpus import (VOCAB_SIZE, PackedWindows, RandomWindows, decode, encode,
+                          stdlib_source_bytes, stdlib_source_documents)
 from .training_log import CsvLog, plot_losses, read_log
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,7 +53,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The flags that define what a run computes: resuming with any of them changed would not continue
 # the same run, so --resume refuses. (--attention may change: the parameters are the same.)
 RUN_FLAGS = ("seq_len", "batch_size", "embed_dim", "num_heads", "num_kv_heads", "num_layers",
-             "lr", "warmup_steps", "dtype", "seed")
+             "lr", "warmup_steps", "dtype", "seed", "pack_documents")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -77,10 +85,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel (gloo); torchrun")
     p.add_argument("--context-parallel", type=int, default=1, metavar="C",
                    help="shard each sequence over C ranks (torchrun); with --ddp, N/C groups")
-    p.add_argument("--context-parallel-method", choices=["ring", "ulysses"], default="ring")
+    p.add_argument("--context-parallel-method", choices=["ring", "ulysses", "allgather"],
+                   default="ring")
     p.add_argument("--context-parallel-layout", choices=["zigzag", "contiguous"],
                    default="zigzag")
+    p.add_argument("--pack-documents", action="store_true",
+                   help="packed documents, positions restarted per document (no --ddp)")
     args = p.parse_args(argv)
+    if args.pack_documents and (args.ddp or args.compile or args.attention != "causal_attention"):
+        p.error("--pack-documents takes our attention, eager, alone or with --context-parallel, "
+                "not --ddp, --compile or --attention sdpa")
     if args.steps < 0 or args.batch_size <= 0 or args.seq_len <= 0:
         p.error("--steps must be >= 0, --batch-size and --seq-len positive")
     if args.context_parallel < 1:
@@ -143,6 +157,13 @@ class DataParallel(NamedTuple):
             return batch
         return shard_sequence(batch, self.mesh["cp"], dim=1, layout=self.layout)
 
+    def local_packed(self, row: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """This rank's tokens of a packed row (all of them without context parallelism)."""
+        if self.mesh is None:
+            return row
+        return shard_sequence(row, self.mesh["cp"], dim=0, layout=self.layout,
+                              cu_seqlens=cu_seqlens)
+
 
 def context_parallel(args: argparse.Namespace, model: GPT, rank: int, world: int) -> DataParallel:
     """With --context-parallel, the (dp, cp) mesh, the model attending sharded sequences over its
@@ -151,8 +172,9 @@ def context_parallel(args: argparse.Namespace, model: GPT, rank: int, world: int
     if cp == 1:
         return DataParallel(rank, world)
     try:
-        _check_divisible("training.train", "--seq-len", args.seq_len, cp,
-                         args.context_parallel_layout)
+        if not args.pack_documents:  # a packed row's documents are cut at any lengths
+            _check_divisible("training.train", "--seq-len", args.seq_len, cp,
+                             args.context_parallel_layout)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
@@ -175,9 +197,38 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def loss_on(model: nn.Module, inputs: Tensor, targets: Tensor, dtype: torch.dtype) -> Tensor:
     """Mean next-byte cross-entropy; the forward runs under bfloat16 autocast if asked."""
-    with torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else nullcontext():
+    with autocast(dtype):
         logits = model(inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def autocast(dtype: torch.dtype):
+    return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+
+class PackedGPT(nn.Module):
+    """The GPT's ``forward_packed`` as a module's forward, for DDP (whose hooks run there)."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return self.gpt.forward_packed(tokens, cu_seqlens)
+
+
+def packed_loss_on(model: nn.Module, data: DataParallel, batch, dtype: torch.dtype,
+                   ranks: int) -> Tensor:
+    """This rank's share of a packed row's mean next-byte cross-entropy: the sum over its
+    tokens' counted targets over the row's count, times ``ranks``, so that the mean over the
+    ranks (what DDP takes of the gradients, and the logged loss) is the row's mean."""
+    inputs, targets, cu_seqlens = batch
+    counted = int((targets != -100).sum())
+    with autocast(dtype):
+        logits = model(data.local_packed(inputs, cu_seqlens), cu_seqlens)
+    local_targets = data.local_packed(targets, cu_seqlens)
+    return F.cross_entropy(logits.float(), local_targets, ignore_index=-100,
+                           reduction="sum") * (ranks / counted)
 
 
 def save_checkpoint(path: Path, step: int, model, optimizer, batches, args) -> None:
@@ -218,11 +269,15 @@ def train(args: argparse.Namespace) -> List[float]:
     dtype = DTYPES[args.dtype]
     model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
-    batches = RandomWindows(stdlib_source_bytes(), args.batch_size, args.seq_len, args.seed)
+    if args.pack_documents:
+        batches = PackedWindows(*stdlib_source_documents(), args.batch_size, args.seq_len,
+                                args.seed)
+    else:
+        batches = RandomWindows(stdlib_source_bytes(), args.batch_size, args.seq_len, args.seed)
     checkpoint = args.out / "checkpoint.pt"
     start = load_checkpoint(checkpoint, model, optimizer, batches, args) if args.resume else 0
 
-    step_model: nn.Module = model
+    step_model: nn.Module = PackedGPT(model) if args.pack_documents else model
     if args.compile:
         step_model = torch.compile(step_model, fullgraph=True)
     data = context_parallel(args, model, rank, world)
@@ -249,8 +304,11 @@ def train(args: argparse.Namespace) -> List[float]:
         began = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        inputs, targets = batches.next()
-        loss = loss_on(step_model, data.local(inputs), data.local(targets), dtype)
+        if args.pack_documents:
+            loss = packed_loss_on(step_model, data, batches.next(), dtype, world)
+        else:
+            inputs, targets = batches.next()
+            loss = loss_on(step_model, data.local(inputs), data.local(targets), dtype)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -7,19 +7,24 @@ from torch import Tensor
 
 
 class _AllToAll(torch.autograd.Function):
-    """Chunk i of dim 0 to rank i, and rank i's chunk to place i; its gradient goes back the same
-    way."""
+    """Chunk i of dim 0 to rank i, and rank i's chunk to place i: equal chunks, or ``sent[i]``
+    rows to rank i and ``received[i]`` from it; its gradient goes back the same way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
+    def forward(ctx, x: Tensor, group, sent=None, received=None) -> Tensor:
+        ctx.group, ctx.sizes = group, (sent, received)
+        if received is None:
+            out = torch.empty_like(x)
+        else:
+            out = x.new_empty((sum(received), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=received,
+                               input_split_sizes=sent, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _AllToAll.apply(grad.contiguous(), ctx.group), None
+        sent, received = ctx.sizes
+        return _AllToAll.apply(grad.contiguous(), ctx.group, received, sent), None, None, None
 
 
 class _AllGather(torch.autograd.Function):

@@ -3,13 +3,13 @@ a step's K/V shard travels in, the steps that compute something on some rank, th
 the tags that match each receive with its send."""
 
 import functools
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layout import Chunk, shard_chunks
+from .layout import Chunk, Sharding, _cuts
 
 
 class _Pair(NamedTuple):
@@ -21,12 +21,15 @@ class _Pair(NamedTuple):
 
 
 def _pairs(q_chunks: List[Chunk], k_chunks: List[Chunk], window) -> List[_Pair]:
-    """The (query chunk, key chunk) pairs in which some row sees some key under ``window``
-    (global positions), in a fixed order."""
+    """The (query chunk, key chunk) pairs of one document in which some row sees some key under
+    ``window`` (positions within the document), in a fixed order."""
     left, right = window
+    by_document = {}
+    for b in k_chunks:
+        by_document.setdefault(b.document, []).append(b)
     pairs = []
     for a in q_chunks:
-        for b in k_chunks:
+        for b in by_document.get(a.document, ()):
             last_row, last_key = a.position + a.length - 1, b.position + b.length - 1
             # Some row i sees some key j: j <= i + right and j >= i - left for i in a, j in b.
             reaches_keys = right < 0 or b.position <= last_row + right
@@ -48,16 +51,34 @@ MAX_PARTS = 16
 MIN_PART_ROWS = 1024
 
 
-def _part_bounds(chunks: List[Chunk], min_part_keys: Optional[int]) -> List[Tuple[int, int]]:
-    """The shard rows ``[begin, end)`` of each part: every chunk cut into equal parts of at least
-    ``min_part_keys`` (None: whole chunks)."""
-    per_chunk = 1 if min_part_keys is None else max(
-        1, min(MAX_PARTS // len(chunks), chunks[0].length // min_part_keys))
-    bounds = []
+def _part_count(sharding: Sharding, min_part_keys: Optional[int]) -> int:
+    """How many parts every shard travels in (each cut into that many near-equal row ranges):
+    a dense shard's chunks each in equal parts of at least ``min_part_keys`` (None: whole
+    chunks); a packed shard, whose chunks are documents' pieces, as a whole in parts of at least
+    ``min_part_keys`` keys of the shortest shard (None: two parts, as a dense zigzag shard's two
+    chunks: the next step's first part arrives while the second is computed, so that a rank
+    holds one shard and a half, not two)."""
+    if sharding.cu_seqlens is None:
+        chunks = sharding.chunks(0)
+        per_chunk = 1 if min_part_keys is None else max(
+            1, min(MAX_PARTS // len(chunks), chunks[0].length // min_part_keys))
+        return len(chunks) * per_chunk
+    if min_part_keys is None:
+        return 2
+    shortest = min(sharding.shard_length(r) for r in range(sharding.world))
+    return max(1, min(MAX_PARTS, shortest // min_part_keys))
+
+
+def _part_chunks(chunks: List[Chunk], begin: int, end: int) -> List[Chunk]:
+    """The pieces of ``chunks`` in shard rows ``[begin, end)``, their rows counted from
+    ``begin``."""
+    pieces = []
     for c in chunks:
-        cuts = [c.start + c.length * i // per_chunk for i in range(per_chunk + 1)]
-        bounds += list(zip(cuts[:-1], cuts[1:]))
-    return bounds
+        low, high = max(c.start, begin), min(c.start + c.length, end)
+        if low < high:
+            pieces.append(c._replace(start=low - begin, length=high - low,
+                                     position=c.position + low - c.start))
+    return pieces
 
 
 class _Unit(NamedTuple):
@@ -73,45 +94,51 @@ class _Ring:
     some rank, and the peers. Messages are tagged by the unit they belong to, so that each
     receive matches its send."""
 
-    def __init__(self, group, rank: int, world: int, shard_length: int, layout: str, window,
+    def __init__(self, group, rank: int, sharding: Sharding, window,
                  min_part_keys: Optional[int]):
-        self.group, self.rank, self.world = group, rank, world
-        self.q_chunks = shard_chunks(shard_length, rank, world, layout)
-        self.steps = self.steps_needed(shard_length, world, layout, window)
-        self.bounds = _part_bounds(self.q_chunks, min_part_keys)
-        self.parts = len(self.bounds)
+        self.group, self.rank, self.world = group, rank, sharding.world
+        self.q_chunks = sharding.chunks(rank)
+        self.steps = self.steps_needed(sharding, window)
+        self.parts = _part_count(sharding, min_part_keys)
+        # Every rank's parts' rows, so that receive buffers are sized by the sender's shard.
+        self.bounds = [list(zip(cuts[:-1], cuts[1:])) for cuts in
+                       (_cuts(sharding.shard_length(r), self.parts) for r in range(self.world))]
         self.units = [_Unit(t, p) for t in range(self.steps) for p in range(self.parts)]
         self.unit_pairs = []
         for unit in self.units:
-            source = shard_chunks(shard_length, (rank - unit.step) % world, world, layout)
-            begin, end = self.bounds[unit.part]
-            chunk = next(c for c in source if c.start <= begin < c.start + c.length)
-            keys = Chunk(0, end - begin, chunk.position + begin - chunk.start)
-            self.unit_pairs.append(_pairs(self.q_chunks, [keys], window))
+            begin, end = self.bounds[self.source(unit)][unit.part]
+            keys = _part_chunks(sharding.chunks(self.source(unit)), begin, end)
+            self.unit_pairs.append(_pairs(self.q_chunks, keys, window))
         self.next, self.prev = self.global_rank(1), self.global_rank(-1)
         # After the last step each part's dK/dV sums go home: steps - 1 ranks back.
         self.home_to = self.global_rank(1 - self.steps)
         self.home_from = self.global_rank(self.steps - 1)
 
     @staticmethod
-    @functools.lru_cache(maxsize=256)  # O(N^2) pairs checked: once per shape and window
-    def steps_needed(shard_length: int, world: int, layout: str, window) -> int:
+    @functools.lru_cache(maxsize=256)  # O(N^2) pairs checked: once per sharding and window
+    def steps_needed(sharding: Sharding, window) -> int:
         """The steps up to the last one in which some rank computes something: the later ones
         are not run, and their shards are never sent. Every rank derives the same count from the
-        layout and the window."""
-        live = [
-            t for t in range(world)
-            if any(_pairs(shard_chunks(shard_length, r, world, layout),
-                          shard_chunks(shard_length, (r - t) % world, world, layout), window)
-                   for r in range(world))
-        ]
+        sharding and the window."""
+        world = sharding.world
+        live = [t for t in range(world)
+                if any(_pairs(sharding.chunks(r), sharding.chunks((r - t) % world), window)
+                       for r in range(world))]
         return max(live, default=0) + 1
+
+    def source(self, unit: _Unit) -> int:
+        """The rank whose shard's part this rank holds at ``unit``."""
+        return (self.rank - unit.step) % self.world
+
+    def part_rows(self, unit: _Unit) -> int:
+        begin, end = self.bounds[self.source(unit)][unit.part]
+        return end - begin
 
     def global_rank(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.world)
 
     def own_part(self, t: Tensor, part: int) -> Tensor:
-        begin, end = self.bounds[part]
+        begin, end = self.bounds[self.rank][part]
         return t.narrow(-2, begin, end - begin)
 
     def tag(self, stream: int, unit: _Unit, piece: int) -> int:
@@ -127,11 +154,12 @@ class _Ring:
         return [dist.isend(t, to, self.group, self.tag(stream, unit, i))
                 for i, t in enumerate(tensors)], tensors
 
-    def receive(self, like: Sequence[Tensor], source: int, stream: int, unit: _Unit,
+    def receive(self, like: Sequence[Tensor], rows: int, source: int, stream: int, unit: _Unit,
                 dtype: Optional[torch.dtype] = None):
-        """Posts the receives of a unit into new tensors shaped like ``like`` (in ``dtype``).
-        Returns the tensors and the requests."""
-        buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
+        """Posts the receives of a unit into new tensors of ``rows`` rows, shaped like ``like``
+        otherwise (in ``dtype``). Returns the tensors and the requests."""
+        buffers = [torch.empty((*t.shape[:-2], rows, t.shape[-1]), dtype=dtype or t.dtype,
+                               device=t.device) for t in like]
         return buffers, [dist.irecv(b, source, self.group, self.tag(stream, unit, i))
                          for i, b in enumerate(buffers)]
 
@@ -145,6 +173,7 @@ def _row_parts(pairs: List[_Pair]) -> List[_Pair]:
         count = max(1, min(MAX_PARTS, rows.length // MIN_PART_ROWS))
         cuts = [rows.length * i // count for i in range(count + 1)]
         for begin, end in zip(cuts[:-1], cuts[1:]):
-            part = Chunk(rows.start + begin, end - begin, rows.position + begin)
+            part = rows._replace(start=rows.start + begin, length=end - begin,
+                                 position=rows.position + begin)
             parts.append(_Pair(part, pair.keys, pair.query_offset + begin))
     return parts

@@ -16,7 +16,8 @@ def _wait(works) -> None:
 class _Inbox:
     """The receives of one stream from one peer, posted a step ahead: the receive of unit i + P
     (the same part, next step) when unit i is taken, so that it is posted when the peer sends it
-    (a large message waits for its receive). Units of step 0 are this rank's own."""
+    (a large message waits for its receive), sized by the part's sender's shard (``like`` gives
+    the other dims). Units of step 0 are this rank's own."""
 
     def __init__(self, ring: _Ring, stream: int, source: int, like, dtype=None):
         self.ring, self.stream, self.source = ring, stream, source
@@ -28,8 +29,8 @@ class _Inbox:
     def post(self, i: int) -> None:
         units = self.ring.units
         if i < len(units) and units[i].step > 0 and i not in self.pending:
-            self.pending[i] = self.ring.receive(self.like(units[i].part), self.source,
-                                                self.stream, units[i], self.dtype)
+            self.pending[i] = self.ring.receive(self.like, self.ring.part_rows(units[i]),
+                                                self.source, self.stream, units[i], self.dtype)
 
     def take(self, i: int) -> List[Tensor]:
         """Unit i's tensors, once here; posts the receive of unit i + P."""
@@ -63,7 +64,7 @@ class _KVStream:
     def __init__(self, ring: _Ring, k: Tensor, v: Tensor):
         self.ring = ring
         self.own = [(ring.own_part(k, p), ring.own_part(v, p)) for p in range(ring.parts)]
-        self.inbox = _Inbox(ring, 0, ring.prev, lambda p: self.own[p])
+        self.inbox = _Inbox(ring, 0, ring.prev, (k, v))
         self.outbox = _Outbox()
 
     def get(self, i: int) -> Sequence[Tensor]:

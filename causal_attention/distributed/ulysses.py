@@ -1,9 +1,9 @@
 """Ulysses attention (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head shards,
-the op runs on whole sequences for ``H / N`` heads, and an all-to-all turns the output back;
-with the per-rank dropout generator it draws."""
+the op runs on whole sequences (or varlen_attention on a whole packed batch) for ``H / N``
+heads, and an all-to-all turns the output back; with the per-rank dropout generator it draws."""
 
 import warnings
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -34,12 +34,33 @@ def _heads_to_sequence(x: Tensor, group, world: int, order: Optional[_Order]) ->
     return received.transpose(0, 1).reshape(b, world * h_local, length, d)
 
 
+def _packed_to_heads(x: Tensor, group, world: int, lengths: List[int],
+                     order: Optional[_Order]) -> Tensor:
+    """This rank's tokens of a packed batch, (tokens, H, D) -> every token of the batch for
+    H/N heads, (T, H/N, D), in the batch's order (the ranks' shards may differ in length)."""
+    tokens, h, d = x.shape
+    send = x.reshape(tokens, world, h // world, d).transpose(0, 1).reshape(-1, h // world, d)
+    whole = _AllToAll.apply(send, group, [tokens] * world, lengths)
+    return whole if order is None else whole.index_select(0, order.to_sequence)
+
+
+def _heads_to_packed(x: Tensor, group, world: int, lengths: List[int], rank: int,
+                     order: Optional[_Order]) -> Tensor:
+    """The inverse of _packed_to_heads."""
+    if order is not None:
+        x = x.index_select(0, order.to_shards)
+    tokens, h_local, d = lengths[rank], x.shape[1], x.shape[2]
+    received = _AllToAll.apply(x, group, lengths, [tokens] * world)
+    return received.reshape(world, tokens, h_local, d).transpose(0, 1).reshape(tokens, -1, d)
+
+
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
                       scale: Optional[float] = None, key_mask: Optional[Tensor] = None,
                       window: Sequence[int] = (-1, 0), softcap: Optional[float] = None,
                       alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                       dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
-                      layout: str = "zigzag") -> Tensor:
+                      layout: str = "zigzag", cu_seqlens: Optional[Tensor] = None,
+                      max_seqlen: Optional[int] = None) -> Tensor:
     """Exact attention of the sharded sequence by all-to-all (DeepSpeed-Ulysses): each rank
     attends whole sequences for ``Hq / N`` of the query heads.
 
@@ -59,16 +80,26 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
             and the same generator state gives the same masks. The masks are not the ones the
             unsharded call would draw (their heads are numbered per rank).
         layout: of the shards, ``"zigzag"`` or ``"contiguous"``.
+        cu_seqlens, max_seqlen: a packed batch of documents, as :func:`ring_attention` takes
+            it (``(tokens, H, D)`` shards, no ``key_mask``): each rank attends every document
+            for its heads by varlen_attention (``alibi_slopes`` ``(Hq,)`` or
+            ``(documents, Hq)``).
 
     Returns:
-        ``(B, Hq, L/N, Dv)``, this rank's rows, differentiable in q, k, v and sinks.
+        ``(B, Hq, L/N, Dv)``, this rank's rows (packed: ``(tokens, Hq, Dv)``), differentiable
+        in q, k, v and sinks.
     """
     caller = "causal_attention.distributed.ulysses_attention"
-    group, rank, world, window = _begin_call(
+    group, rank, window, sharding = _begin_call(
         caller, group,
         [("q", q), ("k", k), ("v", v), ("key_mask", key_mask), ("alibi_slopes", alibi_slopes),
          ("sinks", sinks)],
-        scale=scale, window=window, softcap=softcap, layout=layout, dropout_p=dropout_p)
+        scale=scale, window=window, softcap=softcap, layout=layout, dropout_p=dropout_p,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    world = sharding.world
+    if cu_seqlens is not None and key_mask is not None:
+        raise ValueError(f"{caller}: a packed batch (cu_seqlens) has no padding to mask: "
+                         "key_mask must be None with cu_seqlens")
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_q % world:
         raise ValueError(f"{caller}: Ulysses gives each of the N={world} ranks Hq/N query heads, "
@@ -84,19 +115,28 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *,
                       stacklevel=2)
         k = k.repeat_interleave(repeated // heads_kv, dim=1)
         v = v.repeat_interleave(repeated // heads_kv, dim=1)
-    order = _global_order(q.shape[-2], world, layout, q.device)
-    q_heads, k_heads, v_heads = (_sequence_to_heads(t, group, world, order) for t in (q, k, v))
     local = slice(rank * heads_q // world, (rank + 1) * heads_q // world)
+    options = dict(scale=scale, window=window, softcap=softcap,
+                   alibi_slopes=None if alibi_slopes is None else alibi_slopes[..., local],
+                   sinks=None if sinks is None else sinks[local], dropout_p=dropout_p,
+                   generator=rank_generator(generator, rank, world) if dropout_p else None)
+    if cu_seqlens is not None:
+        lengths = [sharding.shard_length(r) for r in range(world)]
+        order = _global_order(sharding, q.device, padded=False)
+        q_heads, k_heads, v_heads = (_packed_to_heads(t, group, world, lengths, order)
+                                     for t in (q, k, v))
+        longest = max(b - a for a, b in zip(sharding.cu_seqlens, sharding.cu_seqlens[1:]))
+        out = ops.varlen_attention(q_heads, k_heads, v_heads, cu_seqlens, cu_seqlens, longest,
+                                   longest, **options)
+        return _heads_to_packed(out, group, world, lengths, rank, order)
+    order = _global_order(sharding, q.device)
+    q_heads, k_heads, v_heads = (_sequence_to_heads(t, group, world, order) for t in (q, k, v))
     whole_mask = None
     if key_mask is not None:
         whole_mask = torch.cat(_AllGather.apply(key_mask, group).unbind(0), -1)
         if order is not None:
             whole_mask = whole_mask.index_select(-1, order.to_sequence)
-    out = ops.attention(q_heads, k_heads, v_heads, scale=scale, key_mask=whole_mask,
-                        window=window, softcap=softcap,
-                        alibi_slopes=None if alibi_slopes is None else alibi_slopes[..., local],
-                        sinks=None if sinks is None else sinks[local], dropout_p=dropout_p,
-                        generator=rank_generator(generator, rank, world) if dropout_p else None)
+    out = ops.attention(q_heads, k_heads, v_heads, key_mask=whole_mask, **options)
     return _heads_to_sequence(out, group, world, order)
 
 

@@ -43,6 +43,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
     @torch.jit.unused
+    def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: Optional[int]) -> Tensor:
+        """``forward`` on a packed batch of documents ``(tokens, E)``: ``attn.forward_packed``."""
+        x = x + self.attn.forward_packed(self.ln_1(x), cu_seqlens, max_seqlen)
+        return x + self.mlp(self.ln_2(x))
+
+    @torch.jit.unused
     def forward_paged(self, x: Tensor, step, layer: int) -> Tensor:
         """``forward`` on a paged step's new tokens ``(total, E)``: ``attn.forward_paged``."""
         x = x + self.attn.forward_paged(self.ln_1(x), step, layer)
@@ -98,8 +104,9 @@ class GPT(nn.Module):
     def set_context_parallel(self, group, *, method: str = "ring", layout: str = "zigzag"):
         """From now on ``forward`` takes this rank's shard ``(B, L/N)`` of token sequences
         sharded over ``group`` in ``layout`` (:mod:`causal_attention.distributed`), with its
-        global positions, and returns its logits; every block attends the whole sequence by
-        ``method``. ``None`` turns it off. Our attention only (not ``attention="sdpa"``)."""
+        global positions, and returns its logits (``forward_packed`` this rank's tokens of a
+        packed batch); every block attends the whole sequence by ``method``. ``None`` turns it
+        off. Our attention only (not ``attention="sdpa"``)."""
         for block in self.blocks:
             if type(block.attn) is not CausalSelfAttention:
                 raise ValueError("GPT.set_context_parallel: context parallelism needs "
@@ -123,6 +130,30 @@ class GPT(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])
+        return self.head(self.ln_f(x))
+
+    @torch.jit.unused
+    def forward_packed(self, tokens: Tensor, cu_seqlens: Tensor,
+                       max_seqlen: Optional[int] = None) -> Tensor:
+        """Logits ``(tokens, vocab_size)`` of a packed batch of documents ``(tokens,)`` int64
+        with int32 boundaries ``cu_seqlens`` (varlen_attention's): each document's positions
+        start at 0 and it attends only to itself. Under context parallelism
+        (:meth:`set_context_parallel`), ``tokens`` are this rank's of the batch as
+        ``distributed.shard_sequence(..., cu_seqlens=cu_seqlens)`` cuts them, ``cu_seqlens``
+        the whole batch's, and the logits are theirs."""
+        if self.context_parallel_on:
+            positions = self.blocks[0].attn._context_parallel.positions(
+                tokens.size(0), tokens.device, cu_seqlens)
+        else:
+            lengths = cu_seqlens.diff().long()
+            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+            positions = torch.arange(tokens.size(0), device=tokens.device) - starts
+        if positions.numel() and int(positions.max()) >= self.max_len:
+            raise ValueError(f"GPT.forward_packed: a document is longer than max_len="
+                             f"{self.max_len}, cu_seqlens={cu_seqlens.tolist()}")
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block.forward_packed(x, cu_seqlens, max_seqlen)
         return self.head(self.ln_f(x))
 
     @torch.jit.unused

@@ -6,8 +6,8 @@ dropout.
 The module is one class whose parts live in this package's modules, one concept each: the module
 itself (:mod:`.self_attention`: projections, attention, its state), its options and ALiBi's
 slopes (:mod:`.options`), the checks of its inputs (:mod:`.inputs`), its attention weights
-(:mod:`.weights`), its decoding paths, KV cache and paged KV cache (:mod:`.decoding`), and
-context parallelism (:mod:`.context_parallel`).
+(:mod:`.weights`), its decoding paths, KV cache and paged KV cache (:mod:`.decoding`),
+context parallelism (:mod:`.context_parallel`) and packed documents (:mod:`.packed`).
 """
 
 from .options import alibi_slopes

@@ -22,10 +22,11 @@ class ContextParallelism:
         over the ranks of ``group`` (a ProcessGroup or a 1-D DeviceMesh; ``None`` turns it off)
         in ``layout`` (``"zigzag"`` or ``"contiguous"``, see :mod:`causal_attention.distributed`)
         and returns this rank's rows of the output, attending the whole sequence by ``method``:
-        ``"ring"`` or ``"ulysses"`` (which also serves ``key_mask``, this rank's shard of it,
-        and ``attn_dropout``). Windows, softcap, sinks and ALiBi apply to global positions.
-        Training and inference without a cache or attn_mask. Returns the module. Eager only (a
-        scripted module attends unsharded)."""
+        ``"ring"``, ``"allgather"`` or ``"ulysses"`` (which also serves ``key_mask``, this
+        rank's shard of it, and ``attn_dropout``); ``forward_packed`` then takes this rank's
+        tokens of a packed batch of documents. Windows, softcap, sinks and
+        ALiBi apply to global positions. Training and inference without a cache or attn_mask.
+        Returns the module. Eager only (a scripted module attends unsharded)."""
         from ..distributed import ContextParallel
 
         if group is None:

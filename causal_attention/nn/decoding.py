@@ -148,20 +148,10 @@ class Decoding:
                 f"CausalSelfAttention.forward_paged: x has {x.size(0)} tokens, the step "
                 f"reserved {step.slot_mapping.numel()}"
             )
-        total = x.size(0)
-        q, k, v = self.c_attn(x).split(
-            [
-                self.num_heads * self.head_dim,
-                self.num_kv_heads * self.head_dim,
-                self.num_kv_heads * self.value_head_dim,
-            ],
-            dim=-1,
-        )
+        q, k, v = self._project_token_heads(x)
         attended = step.attend(
-            layer, q.view(total, self.num_heads, self.head_dim),
-            k.view(total, self.num_kv_heads, self.head_dim),
-            v.view(total, self.num_kv_heads, self.value_head_dim), window=self.window,
-            softcap=self.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+            layer, q, k, v, window=self.window, softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
         )
         return self.resid_dropout(self.c_proj(attended.flatten(1)))
 

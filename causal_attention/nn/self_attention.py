@@ -1,7 +1,8 @@
 """The module :class:`CausalSelfAttention` itself: its parameters and state, the projections of
 ``x`` into heads (through its KV cache) and back, and the attention by the op. Its weights, its
-decoding paths and its context parallelism are its bases' (weights.py, decoding.py,
-context_parallel.py); its options are checked in options.py, its inputs in inputs.py.
+decoding paths, its context parallelism and its packed documents are its bases' (weights.py,
+decoding.py, context_parallel.py, packed.py); its options are checked in options.py, its inputs
+in inputs.py.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from ..kv_cache import KVCache
 from .context_parallel import ContextParallelism
 from .decoding import Decoding
+from .packed import PackedDocuments
 from .inputs import check_input, check_key_mask
 from .options import (
     alibi_slopes,
@@ -28,7 +30,8 @@ from .weights import AttentionWeights
 _attention = torch.ops.causal_attention.attention
 
 
-class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, nn.Module):
+class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, PackedDocuments,
+                          nn.Module):
     """Multi-head self-attention, causal by default, ``(B, L, E) -> (B, L, E)``.
 
     Parameters are nanoGPT's: ``c_attn``, one ``Linear(E, (Hq + Hkv) * D + Hkv * Dv)`` whose
@@ -217,6 +220,23 @@ class CausalSelfAttention(AttentionWeights, Decoding, ContextParallelism, nn.Mod
             k, v, cached_mask = cache.append(k, v, key_mask)
             return q, k, v, cached_mask
         return q, k, v, key_mask
+
+    @torch.jit.unused
+    def _project_token_heads(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Tokens ``x (total, E)`` one after the other (varlen_attention's layout) into queries
+        ``(total, Hq, D)``, keys ``(total, Hkv, D)`` and values ``(total, Hkv, Dv)``."""
+        total = x.size(0)
+        q, k, v = self.c_attn(x).split(
+            [
+                self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                self.num_kv_heads * self.value_head_dim,
+            ],
+            dim=-1,
+        )
+        return (q.view(total, self.num_heads, self.head_dim),
+                k.view(total, self.num_kv_heads, self.head_dim),
+                v.view(total, self.num_kv_heads, self.value_head_dim))
 
     def _attention_dropout_p(self) -> float:
         return self.attn_dropout if self.training else 0.0

@@ -4,7 +4,7 @@ in time: what the tests of context parallelism (and the training job's) need."""
 import os
 import socket
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,3 +72,25 @@ def whole_sequence(shards: Sequence[Tensor], layout: str, dim: int) -> Tensor:
         for c in shard_chunks(length, rank, world, layout):
             whole.narrow(dim, c.position, c.length).copy_(shard.narrow(dim, c.start, c.length))
     return whole
+
+
+def errors_of(calls: Dict[str, object]) -> dict:
+    """What each call raised on this rank, (type name, message), or None."""
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+            errors[name] = (type(error).__name__, str(error))
+    return errors
+
+
+def assert_every_rank_raised(per_rank: List[dict], expected: Dict[str, tuple]) -> None:
+    """Each call named in ``expected`` raised its (type name, words of the message) on every
+    rank, the same error on each."""
+    for name, (kind, words) in expected.items():
+        for rank, errors in enumerate(per_rank):
+            assert errors[name] is not None, f"{name}: rank {rank} raised nothing"
+            assert errors[name][0] == kind and words in errors[name][1], (name, errors[name])
+        assert all(errors[name] == per_rank[0][name] for errors in per_rank), name

@@ -87,3 +87,21 @@ def test_sampling_is_seeded_and_respects_top_k():
 def test_generate_refuses_to_run_past_max_len():
     with pytest.raises(ValueError, match="max_len=24"):
         gpt().generate(torch.zeros(1, 20, dtype=torch.long), 5)
+
+
+def test_forward_packed_equals_forward_on_each_document():
+    """A packed batch of documents: each document's logits (and the parameters' gradients) are
+    forward's on it alone, positions restarted."""
+    model = gpt()
+    lengths = (5, 17, 1, 11)
+    tokens = torch.randint(0, VOCAB, (sum(lengths),))
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).int()
+    packed = model.forward_packed(tokens, cu_seqlens)
+    packed.square().sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = torch.cat([model(document[None])[0] for document in tokens.split(lengths)])
+    alone.square().sum().backward()
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    for p, g in zip(model.parameters(), packed_grads):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)

@@ -5,6 +5,7 @@ uninterrupted run bit for bit (losses and log); the log, the plot and a sample a
 import pytest
 import torch
 
+from training.byte_corpus import PackedWindows
 from training_testing import TINY_RUN, train
 
 STEPS = 50
@@ -77,3 +78,18 @@ def test_outputs_and_sample(tmp_path, capsys):
     text = (out / "sample.txt").read_text()
     assert text.startswith("import ") and len(text.encode("utf-8", "surrogateescape")) >= 32
     assert text in capsys.readouterr().out
+
+
+def test_packed_windows_cut_documents_where_files_begin_and_every_seq_len():
+    data = torch.arange(100, dtype=torch.uint8)
+    windows = PackedWindows(data, torch.tensor([0, 30, 37, 90]), 2, 8, seed=0)
+    for _ in range(5):
+        inputs, targets, cu_seqlens = windows.next()
+        begin = int(inputs[0])  # the bytes are their own offsets
+        assert torch.equal(inputs, torch.arange(begin, begin + 16))
+        starts = [s - begin for s in (30, 37, 90) if begin < s < begin + 16]
+        bounds = [0, *starts, 16]
+        expected = sorted({c for a, b in zip(bounds, bounds[1:]) for c in range(a, b, 8)} | {16})
+        assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == expected
+        ignored = (targets == -100).nonzero().flatten().tolist()
+        assert ignored == [s - 1 for s in starts]
