@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -189,6 +190,33 @@ class DecodeForward {
   static constexpr bool kScaled = has_row_scales_v<KeyRows>;
   // Whether the value rows are of a reduced or 8-bit dtype, widened to acc_t as they are read.
   static constexpr bool kWidensValues = !std::is_same_v<kv_t, acc_t>;
+  // Whether the products read e4m3 rows without setting NaN apart (E4M3Over256), which the block
+  // then does: each key whose row holds a NaN byte gets NaN scores, as q . k would give, and a
+  // block whose value rows hold one takes the guarded values' path, which reads those rows
+  // exactly (zeroed in a copy for the products, added back where they are seen).
+  static constexpr bool kSetsNaNApart = std::is_same_v<kv_t, E4M3Over256>;
+
+  // Marks the block's keys whose K row holds a NaN byte with NaN scores; returns whether a value
+  // row of the block holds one.
+  bool set_nan_apart(const Scratch& s, int64_t rows, int64_t cols, acc_t* scores) const {
+    const auto bytes = [](const kv_t* row) { return reinterpret_cast<const uint8_t*>(row); };
+    for (const RowRun<kv_t>& run : s.key_runs) {
+      for (int64_t j = 0; j < run.count; ++j) {
+        if (any_e4m3_nan(bytes(run.first + j * k_.row_stride), dims_.head_dim)) {
+          for (int64_t r = 0; r < rows; ++r) {
+            scores[r * cols + run.offset + j] = std::numeric_limits<acc_t>::quiet_NaN();
+          }
+        }
+      }
+    }
+    bool nan_values = false;
+    for (const RowRun<kv_t>& run : s.value_runs) {
+      for (int64_t j = 0; j < run.count && !nan_values; ++j) {
+        nan_values = any_e4m3_nan(bytes(run.first + j * v_.row_stride), dims_.value_dim);
+      }
+    }
+    return nan_values;
+  }
 
   // The block's value rows (its runs') widened to acc_t into s.wide_values, value_dim apart: with
   // as many query rows as a vector holds, the values' 4-row tiles would widen each value vector
@@ -218,8 +246,8 @@ class DecodeForward {
       const auto keys = k_.scales_from(b, h_kv, k0 + run.offset);
       const auto values = v_.scales_from(b, h_kv, k0 + run.offset);
       for (int64_t j = 0; j < run.count; ++j) {
-        s.key_scales[run.offset + j] = keys.first[j * keys.stride];
-        s.value_scales[run.offset + j] = values.first[j * values.stride];
+        s.key_scales[run.offset + j] = keys.first[j * keys.stride] * keys.factor;
+        s.value_scales[run.offset + j] = values.first[j * values.stride] * values.factor;
       }
     }
   }
@@ -326,6 +354,10 @@ class DecodeForward {
       block_scales(b, h_kv, k0, s);
       scale_columns(s.scores.data(), cols, rows, cols, s.key_scales.data());
     }
+    bool nan_values = false;
+    if constexpr (kSetsNaNApart) {
+      nan_values = set_nan_apart(s, rows, cols, s.scores.data());
+    }
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
     // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
     for (int64_t r = 0; r < rows; ++r) {
@@ -339,8 +371,12 @@ class DecodeForward {
     if constexpr (kScaled) {  // P (v x scale) as (P x scale) v
       scale_columns(s.scores.data(), cols, rows, cols, s.value_scales.data());
     }
-    // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero)
-    if (!attn_mask_read && !kept) {
+    // O += P V_j, each row reading only the value rows it reaches (hidden ones weigh zero).
+    // Every non-finite value row is left out of the products and added back where a row sees
+    // it when attn_mask may hide a key from some rows and not others, or when the products would
+    // misread it (kSetsNaNApart).
+    const bool guard_every_row = attn_mask_read || nan_values;
+    if (!guard_every_row && !kept) {
       if constexpr (kWidensValues) {
         if (padded(rows) > 0) {
           widen_values(s);
@@ -356,7 +392,7 @@ class DecodeForward {
                                  s.visible.data(), values, Dv, s.state.out.data(), Dv);
       return;
     }
-    // With masks, run by run: the guard leaves a run's non-finite rows out of its products.
+    // Else run by run: the guard leaves a run's non-finite rows out of its products.
     for (const RowRun<kv_t>& run : s.value_runs) {
       for (int64_t r = 0; r < rows; ++r) {
         s.run_first[r] = std::clamp<int64_t>(s.first_visible[r] - run.offset, 0, run.count);
@@ -367,14 +403,14 @@ class DecodeForward {
       const bool* run_kept = kept ? kept + run.offset : nullptr;
       const Operand<kv_t> value_rows{run.first, v_.row_stride};
       const Operand<kv_t> values =
-          attn_mask_read
+          guard_every_row
               ? s.guard.without_non_finite_rows(value_rows, run.count, Dv)
               : s.guard.without_hidden_non_finite_rows(value_rows, run.count, Dv, run_kept);
       const RowRun<kv_t> cleaned{0, run.count, values.data};
       accumulate_weighted_values(s.scores.data() + run.offset, cols, rows, s.run_first.data(),
                                  s.run_visible.data(), RunRows<kv_t>{&cleaned, 1, values.ld}, Dv,
                                  s.state.out.data(), Dv);
-      if (attn_mask_read) {
+      if (guard_every_row) {
         s.guard.add_back(rows, Dv,
                          MaskedFactor<acc_t>{s.scores.data() + run.offset, cols, s.run_first.data(),
                                              s.run_visible.data(), /*transposed=*/false, run_kept,

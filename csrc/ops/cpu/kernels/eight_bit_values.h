@@ -27,10 +27,59 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
+// An e4m3 byte as the decode reads the blocks it has checked for NaN (decode.h): widened to
+// float32 as its value / 256 (through float16 without the exact multiply that removes the bias,
+// which the decode folds into the row's scale) and without its NaN set apart, in four
+// instructions a vector where the exact widening takes eight. As a scalar (tails, the guards of
+// non-finite rows) it is exact: value / 256, NaN for NaN.
+struct E4M3Over256 {
+  uint8_t bits;
+  E4M3Over256() = default;
+  E4M3Over256(int zero) : bits(uint8_t(zero)) {}  // the guards' zeroed rows: E4M3Over256(0)
+  operator float() const {
+    return float(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits())) / 256.0f;
+  }
+};
+static_assert(sizeof(E4M3Over256) == 1);
+
 template <typename T>
 inline constexpr bool is_eight_bit_v =
     std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2> ||
-    std::is_same_v<T, int8_t>;
+    std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3Over256>;
+
+// Whether any of the n e4m3 bytes from row is NaN's (S.1111.111).
+inline bool any_e4m3_nan(const uint8_t* row, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i magnitude = _mm512_set1_epi8(0x7F);
+  for (; i + 64 <= n; i += 64) {
+    const __m512i x = _mm512_loadu_si512(row + i);
+    if (_mm512_cmpeq_epi8_mask(_mm512_and_si512(x, magnitude), magnitude) != 0) {
+      return true;
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if ((row[i] & 0x7F) == 0x7F) {
+      return true;
+    }
+  }
+  return false;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Sign-extended and shifted by 7, an e4m3 byte leaves its sign in bit 15 (and 14, cleared) and its
+// exponent and mantissa in float16's bits 7 to 13: float16's bits of its value / 256.
+inline __m256i e4m3_as_half(__m128i bytes) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                          _mm256_set1_epi16(int16_t(0xBFFF)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline __m128i e4m3_as_half(__m128i bytes) {  // as the AVX-512 one, for 8 bytes
+  return _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                       _mm_set1_epi16(int16_t(0xBFFF)));
+}
+#endif
 
 // Vectorized<float>::size() values from src as float32.
 template <typename T>
@@ -40,13 +89,12 @@ inline at::vec::Vectorized<float> load_eight_bit(const T* src) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   if constexpr (std::is_same_v<T, int8_t>) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else if constexpr (std::is_same_v<T, E4M3Over256>) {
+    return _mm512_cvtph_ps(e4m3_as_half(bytes));
   } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
     return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
   } else {
-    // Sign-extended and shifted by 7, a byte leaves its sign in bit 15 (and 14, cleared) and its
-    // exponent and mantissa in float16's bits 7 to 13.
-    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
-                                          _mm256_set1_epi16(int16_t(0xBFFF)));
+    const __m256i half = e4m3_as_half(bytes);
     const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
     const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(half, _mm256_set1_epi16(0x7FFF)),
                                                   _mm256_set1_epi16(0x3F80));
@@ -56,11 +104,12 @@ inline at::vec::Vectorized<float> load_eight_bit(const T* src) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
   if constexpr (std::is_same_v<T, int8_t>) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  } else if constexpr (std::is_same_v<T, E4M3Over256>) {
+    return _mm256_cvtph_ps(e4m3_as_half(bytes));
   } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
   } else {
-    const __m128i half =
-        _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7), _mm_set1_epi16(int16_t(0xBFFF)));
+    const __m128i half = e4m3_as_half(bytes);
     const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
     const __m128i nan16 =
         _mm_cmpeq_epi16(_mm_and_si128(half, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));

@@ -80,10 +80,11 @@ class PageScales {
   int64_t page_stride_ = 0, head_stride_ = 0, row_stride_ = 0;
 };
 
-// Scales of successive rows: row i's at first[i * stride].
+// Scales of successive rows: row i's is first[i * stride] * factor.
 struct RowScales {
   const float* first;
   int64_t stride;
+  float factor;
 };
 
 // An 8-bit paged cache's rows as the decode reads them: in place, element_t
@@ -98,8 +99,10 @@ struct ScaledPagedRows : PagedRows<const element_t> {
   // The scales of rows r, r + 1, ... of (b, h) up to the end of r's page (run_end): stored value
   // x scale = element.
   RowScales scales_from(int64_t b, int64_t h, int64_t r) const {
-    return {scales.at(*this, b, h, r), scales.row_stride()};
+    return {scales.at(*this, b, h, r), scales.row_stride(), kFactor};
   }
+  // E4M3Over256 reads a value / 256 (eight_bit_values.h): its scales are 256 times the cache's.
+  static constexpr float kFactor = std::is_same_v<element_t, E4M3Over256> ? 256.0f : 1.0f;
 };
 
 // The rows of an 8-bit paged cache viewed as (num_pages, heads, page_size, col), found as
