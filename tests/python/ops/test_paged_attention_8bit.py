@@ -253,3 +253,48 @@ def test_a_slot_no_sequence_reads_may_hold_any_scale():
     scales[1, 2:] = 0.0  # the sixth key is the last read: slots 2 and 3 of page 1 are not
     out = small_call(k_scale=scales, v_scale=scales)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (40, 0)])
+@pytest.mark.parametrize("len_q", [1, 3])
+def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window):
+    """The decode's products read e4m3 rows without setting NaN's byte apart, and each key block
+    sets it apart itself (decode.h): a NaN in a key must give NaN to exactly the rows that see that
+    key, a NaN in a value to the columns of the rows that see its row, as a float64 reference on
+    the dequantized cache does, with every other output as close as without NaN."""
+    torch.manual_seed(3)
+    batch, hkv, hq, d, page = 3, 2, 8, 64, 16
+    lengths = [300, 250, 120]
+    table_width = (max(lengths) + page - 1) // page
+    pages = batch * table_width
+    k, v = (torch.randint(-100, 101, (pages, page, hkv, d), dtype=torch.int8)
+            .to(torch.float8_e4m3fn) for _ in range(2))
+    # (page, row, KV head, column): far from the last query rows (the window hides them) and
+    # near them (it does not)
+    k.view(torch.uint8)[5, 3, 1, 7] = 0x7F  # key 83 of sequence 0
+    k.view(torch.uint8)[18, 2, 0, 1] = 0xFF  # key 290 of sequence 0
+    v.view(torch.uint8)[20, 2, 0, 9] = 0xFF  # key 18 of sequence 1
+    v.view(torch.uint8)[34, 0, 1, 5] = 0x7F  # key 240 of sequence 1
+    v.view(torch.uint8)[40, 0, 1, 0] = 0x7F  # key 32 of sequence 2
+    k.view(torch.uint8)[44, 4, 1, 3] = 0x7F  # key 100 of sequence 2
+    table = torch.arange(pages, dtype=torch.int32).view(batch, table_width)
+    k_scale, v_scale, scale = 0.01, 0.02, d ** -0.5
+    q = torch.randn(batch, len_q, hq, d)
+    out = paged_attention(q, k, v, table, torch.tensor(lengths, dtype=torch.int32),
+                          k_scale=k_scale, v_scale=v_scale, window=window)
+    expected = torch.zeros(batch, len_q, hq, d, dtype=torch.float64)
+    for b, length in enumerate(lengths):
+        keys, values = (c[table[b].long()].flatten(0, 1)[:length].double() * s
+                        for c, s in ((k, k_scale), (v, v_scale)))
+        for i in range(len_q):
+            position = length - len_q + i
+            first = 0 if window[0] < 0 else max(0, position - window[0])
+            for h in range(hq):
+                g = h // (hq // hkv)
+                scores = keys[first:position + 1, g] @ q[b, i, h].double() * scale
+                expected[b, i, h] = torch.softmax(scores, 0) @ values[first:position + 1, g]
+    nan = expected.isnan()
+    assert nan.any() and (~nan).any()
+    assert torch.equal(out.isnan(), nan)
+    torch.testing.assert_close(out[~nan].double(), expected[~nan], atol=TOLERANCE[torch.float32],
+                               rtol=0)
