@@ -64,14 +64,13 @@ class PageScales {
     }
   }
 
-  // The scales of (b, heads from h) on the page that row r lies on, through `rows`' block table:
-  // head h + i's at [i * head_stride()], row r's first.
+  // The scale of row r of (b, h), found through `rows`' block table; the page's next rows' follow
+  // at row_stride().
   template <typename T>
   const float* at(const PagedRows<T>& rows, int64_t b, int64_t h, int64_t r) const {
     const int64_t page = rows.block_table[b * rows.table_width + r / rows.page_size];
     return scales_ + page * page_stride_ + h * head_stride_ + (r % rows.page_size) * row_stride_;
   }
-  int64_t head_stride() const { return head_stride_; }
   int64_t row_stride() const { return row_stride_; }
 
  private:
@@ -122,16 +121,12 @@ struct QuantizedPagedRows {
   // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart.
   void widen(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,
              int64_t ld) const {
-    widen_heads(b, h, 1, r, count, width, &dst, ld);
-  }
-
-  // As widen(), for heads [h, h + heads), head h + i's rows into dst[i]: a page's rows in the
-  // order they lie (row by row, each row's heads side by side), one sweep through its bytes.
-  void widen_heads(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
-                   float* const* dst, int64_t ld) const {
     with_element_type([&](auto type) {
       using element_t = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
-      widen_runs<element_t>(b, h, heads, r, count, width, dst, ld);
+      for (int64_t k = r; k < r + count; ++k) {
+        widen_scaled(row_as<element_t>(b, h, k), width, *scales.at(rows, b, h, k),
+                     dst + (k - r) * ld);
+      }
     });
   }
 
@@ -162,22 +157,6 @@ struct QuantizedPagedRows {
   const element_t* row_as(int64_t b, int64_t h, int64_t r) const {
     static_assert(sizeof(element_t) == sizeof(stored_t));
     return reinterpret_cast<const element_t*>(rows.row(b, h, r));
-  }
-
-  template <typename element_t>
-  void widen_runs(int64_t b, int64_t h, int64_t heads, int64_t r, int64_t count, int64_t width,
-                  float* const* dst, int64_t ld) const {
-    for (int64_t key = r, end; key < r + count; key = end) {  // a page at a time
-      end = std::min(r + count, run_end(key));
-      for (int64_t k = key; k < end; ++k) {
-        const element_t* src = row_as<element_t>(b, h, k);
-        const float* scale = scales.at(rows, b, h, k);
-        for (int64_t i = 0; i < heads; ++i) {
-          widen_scaled(src + i * rows.head_stride, width, scale[i * scales.head_stride()],
-                       dst[i] + (k - r) * ld);
-        }
-      }
-    }
   }
 };
 
