@@ -283,14 +283,13 @@ class DecodeForward {
     }
   }
 
-  // The prefetches of run i of the block: its value rows, and the next block's rows from the
-  // same offset, up to the end of the next block's run holding it (where pages divide the
-  // block, the next block's runs pair with this one's). `next` is that run's index, found on
-  // from its value.
+  // The prefetches of run i of the block: the next block's rows from the same offset, up to the
+  // end of the next block's run holding it (where pages divide the block, the next block's runs
+  // pair with this one's). `next` is that run's index, found on from its value.
   StreamAhead run_stream(const Scratch& s, size_t i, size_t& next) const {
-    const RowRun<kv_t>& run = s.value_runs[i];
+    const RowRun<kv_t>& run = s.key_runs[i];
     StreamAhead stream;
-    stream.values = StreamAhead::Rows::of(run.first, run.count, dims_.value_dim, v_.row_stride);
+    stream.keys = run.count;
     const auto& ahead = s.next_key_runs;
     while (next < ahead.size() && ahead[next].offset + ahead[next].count <= run.offset) {
       ++next;
