@@ -5,7 +5,10 @@ against a bare read of its own pages' bytes (read_pages on the same memory viewe
 what the memory system alone charges), and against each other; and each decode beside its
 arithmetic floor (its float32 multiply-adds at the block-product probe's float32 rate), which
 bounds how close to its bare read an exact float32 decode can come on the chip
-(best_read_over_decode).
+(best_read_over_decode); and beside the same decode with its reads taken away (in_cache: the same
+call, every block-table entry on a few pages that stay in L2), the time this kernel's arithmetic
+takes on the chip, which bounds read ÷ decode however well the read hides behind it
+(read_over_in_cache).
 
 Each dtype is timed in the same rounds as the bfloat16 cache, so that their ratio holds on a
 shared machine. Sizes are the serving issue's: --precision-batches sequences of --precision-length cached tokens,
@@ -35,6 +38,8 @@ CACHES = {
     "int8_token": (torch.int8, torch.bfloat16, "token"),
 }
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+# The in-cache decode's K and V pages together: within L2 on every chip seen (Zen 3 has 512 KiB).
+IN_CACHE_BYTES = 256 * 1024
 
 
 def add_arguments(parser):
@@ -81,57 +86,72 @@ def bare_read(k_cache, v_cache, table):
             for prefetch in (False, True)}
 
 
-def calls_for(label, batch, length, lengths_q, generator):
+def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
     """{name: fn} of one cache dtype: its paged call and the bare reads of its pages (names
-    prefixed by the label), and the bytes of its pages and scales."""
+    prefixed by the label), with `in_cache` the same call on a pool of IN_CACHE_BYTES that every
+    table entry repeats; and the bytes of its pages and scales."""
     cache_dtype, q_dtype, layout = CACHES[label]
     per_sequence = -(-length // PAGE)
     num_pages = batch * per_sequence
-    k_cache, v_cache = (pages(num_pages, cache_dtype, generator) for _ in range(2))
     table = torch.arange(num_pages, dtype=torch.int32).view(batch, per_sequence)
     seqlens = torch.full((batch,), length, dtype=torch.int32)
     q = torch.randn(sum(lengths_q), HEADS, HEAD_DIM, generator=generator).to(q_dtype)
     cu = torch.tensor([0] + lengths_q).cumsum(0).int()
-    options = scales(layout, num_pages, generator)
 
-    def paged():
-        return ca.paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
-                                  max_seqlen_q=max(lengths_q), **options)
+    def paged_call(pool_pages, pool_table):
+        k_cache, v_cache = (pages(pool_pages, cache_dtype, generator) for _ in range(2))
+        options = scales(layout, pool_pages, generator)
 
+        def call():
+            return ca.paged_attention(q, k_cache, v_cache, pool_table, seqlens, cu_seqlens_q=cu,
+                                      max_seqlen_q=max(lengths_q), **options)
+
+        return call, k_cache, v_cache, options
+
+    paged, k_cache, v_cache, options = paged_call(num_pages, table)
     calls = {f"{label}/paged": paged}
     for prefetch, read in bare_read(k_cache, v_cache, table).items():
         calls[f"{label}/read_{prefetch}"] = read
+    if in_cache:
+        page_bytes = k_cache[0].numel() * k_cache.element_size()
+        few = max(1, IN_CACHE_BYTES // (2 * page_bytes))
+        calls[f"{label}/in_cache"] = paged_call(few, table.remainder(few))[0]
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     scale_bytes = sum(s.numel() * 4 for s in options.values() if isinstance(s, torch.Tensor))
     return calls, cache_bytes + scale_bytes
 
 
-def paired(args, seconds, batch, length, lengths_q, generator):
-    """{label: (paged s, bare read s, bytes)}: each cache dtype timed in rounds that interleave it
-    with the bfloat16 cache (kept alive throughout), so that its ratio to bfloat16 comes from one
-    stretch of the machine's time however a shared machine drifts; bfloat16's own times are
-    the medians over its pairings. Only the pools of two dtypes live at once."""
-    anchor, anchor_bytes = calls_for("bfloat16", batch, length, lengths_q, generator)
+def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
+    """{label: {"paged", "read", "bytes", "bfloat16", and with in_cache "in_cache"}} (seconds,
+    bytes): each cache dtype timed in rounds that interleave it with the bfloat16 cache (kept
+    alive throughout), so that its ratio to bfloat16 comes from one stretch of the machine's time
+    however a shared machine drifts; bfloat16's own times are the medians over its pairings.
+    Only the pools of two dtypes live at once."""
+    anchor, anchor_bytes = calls_for("bfloat16", batch, length, lengths_q, generator, in_cache)
+
+    def times(label, timed, nbytes):
+        out = {"paged": timed[f"{label}/paged"], "bytes": nbytes,
+               "read": min(timed[f"{label}/read_False"], timed[f"{label}/read_True"]),
+               "bfloat16": timed["bfloat16/paged"]}
+        if in_cache:
+            out["in_cache"] = timed[f"{label}/in_cache"]
+        return out
+
     results, anchor_times = {}, []
     for label in args.precision_caches:
         if label == "bfloat16":
             continue
-        calls, nbytes = calls_for(label, batch, length, lengths_q, generator)
+        calls, nbytes = calls_for(label, batch, length, lengths_q, generator, in_cache)
         timed = seconds({**anchor, **calls}, args)
-        results[label] = (timed[f"{label}/paged"],
-                          min(timed[f"{label}/read_False"], timed[f"{label}/read_True"]), nbytes,
-                          timed["bfloat16/paged"])
-        anchor_times.append((timed["bfloat16/paged"],
-                             min(timed["bfloat16/read_False"], timed["bfloat16/read_True"])))
+        results[label] = times(label, timed, nbytes)
+        anchor_times.append(times("bfloat16", timed, anchor_bytes))
         del calls
         gc.collect()
     if not anchor_times:
-        timed = seconds(anchor, args)
-        anchor_times.append((timed["bfloat16/paged"],
-                             min(timed["bfloat16/read_False"], timed["bfloat16/read_True"])))
-    paged = sorted(t[0] for t in anchor_times)[len(anchor_times) // 2]
-    read = sorted(t[1] for t in anchor_times)[len(anchor_times) // 2]
-    results["bfloat16"] = (paged, read, anchor_bytes, paged)
+        anchor_times.append(times("bfloat16", seconds(anchor, args), anchor_bytes))
+    results["bfloat16"] = {key: sorted(t[key] for t in anchor_times)[len(anchor_times) // 2]
+                           for key in anchor_times[0]}
+    results["bfloat16"]["bfloat16"] = results["bfloat16"]["paged"]
     return results
 
 
@@ -149,25 +169,30 @@ def section_precisions(args, seconds) -> dict:
     print(json.dumps({"float32_block_product_gflops": gflops}))
     decode = []
     for batch in args.precision_batches:
-        timed = paired(args, seconds, batch, args.precision_length, [1] * batch, generator)
+        timed = paired(args, seconds, batch, args.precision_length, [1] * batch, generator,
+                       in_cache=True)
         # Scores and values: 2 multiply-adds a (query head, key, dim) pair each.
         flops = 4 * batch * HEADS * args.precision_length * HEAD_DIM
         floor = flops / (gflops * 1e9)
-        for label, (paged, read, nbytes, bf16) in timed.items():
+        for label, t in timed.items():
+            paged, read = t["paged"], t["read"]
             row = {"batch": batch, "length": args.precision_length, "cache": label,
-                   "cache_mib": nbytes / 2**20, "decode_ms": paged * 1e3,
+                   "cache_mib": t["bytes"] / 2**20, "decode_ms": paged * 1e3,
                    "bare_read_ms": read * 1e3, "read_over_decode": read / paged,
+                   "in_cache_ms": t["in_cache"] * 1e3,
+                   "read_over_in_cache": min(1.0, read / t["in_cache"]),
                    "arithmetic_floor_ms": floor * 1e3,
                    "best_read_over_decode": min(1.0, read / floor),
-                   "gb_per_s": nbytes / paged / 1e9, "bfloat16_over_this": bf16 / paged}
+                   "gb_per_s": t["bytes"] / paged / 1e9, "bfloat16_over_this": t["bfloat16"] / paged}
             print(json.dumps(row))
             decode.append(row)
     prefill = []
     timed = paired(args, seconds, 1, args.precision_prefill_length, [args.precision_chunk],
                    generator)
-    for label, (paged, _, _, bf16) in timed.items():
+    for label, t in timed.items():
         row = {"chunk": args.precision_chunk, "length": args.precision_prefill_length,
-               "cache": label, "prefill_ms": paged * 1e3, "bfloat16_over_this": bf16 / paged}
+               "cache": label, "prefill_ms": t["paged"] * 1e3,
+               "bfloat16_over_this": t["bfloat16"] / t["paged"]}
         print(json.dumps(row))
         prefill.append(row)
     return {"float32_block_product_gflops": gflops, "decode": decode, "prefill": prefill}

@@ -235,7 +235,7 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     ways, a draft-verifying step with and without its tree mask, MLA's decode from a latent read
     once and from two caches, the decode and a prefill chunk
     from float32, bfloat16 and 8-bit caches beside bare
-    reads of their pages) and measures a call's memory on a float32 and an int8 cache; the paged
+    reads of their pages and beside the same decode on pages that stay in cache) and measures a call's memory on a float32 and an int8 cache; the paged
     output is the contiguous op's."""
     report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
@@ -255,7 +255,7 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     for row in precisions["decode"] + precisions["prefill"]:
         assert row.get("decode_ms", row.get("prefill_ms")) > 0, row
         assert row["bfloat16_over_this"] > 0, row
-    assert all(row["bare_read_ms"] > 0 for row in precisions["decode"])
+    assert all(row["bare_read_ms"] > 0 and row["in_cache_ms"] > 0 for row in precisions["decode"])
 
 
 def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_path):
