@@ -15,6 +15,10 @@ per token and KV head (:mod:`causal_attention.quantization`); per-token scales l
 pages and go where their pages go (shared by a fork, copied with a page on write; a freed page's
 next holder writes its own with its rows).
 
+A cache of MLA's latent (``values_in_keys``) stores each token once: its values are its keys'
+first ``value_dim`` features, ``value_pages`` views of ``key_pages``, which paged_attention reads
+once for both.
+
 This module holds the pool (:class:`PagedKVCache`); a step's writes into its slots and its
 attention through the pages are paged_step.py's (:func:`paged_cache_append`, :class:`PagedStep`).
 """
@@ -67,6 +71,14 @@ class PagedKVCache:
     :attr:`bytes_per_token` counts what a token takes in the pool: with 8-bit pages and
     ``"tensor"`` scales half a bfloat16 pool's (a pool of the same bytes holds twice the
     tokens), with ``"token"`` scales ``2 x 4 x Hkv`` bytes a layer more.
+
+    ``values_in_keys=True`` holds MLA's latent (DeepSeek-V2/V3's absorbed attention: one KV
+    head of ``head_dim`` = 576 features whose first ``value_dim`` = 512 are also the values):
+    ``value_pages[layer]`` is ``key_pages[layer][..., :value_dim]``, a view, so a token takes
+    ``head_dim`` features, not ``head_dim + value_dim``; pass the views as ``v_cache`` to
+    :func:`causal_attention.paged_attention`, which then reads each page once. :meth:`append`
+    takes the latent as ``k`` and ``v=None``; the values' scales are the keys' (``value_scales``
+    is ``key_scales``, so ``v_scale`` is not given).
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -74,7 +86,8 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.float32, device=None, *,
                  scales: Optional[str] = None,
                  k_scale: Union[float, Sequence[float], None] = None,
-                 v_scale: Union[float, Sequence[float], None] = None) -> None:
+                 v_scale: Union[float, Sequence[float], None] = None,
+                 values_in_keys: bool = False) -> None:
         sizes = {"num_pages": num_pages, "page_size": page_size, "num_kv_heads": num_kv_heads,
                  "head_dim": head_dim, "num_layers": num_layers}
         if value_dim is not None:
@@ -86,13 +99,17 @@ class PagedKVCache:
                 raise ValueError(f"{_NAME}: {name} must be >= 1, got {size}")
         scales = _check_quantization(dtype, scales, k_scale, v_scale)
         value_dim = head_dim if value_dim is None else value_dim
+        _check_values_in_keys(values_in_keys, head_dim, value_dim, v_scale)
         self.page_size = page_size
         self.dtype = dtype
         self.scales = scales
+        self.values_in_keys = values_in_keys
         self.key_pages = [torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
                                       device=device) for _ in range(num_layers)]
-        self.value_pages = [torch.zeros(num_pages, page_size, num_kv_heads, value_dim,
-                                        dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_pages = (
+            [pages[..., :value_dim] for pages in self.key_pages] if values_in_keys
+            else [torch.zeros(num_pages, page_size, num_kv_heads, value_dim, dtype=dtype,
+                              device=device) for _ in range(num_layers)])
         # Each layer's dequantization scales as paged_attention and paged_cache_append take
         # them: None (float pages), a float per layer ("tensor"), or per token and KV head
         # tensors beside the pages ("token", written by append).
@@ -107,6 +124,8 @@ class PagedKVCache:
             self.value_scales = _per_layer("v_scale", v_scale, num_layers)
         else:
             self.key_scales, self.value_scales = [None] * num_layers, [None] * num_layers
+        if values_in_keys:  # a value is stored as its key's first features, with their scale
+            self.value_scales = self.key_scales
         self._holders = [0] * num_pages  # requests holding each page (0: free)
         self._free_count = num_pages
         self._is_free = bytearray(b"\x01") * num_pages  # 1: free (for the stretches' search)
@@ -130,8 +149,7 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """The pool's bytes: every layer's key and value pages and per-token scales."""
-        tensors = self.key_pages + self.value_pages + self._token_scales()
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._stored())
 
     @property
     def bytes_per_token(self) -> int:
@@ -264,11 +282,25 @@ class PagedKVCache:
             spec_mask=spec_mask,
         )
 
-    def append(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    def append(self, layer: int, k: Tensor, v: Optional[Tensor], slot_mapping: Tensor) -> None:
         """Writes one layer's keys ``(tokens, Hkv, D)`` and values ``(tokens, Hkv, Dv)`` into
         the slots :meth:`reserve` gave (8-bit pages: quantized with the layer's scales, per-token
-        ones computed and kept)."""
+        ones computed and kept). With ``values_in_keys``, ``v`` is None: the values are ``k``'s
+        first ``Dv`` features, stored with it."""
         layer = self._layer(layer)
+        if self.values_in_keys:
+            if v is not None:
+                raise ValueError(f"{_NAME}.append: this cache's values are its keys' first "
+                                 f"{self.value_pages[layer].shape[-1]} features "
+                                 "(values_in_keys): pass v=None, got a tensor of shape "
+                                 f"{tuple(v.shape)}")
+            # paged_cache_append writes a key and a value a token: here both are the whole
+            # latent row into the key pages, the same bytes twice, so that the scale of every
+            # stored feature is the key's (one of the values' own features would differ).
+            pages, slots = self.key_pages[layer], slot_mapping.to(self.key_pages[layer].device)
+            scale = self.key_scales[layer]
+            paged_cache_append(k, k, pages, pages, slots, k_scale=scale, v_scale=scale)
+            return
         paged_cache_append(k, v, self.key_pages[layer], self.value_pages[layer],
                            slot_mapping.to(self.key_pages[layer].device),
                            k_scale=self.key_scales[layer], v_scale=self.value_scales[layer])
@@ -286,9 +318,12 @@ class PagedKVCache:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _token_scales(self) -> List[Tensor]:
-        """Every layer's per-token key and value scales (none unless ``scales="token"``)."""
-        return [s for s in self.key_scales + self.value_scales if isinstance(s, Tensor)]
+    def _stored(self) -> List[Tensor]:
+        """Every tensor holding the pool's bytes, each once: every layer's key pages, value pages
+        (unless views of the key pages) and per-token scales."""
+        values = [] if self.values_in_keys else self.value_pages
+        scales = self.key_scales + ([] if self.values_in_keys else self.value_scales)
+        return self.key_pages + values + [s for s in scales if isinstance(s, Tensor)]
 
     def _known(self, request):
         if request not in self._pages:
@@ -326,7 +361,7 @@ class PagedKVCache:
             shared = pages[-1]
             pages[-1] = self._take(pages[-2] if len(pages) > 1 else None)
             # The page's per-token scales go with its rows.
-            for layer in self.key_pages + self.value_pages + self._token_scales():
+            for layer in self._stored():
                 layer[pages[-1]].copy_(layer[shared])
             self._release(shared)
         while len(pages) * self.page_size < length + tokens:
@@ -406,6 +441,21 @@ def _check_quantization(dtype, scales, k_scale, v_scale) -> Optional[str]:
         raise ValueError(f"{_NAME}: k_scale and v_scale are the per-layer scales of "
                          "scales='tensor'; scales='token' computes its own")
     return scales
+
+
+def _check_values_in_keys(values_in_keys, head_dim: int, value_dim: int, v_scale) -> None:
+    """``values_in_keys`` checked against the sizes and scales it needs."""
+    if not isinstance(values_in_keys, bool):
+        raise TypeError(f"{_NAME}: values_in_keys must be a bool, got {values_in_keys!r}")
+    if not values_in_keys:
+        return
+    if value_dim > head_dim:
+        raise ValueError(f"{_NAME}: values_in_keys stores the values as the keys' first "
+                         f"value_dim features, so value_dim must be <= head_dim, got value_dim "
+                         f"{value_dim} and head_dim {head_dim}")
+    if v_scale is not None:
+        raise ValueError(f"{_NAME}: values_in_keys stores the values with the keys' scales "
+                         f"(k_scale), so v_scale must not be given, got {v_scale!r}")
 
 
 def _per_layer(name: str, scale, layers: int) -> List[float]:

@@ -2,7 +2,7 @@
 forms, the unabsorbed one (per-head keys and values up-projected from the latent, through
 causal_attention.attention) and the absorbed decode that serving runs (every query head
 against the latent itself, one KV head, through causal_attention.paged_attention with the
-values a view of the keys).
+values a view of the keys: a PagedKVCache with values_in_keys).
 
 Per token, the latent is ``c_kv = x W_DKV`` (``latent_dim`` features) and the decoupled rotary
 key ``k_rope = RoPE(x W_KR)`` (``rope_dim``, shared by every head); head h's query is
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 import causal_attention
-from attention_testing.paged import LatentCache
+from causal_attention import PagedKVCache
 
 
 def rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
@@ -37,8 +37,8 @@ def rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
 class LatentAttention(nn.Module):
     """One MLA layer, ``(..., E) -> (..., E)``: :meth:`forward` is the unabsorbed form over whole
     sequences, :meth:`absorbed_step` the absorbed one over a step's new tokens and a
-    :class:`LatentCache` of rows ``[c_kv, k_rope]`` (``D = latent_dim + rope_dim``, ``Dv =
-    latent_dim``)."""
+    :class:`PagedKVCache` of rows ``[c_kv, k_rope]`` (one KV head, ``D = latent_dim + rope_dim``,
+    ``Dv = latent_dim``, ``values_in_keys``)."""
 
     def __init__(self, embed_dim: int, num_heads: int, latent_dim: int, rope_dim: int,
                  nope_dim: int, value_dim: int):
@@ -84,21 +84,22 @@ class LatentAttention(nn.Module):
         out = causal_attention.attention(*heads_first, scale=self.scale)
         return self.out(out.transpose(-3, -2).flatten(-2))
 
-    def absorbed_step(self, x: Tensor, tokens: Sequence[int], cache: LatentCache) -> Tensor:
+    def absorbed_step(self, x: Tensor, tokens: Sequence[int], cache: PagedKVCache) -> Tensor:
         """The absorbed form over one step's new tokens ``x (total, E)``, ``tokens[b]`` of
-        sequence b in order: their latent rows written into ``cache``, then every query head
-        attends the latent rows through the pages, ``(total, E)``."""
-        step = cache.step(tokens)
+        request b (the cache's requests 0, 1, ...) in order: their latent rows written into
+        ``cache``, then every query head attends the latent rows through the pages,
+        ``(total, E)``."""
+        step = cache.step(range(len(tokens)), tokens)
         q_nope, q_rope = self.queries(x, step.positions)
-        cache.append(self.latent(x, step.positions), step.slots)
+        cache.append(0, self.latent(x, step.positions).unsqueeze(1), None, step.slot_mapping)
         # q_nope_h . (c_kv W_UK_h) = (q_nope_h W_UK_h^T) . c_kv: W_UK absorbed into the query,
         # each head's query meets the latent row itself.
         up_key = self.up_key.weight.view(self.num_heads, self.nope_dim, self.latent_dim)
         q = torch.cat([torch.einsum("thn,hnc->thc", q_nope, up_key), q_rope], -1)
         out_latent = causal_attention.paged_attention(
-            q, cache.pages, cache.values, cache.block_table, cache.seqlens,
+            q, cache.key_pages[0], cache.value_pages[0], step.block_table, step.seqlens,
             cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_seqlen_q, scale=self.scale,
-            k_scale=cache.scales, v_scale=cache.scales)
+            k_scale=cache.key_scales[0], v_scale=cache.value_scales[0])
         # softmax . (c_kv W_UV_h) = (softmax . c_kv) W_UV_h: W_UV applied after the attention.
         up_value = self.up_value.weight.view(self.num_heads, self.value_dim, self.latent_dim)
         return self.out(torch.einsum("thc,hvc->thv", out_latent, up_value).flatten(-2))

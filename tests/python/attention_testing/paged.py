@@ -1,14 +1,9 @@
 """Paged KV caches for the tests: sequences' keys and values laid into the shuffled pages of a
-pool, as a serving cache hands them out; MLA's latent cache, written step by step into such
-pages; and a reference model of a paged cache's accounting."""
+pool, as a serving cache hands them out, and a reference model of a paged cache's accounting."""
 
 import random
-from typing import List, NamedTuple, Sequence
 
 import torch
-
-from causal_attention import paged_cache_append
-from causal_attention.quantization import dequantize, is_eight_bit
 
 
 def paged(keys, values, page_size, spare=2, seed=0):
@@ -36,86 +31,6 @@ def paged(keys, values, page_size, spare=2, seed=0):
             n = rows.stop - rows.start
             k_cache[page, :n], v_cache[page, :n] = k[rows], v[rows]
     return k_cache, v_cache, table
-
-
-class LatentStep(NamedTuple):
-    """The new tokens of one step on a :class:`LatentCache`, in sequence order: their slots and
-    positions ``(total,)`` int64, ``cu_seqlens_q (B + 1,)`` int32 and the most a sequence adds."""
-
-    slots: torch.Tensor
-    positions: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    max_seqlen_q: int
-
-
-class LatentCache:
-    """MLA's latent cache: per token one row ``[c_kv, k_rope]`` (one KV head, ``latent_dim``
-    features) in pages of a pool, whose first ``value_dim`` features are also the values:
-    :attr:`values` is a view of :attr:`pages`, not a second cache. Sequence b's pages (room for
-    ``capacities[b]`` tokens) are drawn up front from the shuffled pool, so that they do not
-    follow one another. ``dtype`` is the pages': a float dtype, or an 8-bit one with a float32
-    scale per token (:attr:`scales`, computed as each token is written).
-
-    :class:`causal_attention.PagedKVCache` keeps values in pages of their own, so it cannot hold
-    a latent whose values are a view of its keys."""
-
-    def __init__(self, capacities: Sequence[int], page_size: int, latent_dim: int,
-                 value_dim: int, dtype: torch.dtype, seed: int = 0):
-        counts = [-(-n // page_size) for n in capacities]
-        order = list(range(sum(counts)))
-        random.Random(seed).shuffle(order)
-        self.page_size = page_size
-        self.pages = torch.zeros(len(order), page_size, 1, latent_dim, dtype=dtype)
-        self.values = self.pages[..., :value_dim]
-        self.scales = torch.ones(self.pages.shape[:3]) if is_eight_bit(dtype) else None
-        # Unused entries name a page out of range: paged_attention never reads them.
-        self.block_table = torch.full((len(counts), max(counts)), 10**6, dtype=torch.int32)
-        for b, count in enumerate(counts):
-            self.block_table[b, :count] = torch.tensor(order[:count], dtype=torch.int32)
-            del order[:count]
-        self.capacities = list(capacities)
-        self.lengths = [0] * len(counts)
-
-    @property
-    def seqlens(self) -> torch.Tensor:
-        return torch.tensor(self.lengths, dtype=torch.int32)
-
-    def step(self, tokens: Sequence[int]) -> LatentStep:
-        """Room for ``tokens[b]`` more tokens of each sequence b (a prefill chunk, a decode's
-        one): their slots and positions, counted into :attr:`lengths`."""
-        slots: List[torch.Tensor] = []
-        positions: List[torch.Tensor] = []
-        for b, count in enumerate(tokens):
-            start = self.lengths[b]
-            assert start + count <= self.capacities[b], f"sequence {b} is past its capacity"
-            seq_positions = torch.arange(start, start + count)
-            pages = self.block_table[b, seq_positions // self.page_size].long()
-            slots.append(pages * self.page_size + seq_positions % self.page_size)
-            positions.append(seq_positions)
-            self.lengths[b] += count
-        counts = torch.tensor([0] + list(tokens))
-        return LatentStep(torch.cat(slots), torch.cat(positions),
-                          counts.cumsum(0, dtype=torch.int32), max(tokens))
-
-    def append(self, latent: torch.Tensor, slots: torch.Tensor) -> None:
-        """Writes the new tokens' latent rows ``(total, latent_dim)`` into their ``slots``."""
-        # paged_cache_append writes a key and a value per token; the latent's value is its key's
-        # first features, so the latent goes in as both, written twice alike. A value of its own
-        # would be quantized with a per-token scale of its own features, unlike the key's.
-        rows = latent.unsqueeze(1)
-        paged_cache_append(rows, rows, self.pages, self.pages, slots, k_scale=self.scales,
-                           v_scale=self.scales)
-
-    def latent(self, b: int) -> torch.Tensor:
-        """Sequence b's latent rows ``(length, latent_dim)`` as paged_attention reads them (8-bit
-        ones dequantized, in float32)."""
-        positions = torch.arange(self.lengths[b])
-        pages = self.block_table[b, positions // self.page_size].long()
-        rows = positions % self.page_size
-        stored = self.pages[pages, rows, 0]
-        if self.scales is None:
-            return stored
-        return dequantize(stored, self.scales[pages, rows])
 
 
 class ReferencePool:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing.paged import LatentCache
 from attention_testing.parameters import dtype_params
 from attention_testing.quantized import EIGHT_BIT, EIGHT_BIT_IDS
 from attention_testing.tolerances import (
@@ -18,6 +17,8 @@ from attention_testing.tolerances import (
     max_abs_diff,
     twice_sdpa_error_failures,
 )
+from causal_attention import PagedKVCache
+from causal_attention.quantization import dequantize
 from mla_testing import LatentAttention
 
 # Small enough to be quick, with the absorbed heads of a real model (16 to 128).
@@ -66,8 +67,11 @@ def assert_values_read_in_the_keys(reads, model: LatentAttention, steps):
 def absorbed_outputs(model: LatentAttention, xs, steps, cache_dtype):
     """Each sequence's outputs ``(L_b, E)`` from the absorbed form, step by step (``steps[i][b]``
     new tokens of sequence b at step i), and the cache it wrote."""
-    cache = LatentCache([x.shape[0] for x in xs], PAGE_SIZE, model.latent_dim + model.rope_dim,
-                        model.latent_dim, cache_dtype)
+    pages = sum(-(-x.shape[0] // PAGE_SIZE) for x in xs)
+    cache = PagedKVCache(pages, PAGE_SIZE, 1, model.latent_dim + model.rope_dim,
+                         value_dim=model.latent_dim, dtype=cache_dtype, values_in_keys=True)
+    for b in range(len(xs)):
+        cache.allocate(b)
     done = [0] * len(xs)
     outputs = [[] for _ in xs]
     with torch.no_grad():
@@ -109,14 +113,25 @@ def assert_within_twice_the_unabsorbed_error(absorbed, model, xs, latents=None):
     assert not failures, failures
 
 
-def assert_latent_within_half_a_step(cache: LatentCache, model: LatentAttention, xs):
+def stored_latent(cache: PagedKVCache, b: int) -> torch.Tensor:
+    """Request b's latent rows ``(length, D)`` as paged_attention reads them (8-bit ones times
+    their per-token scales, in float32)."""
+    positions = torch.arange(cache.length(b))
+    pages = torch.tensor(cache.pages_of(b))[positions // cache.page_size]
+    rows = positions % cache.page_size
+    stored = cache.key_pages[0][pages, rows, 0]
+    scales = cache.key_scales[0]
+    return stored if scales is None else dequantize(stored, scales[pages, rows])
+
+
+def assert_latent_within_half_a_step(cache: PagedKVCache, model: LatentAttention, xs):
     """The 8-bit pages hold each token's latent rows to half a step of their format."""
     with torch.no_grad():
         exact = [model.latent(x, torch.arange(x.shape[0])) for x in xs]
     # Plus float32 round-off: the steps computed the latent rows in products of their own.
-    bound = HALF_STEP[cache.pages.dtype] + 8 * UNIT_ROUNDOFF[torch.float32]
+    bound = HALF_STEP[cache.dtype] + 8 * UNIT_ROUNDOFF[torch.float32]
     for b, want in enumerate(exact):
-        error = ((cache.latent(b) - want).abs().amax(-1) / want.abs().amax(-1)).max()
+        error = ((stored_latent(cache, b) - want).abs().amax(-1) / want.abs().amax(-1)).max()
         assert error <= bound, f"sequence {b}'s latent: {error:.3e} > {bound:.3e}"
 
 
@@ -153,5 +168,5 @@ def test_absorbed_decode_from_an_eight_bit_latent_matches_the_unabsorbed_form_on
     absorbed, cache = absorbed_outputs(model, xs, STEPS, cache_dtype)
     assert_values_read_in_the_keys(paged_reads, model, STEPS)
     assert_latent_within_half_a_step(cache, model, xs)
-    latents = [cache.latent(b) for b in range(len(xs))]
+    latents = [stored_latent(cache, b) for b in range(len(xs))]
     assert_within_twice_the_unabsorbed_error(absorbed, model, xs, latents)

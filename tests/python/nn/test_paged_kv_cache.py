@@ -172,6 +172,78 @@ def written_cache(tokens: int):
     return cache, x
 
 
+@pytest.mark.parametrize("pool", [
+    pytest.param({}, id="float32"),
+    pytest.param(dict(dtype=torch.float8_e4m3fn), id="e4m3-token-scales"),
+    pytest.param(dict(dtype=torch.int8, scales="tensor", k_scale=0.05), id="int8-tensor-scale"),
+])
+def test_values_in_keys_store_each_token_once_and_read_as_a_cache_of_their_own(pool):
+    """MLA's latent: value_pages are views of key_pages' first value_dim features (with the
+    keys' scales), the pool's bytes count the keys alone, a fork's copy on write carries both,
+    and paged_attention through the views equals the same call with the values copied out."""
+    layers, heads, dim, value_dim = 2, 1, 12, 8
+    cache = PagedKVCache(num_pages=6, page_size=4, num_kv_heads=heads, head_dim=dim,
+                         value_dim=value_dim, num_layers=layers, values_in_keys=True, **pool)
+    plain = PagedKVCache(num_pages=6, page_size=4, num_kv_heads=heads, head_dim=dim,
+                         num_layers=layers, **pool)
+    assert cache.nbytes == plain.nbytes // 2
+    for layer in range(layers):
+        keys, values = cache.key_pages[layer], cache.value_pages[layer]
+        assert values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()
+        assert values.shape[-1] == value_dim
+        assert cache.value_scales[layer] is cache.key_scales[layer]
+    generator = torch.Generator().manual_seed(0)
+    latent = torch.randn(9, layers, heads, dim, generator=generator)
+    cache.allocate("prompt")
+    slots = cache.reserve("prompt", 6)
+    for layer in range(layers):
+        cache.append(layer, latent[:6, layer], None, slots)
+    cache.fork("prompt", "child")
+    for request, rows in (("child", latent[6:8]), ("prompt", latent[8:])):
+        slots = cache.reserve(request, rows.shape[0])
+        for layer in range(layers):
+            cache.append(layer, rows[:, layer], None, slots)
+    assert cache.pages_of("child")[1] != cache.pages_of("prompt")[1]  # copied on write
+    requests = ["prompt", "child"]
+    written = {"prompt": torch.cat([latent[:6], latent[8:]]), "child": latent[:8]}
+    for layer in range(layers):
+        for r in requests:
+            keys, values = dequantized(cache, slots_of(cache, r), layer)
+            assert torch.equal(values, keys[..., :value_dim])
+            # Every feature within half a step of what was written (float pages: exactly).
+            error = (keys - written[r][:, layer]).abs()
+            assert error.max() <= (0 if not pool else 2.0**-4 * written[r].abs().max()), r
+        q = torch.randn(2, 1, 4, dim, generator=generator)
+        table, seqlens = cache.block_table(requests), cache.seqlens(requests)
+        scales = dict(k_scale=cache.key_scales[layer], v_scale=cache.value_scales[layer])
+        out = ca.paged_attention(q, cache.key_pages[layer], cache.value_pages[layer], table,
+                                 seqlens, **scales)
+        copied = cache.value_pages[layer].contiguous()
+        if isinstance(scales["v_scale"], torch.Tensor):
+            scales["v_scale"] = scales["v_scale"].clone()
+        expected = ca.paged_attention(q, cache.key_pages[layer], copied, table, seqlens,
+                                      **scales)
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(value_dim=13), ValueError, "value_dim must be <= head_dim, got value_dim 13"),
+    (dict(values_in_keys=1), TypeError, "values_in_keys must be a bool, got 1"),
+    (dict(dtype=torch.int8, scales="tensor", v_scale=0.5), ValueError,
+     "v_scale must not be given"),
+])
+def test_values_in_keys_refuses_what_it_cannot_store(change, error, match):
+    arguments = dict(num_pages=2, page_size=4, num_kv_heads=1, head_dim=12, value_dim=8,
+                     values_in_keys=True)
+    with pytest.raises(error, match=match):
+        PagedKVCache(**{**arguments, **change})
+    cache = PagedKVCache(**arguments)
+    cache.allocate("a")
+    slots = cache.reserve("a", 1)
+    with pytest.raises(ValueError, match=r"pass v=None, got a tensor of shape \(1, 1, 8\)"):
+        cache.append(0, torch.ones(1, 1, 12), torch.ones(1, 1, 8), slots)
+
+
 @pytest.mark.parametrize("length, pages", [(0, 0), (10, 3), (9, 3), (6, 2), (4, 1), (3, 1)],
                          ids=["to-0", "to-the-length", "inside-the-last-page",
                               "inside-an-earlier-page", "to-a-page-boundary", "across-pages"])
@@ -363,6 +435,9 @@ def slots_of(cache: PagedKVCache, request):
         pytest.param(dict(dtype=torch.int8, scales="token"), id="int8-token-scales"),
         pytest.param(dict(dtype=torch.float8_e5m2, scales="tensor", k_scale=0.5, v_scale=2.0),
                      id="e5m2-tensor-scales"),
+        pytest.param(dict(value_dim=2, values_in_keys=True), id="float32-values-in-keys"),
+        pytest.param(dict(dtype=torch.int8, value_dim=2, values_in_keys=True),
+                     id="int8-token-scales-values-in-keys"),
     ],
 )
 def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool):
@@ -375,7 +450,8 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool
     1000 operations, and at the end) paged_attention through the pages equals a float64
     reference on those dequantized keys and values. (The holder counts, which the pages' dtype
     does not enter, are checked after every operation in float32, every 50 with 8-bit pages:
-    a few seconds each.)"""
+    a few seconds each.) A cache of values in keys (MLA's latent) reads each token's values as
+    its keys' first features, through the same forks, copies and frees."""
     rng = random.Random(0)
     generator = torch.Generator().manual_seed(0)
     pages, page_size, heads, dim = 64, 5, 2, 3
@@ -452,12 +528,17 @@ def test_ten_thousand_random_operations_leak_no_page_and_share_none_wrongly(pool
             magnitude = torch.exp2(torch.randint(-3, 4, (tokens, 1, 1), generator=generator))
             k = torch.randn(tokens, heads, dim, generator=generator) * magnitude
             v = torch.randn(tokens, heads, dim, generator=generator) * magnitude
+            if pool.get("values_in_keys"):
+                v = None
             cache.append(0, k, v, slots)
             keys, values = dequantized(cache, slots)
+            if v is None:  # the keys' first features, stored once
+                assert torch.equal(values, keys[..., :values.shape[-1]])
+            written = ((keys, k),) if v is None else ((keys, k), (values, v))
             if "dtype" not in pool:
-                assert torch.equal(keys, k) and torch.equal(values, v)
+                assert all(torch.equal(read, x) for read, x in written)
             else:  # within half the format's step (e5m2's 2 mantissa bits: 1/8) of each row
-                for read, x in ((keys, k), (values, v)):
+                for read, x in written:
                     assert ((read - x).abs() <= x.abs().amax(-1, keepdim=True) / 8).all()
             expected[r] += [(keys, values)]
         if "dtype" not in pool or step % 50 == 0:
