@@ -183,7 +183,8 @@ def section_precisions(args, seconds) -> dict:
                    "read_over_in_cache": min(1.0, read / t["in_cache"]),
                    "arithmetic_floor_ms": floor * 1e3,
                    "best_read_over_decode": min(1.0, read / floor),
-                   "gb_per_s": t["bytes"] / paged / 1e9, "bfloat16_over_this": t["bfloat16"] / paged}
+                   "gb_per_s": t["bytes"] / paged / 1e9,
+                   "bfloat16_over_this": t["bfloat16"] / paged}
             print(json.dumps(row))
             decode.append(row)
     prefill = []
