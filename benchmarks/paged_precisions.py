@@ -151,7 +151,6 @@ def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
         anchor_times.append(times("bfloat16", seconds(anchor, args), anchor_bytes))
     results["bfloat16"] = {key: sorted(t[key] for t in anchor_times)[len(anchor_times) // 2]
                            for key in anchor_times[0]}
-    results["bfloat16"]["bfloat16"] = results["bfloat16"]["paged"]
     return results
 
 

@@ -255,16 +255,8 @@ class DecodeForward {
   // m[r * ld + j] *= factors[j] for r < rows, j < cols.
   static void scale_columns(acc_t* m, int64_t ld, int64_t rows, int64_t cols,
                             const acc_t* factors) {
-    using Vec = at::vec::Vectorized<acc_t>;
     for (int64_t r = 0; r < rows; ++r) {
-      acc_t* row = m + r * ld;
-      int64_t j = 0;
-      for (; j + Vec::size() <= cols; j += Vec::size()) {
-        (Vec::loadu(row + j) * Vec::loadu(factors + j)).store(row + j);
-      }
-      for (; j < cols; ++j) {
-        row[j] *= factors[j];
-      }
+      multiply_row(m + r * ld, factors, cols);
     }
   }
 

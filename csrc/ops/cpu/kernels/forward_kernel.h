@@ -63,15 +63,12 @@ class ForwardKernel {
         output_{HeadRows<scalar_t>(t.out, dims_.cu_q), HeadRows<acc_t>(t.lse, dims_.cu_q),
                 dims_.heads_q, dims_.value_dim, modifiers_} {}
 
-  // Whether the call takes the decode path.
-  bool decodes() const { return forward_decodes(dims_); }
-
   // The call on its path. An 8-bit cache's rows serve one path each: those of the decode
   // (ScaledPagedRows) and those of the block path (QuantizedPagedRows); the caller picks by
-  // decodes().
+  // forward_decodes.
   void run() const {
     const auto& [k, v] = kv_;
-    if (decodes()) {
+    if (forward_decodes(dims_)) {
       if constexpr (!KeyRows::kWidens) {
         DecodeForward<scalar_t, KeyRows>(dims_, q_, k, v, output_, modifiers_).run();
         return;

@@ -35,10 +35,8 @@ class PagedForwardKernel {
     if (!t_.k_scale.defined()) {
       kernel<PagedRows<const scalar_t>>().run();
     } else if constexpr (!std::is_same_v<scalar_t, double>) {
-      const auto block_path = kernel<QuantizedPagedRows>();
-      if (!block_path.decodes()) {
-        block_path.run();
-        return;
+      if (!forward_decodes(AttentionDims(t_))) {
+        return kernel<QuantizedPagedRows>().run();
       }
       switch (eight_bit_format(t_.k.scalar_type())) {
         case EightBit::kE4M3:  // NaN set apart by the decode (eight_bit_values.h)

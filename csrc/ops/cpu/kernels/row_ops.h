@@ -31,6 +31,13 @@ inline void scale_row(acc_t* row, int64_t n, acc_t factor) {
   at::vec::map<acc_t>([&](Vec x) { return x * factor_vec; }, row, row, n);
 }
 
+// row[c] *= factors[c].
+template <typename acc_t>
+inline void multiply_row(acc_t* row, const acc_t* factors, int64_t n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  at::vec::map2<acc_t>([](Vec x, Vec f) { return x * f; }, row, row, factors, n);
+}
+
 // row[c] += factor * other[c].
 template <typename acc_t>
 inline void add_scaled_row(acc_t* row, const acc_t* other, int64_t n, acc_t factor) {
