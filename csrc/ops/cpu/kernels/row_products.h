@@ -267,10 +267,11 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
                                 const int64_t* visible, const RunRows<src_t>& v, int64_t dim_v,
                                 acc_t* out, int64_t ld_out) {
   // Four rows by four vectors where 32 vector registers hold the sixteen accumulators (AVX-512):
-  // eight loads per sixteen FMAs, and a value row's lines read in two passes, not four (measured
-  // on Zen 4, paged decode at 2 threads: 4-7 % faster than four by two in float32, bfloat16 and
-  // int8). Four by two with 16 registers (AVX2): eight accumulators, six loads per eight FMAs
-  // (measured faster there than one by eight, two by four and three by four).
+  // eight loads per sixteen FMAs, and a value row's lines read in two passes, not four (with the
+  // L1 requests of V dropped at the same time, register_tiles.h, the decode's arithmetic ran
+  // 7-10 % faster in every dtype on Zen 4: docs/benchmarks, "8-bit KV caches"). Four by two with 16
+  // registers (AVX2): eight accumulators, six loads per eight FMAs (measured faster there than one
+  // by eight, two by four and three by four).
 #if defined(CPU_CAPABILITY_AVX512)
   constexpr int64_t kRows = 4, kVecs = 4;
 #else
