@@ -57,9 +57,10 @@ CASES = [
         id="Lq100-Lk160-D32-Dv48-gqa2-H16-one-pass-transposed",
     ),
     pytest.param(Case(150, 100, 16, hq=8, hkv=4, batch=(2,)), id="Lq150-Lk100-B2-gqa2-one-pass"),
-    # Decoding (Lq <= 32: register products, one task per KV head and key split). Fewer rows
-    # than a vector holds take the dot-product scores, more the transposed ones; odd D and Dv
-    # exercise the tails, Lk > 1024 with few KV heads the key splits and their merge.
+    # Decoding (Lq <= 32: one task per KV head and key split). Fewer rows than a vector holds
+    # take the dot-product scores, more the transposed ones, and at least 16 bfloat16/float16
+    # rows the block products where the CPU's are native (decode.h); odd D and Dv exercise the
+    # tails, Lk > 1024 with few KV heads the key splits and their merge.
     pytest.param(Case(16, 2100, 64, hq=4, hkv=2), id="decode-Lq16-Lk2100-D64-gqa2-split"),
     pytest.param(
         Case(3, 1500, 17, dv=24, hq=2, hkv=1, layout="strided"),

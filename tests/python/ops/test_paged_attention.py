@@ -109,6 +109,54 @@ def test_prefill_chunks_multiply_blocks_packed_from_the_pages(page_size, dtype):
     assert_matches(got, queries, keys, values, dtype)
 
 
+GROUP_OPTIONS = {
+    "causal": {},
+    "window": {"window": (70, 0)},  # a window's first block is seen in part: register values
+    "softcap-alibi-sinks": {"softcap": 4.0, "alibi_slopes": torch.linspace(0.01, 0.5, 32),
+                            "sinks": torch.linspace(-1, 1, 32)},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [7, 16])
+@pytest.mark.parametrize("option", list(GROUP_OPTIONS))
+def test_decode_groups_of_many_rows_multiply_blocks(option, page_size, dtype):
+    """At least 16 query rows a KV head (16 query heads a KV head, decode rows and chunks of 2
+    and 4: 16 to 64 rows) of bfloat16/float16, where this CPU's products of them are native,
+    multiply each key block through block_gemm, K_j^T packed from pages that cut the blocks
+    (7 rows) or tile them (16); the values' product only for blocks that every row sees whole
+    (a chunk's last block and a window's first take the register products). Elsewhere the
+    register products compute it all. The gathered cache's results (which the same products
+    compute) and within the dtype's tolerance of float64 (whose rows take the register
+    products)."""
+    lengths_q, lengths_k = [1, 4, 2, 1], [300, 1000, 77, 5]
+    queries, keys, values = sequences(lengths_q, lengths_k, hq=32, hkv=2, d=40, dv=24,
+                                      dtype=dtype)
+    k_cache, v_cache, table = paged(keys, values, page_size)
+    options = GROUP_OPTIONS[option]
+    got = packed_call(queries, k_cache, v_cache, table, lengths_k, **options)
+    assert_matches(got, queries, keys, values, dtype, **options)
+    exact = reference(queries, keys, values, dtype=torch.float64, **options)
+    for g, e in zip(got, exact):
+        torch.testing.assert_close(g.double(), e, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_many_row_chunk_reads_an_infinite_value_only_where_a_row_sees_it(dtype):
+    """The last key's value is infinite: the chunk's earlier rows do not see it, so the block's
+    values go through the register products, which leave it out of their sums (a block product,
+    where bfloat16 rows take them, would weigh it by zero: NaN). Those rows are finite and the gathered cache's; the last row's
+    infinity is the gathered cache's too."""
+    queries, keys, values = sequences([4], [200], hq=32, hkv=2, d=40, dv=24, dtype=dtype)
+    values[0][-1, :, 3] = float("inf")
+    k_cache, v_cache, table = paged(keys, values, 16)
+    got = packed_call(queries, k_cache, v_cache, table, [200])[0]
+    want = reference(queries, keys, values)[0]
+    assert torch.isfinite(got[:3]).all()
+    torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype],
+                               equal_nan=True)
+
+
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["MHA", "GQA", "MQA"])
 def test_grouped_heads_read_their_kv_head(heads):
     hq, hkv = heads

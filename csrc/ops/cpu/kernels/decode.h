@@ -40,12 +40,23 @@ class DecodeForward {
   using TaskRows = typename Tasks::TaskRows;
   // The K and V rows the products read, in place.
   using kv_t = typename KeyRows::row_t;
+  // What the block products of many-row tasks multiply (multiplies_blocks): q's dtype, which
+  // their K rows then share (bfloat16 and float16 natively where the CPU can, block_gemm.h).
+  using gemm_t = scalar_t;
+  using Pack = Packing<gemm_t>;
 
  public:
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
                 const KeyRows& v, const OutputRows<scalar_t, acc_t>& output,
                 const ScoreModifiers<acc_t>& modifiers)
-      : dims_(d), q_(q), k_(k), v_(v), output_(output), modifiers_(modifiers) {}
+      : dims_(d),
+        q_(q),
+        k_(k),
+        v_(v),
+        output_(output),
+        modifiers_(modifiers),
+        native_products_(kReducedRows &&
+                         native_products_now(c10::CppTypeToScalarType<scalar_t>::value)) {}
 
   void run() const {
     const int64_t items =
@@ -68,7 +79,7 @@ class DecodeForward {
       std::vector<Scratch> scratch;
       scratch.reserve(Tasks::heads_together(dims_));
       for (int64_t h = 0; h < Tasks::heads_together(dims_); ++h) {
-        scratch.emplace_back(dims_);
+        scratch.emplace_back(dims_, multiplies_blocks(Tasks::task_rows(dims_)));
       }
       return scratch;
     };
@@ -85,6 +96,24 @@ class DecodeForward {
   // 4 rows a KV head, D 128, 1 thread): 32 and 64 keys 7-10 % faster than 128, the same as each
   // other in bfloat16; 64 keeps the per-block work of many-row groups (MLA's 128 heads) small.
   static constexpr int64_t kKeyBlock = 64;
+
+  // A task of at least this many rows multiplies each key block through block_gemm
+  // (multiplies_blocks): so many rows (MLA's 16-128 absorbed heads, a verified chunk's rows times
+  // its group) make the scores compute-bound, where the CPU's own bfloat16/float16 products run
+  // twice as fast as the register products' float32 ones.
+  static constexpr int64_t kMinBlockProductRows = 16;
+  // Whether the rows are bfloat16 or float16 in q's dtype, which the block products then take as
+  // they are. float32 rows gain nothing from them (measured slower on a Zen 4 where the rows are
+  // read from memory); 8-bit rows keep the register products, which fold the rows' scales in.
+  static constexpr bool kReducedRows =
+      std::is_same_v<kv_t, scalar_t> &&
+      (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>);
+  // Whether a task of `rows` rows takes the block products: only where this call's products of
+  // two inputs are native (block_gemm.h). Widened, they measured up to 1.3x slower than the
+  // register products, which compute the same sums of exact products in another float32 order.
+  bool multiplies_blocks(int64_t rows) const {
+    return native_products_ && rows >= kMinBlockProductRows;
+  }
 
   // The vector-padded count of `rows` that key_query_scores computes with (query_key_scores
   // serves fewer rows than a vector holds). The scores of the padding rows are discarded.
@@ -105,8 +134,12 @@ class DecodeForward {
     NonFiniteRowGuard<kv_t> guard;
     std::vector<acc_t> key_scales, value_scales;  // the block's row scales, where KeyRows has them
     std::vector<acc_t> wide_values;  // the block's value rows widened once, for many query rows
-    TaskRows task{};                 // the rows this scratch serves in the current item
-    explicit Scratch(const AttentionDims& d)
+    // The block products' operands (multiplies_blocks): the task's query rows and K_j^T, and one
+    // chain's scores (multiply_in_chains).
+    std::vector<gemm_t> query_operand, keys_t;
+    std::vector<acc_t> partial;
+    TaskRows task{};  // the rows this scratch serves in the current item
+    Scratch(const AttentionDims& d, bool block_products)
         : queries(Tasks::task_rows(d) * d.head_dim),
           queries_t(padded(Tasks::task_rows(d)) * d.head_dim),
           keys(kKeyBlock * d.head_dim),
@@ -122,7 +155,13 @@ class DecodeForward {
           key_scales(kScaled ? kKeyBlock : 0),
           value_scales(kScaled ? kKeyBlock : 0),
           wide_values(kWidensValues && padded(Tasks::task_rows(d)) > 0 ? kKeyBlock * d.value_dim
-                                                                       : 0) {}
+                                                                       : 0) {
+      if (block_products) {
+        query_operand.resize(Tasks::task_rows(d) * Pack::padded_k(d.head_dim));
+        keys_t.resize(Pack::padded_k(d.head_dim) * kKeyBlock);
+        partial.resize(Tasks::task_rows(d) * kKeyBlock);
+      }
+    }
   };
 
   // The keys of chunk `split` that the task's rows see, from the first key block one of them
@@ -156,6 +195,14 @@ class DecodeForward {
       for (int64_t r = 0; r < t.rows; ++r) {
         convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
       }
+      if (multiplies_blocks(t.rows)) {
+        const int64_t padded_dim = Pack::padded_k(D);
+        for (int64_t r = 0; r < t.rows; ++r) {
+          gemm_t* row = s.query_operand.data() + r * padded_dim;
+          convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), row, D);
+          std::fill(row + D, row + padded_dim, gemm_t(0));
+        }
+      }
       if (padded(t.rows) > 0) {
         transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
       }
@@ -175,6 +222,78 @@ class DecodeForward {
         splits.emit(s.state, r, s.task.b * dims_.heads_q + s.task.head(r, dims_),
                     s.task.query_row(r), split);
       }
+    }
+  }
+
+  // S = Q K_j^T through the register products (row_products.h), run by run, each run told where
+  // the next block's rows lie (the prefetches). Key rows are read in place for fewer rows than a
+  // vector holds; with more, each key element is broadcast to many rows and a key block of a
+  // reduced dtype is converted once instead (measured faster).
+  void register_scores(int64_t rows, int64_t cols, Scratch& s) const {
+    const int64_t D = dims_.head_dim;
+    size_t next = 0;
+    for (size_t i = 0; i < s.key_runs.size(); ++i) {
+      const RowRun<kv_t>& run = s.key_runs[i];
+      const StreamAhead stream = run_stream(s, i, next);
+      if (padded(rows) > 0) {
+        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
+                                                      s.keys.data() + run.offset * D);
+        key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld,
+                         run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
+                         stream);
+      } else {
+        query_key_scores(s.queries.data(), D, rows, run.first, k_.row_stride, run.count, D,
+                         s.scores.data() + run.offset, cols, stream);
+      }
+    }
+    if (padded(rows) > 0) {
+      transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
+    }
+  }
+
+  // S = Q K_j^T through block_gemm (multiplies_blocks): K_j^T packed run by run (a page's rows lie
+  // at one stride) into one operand, the head dim summed in chains of kScoreChain, as the block
+  // path sums its scores (the short chains of few rows would cost 128 heads 8 % more). Before a run
+  // is packed, the next block's rows from the same offset are requested, whole: the packing's
+  // transposes read a line of each of 16 rows at once, which the hardware's prefetchers did not
+  // follow (with them waiting on memory, MLA's 16 heads ran no faster than on the register
+  // products).
+  void block_scores(int64_t rows, int64_t cols, Scratch& s) const {
+    if constexpr (kReducedRows) {
+      const int64_t D = dims_.head_dim;
+      size_t next = 0;
+      for (size_t i = 0; i < s.key_runs.size(); ++i) {
+        const RowRun<kv_t>& run = s.key_runs[i];
+        run_stream(s, i, next).at_keys(0, run.count);
+        Pack::b_transposed(run.first, run.count, D, k_.row_stride,
+                           s.keys_t.data() + Pack::column_offset(run.offset), cols);
+      }
+      multiply_in_chains(rows, cols, D, Operand<gemm_t>{s.query_operand.data(), Pack::padded_k(D)},
+                         Operand<gemm_t>{s.keys_t.data(), cols}, s.scores.data(), cols, kScoreChain,
+                         s.partial.data());
+    }
+  }
+
+  // Whether every row of the task sees every key of the block (the keys are its first `cols`).
+  static bool every_row_sees_all(int64_t rows, int64_t cols, const Scratch& s) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (s.first_visible[r] != 0 || s.visible[r] != cols) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // O += P V_j through block_gemm (multiplies_blocks), for a block every row sees whole: a key
+  // hidden from a row would weigh its value row by zero in the product, and an infinite value
+  // would then give NaN. P is float32 and V widened to it (backward_block_pair.h says why), its
+  // runs' rows copied into one operand.
+  void block_values(int64_t rows, int64_t cols, Scratch& s) const {
+    if constexpr (kReducedRows) {
+      const int64_t Dv = dims_.value_dim;
+      widen_values(s);
+      block_gemm(rows, Dv, cols, s.scores.data(), cols, s.wide_values.data(), Dv,
+                 s.state.out.data(), Dv, /*accumulate=*/true);
     }
   }
 
@@ -298,12 +417,11 @@ class DecodeForward {
     return stream;
   }
 
-  // Folds keys [k0, k0 + cols) into the task's rows. Value rows are read in place (widened in
-  // registers if of a reduced dtype). So are key rows for fewer rows than a vector holds; with
-  // more, each key element is broadcast to many rows and a key block of a reduced dtype is
-  // converted once instead (measured faster).
+  // Folds keys [k0, k0 + cols) into the task's rows: through the register products, value rows
+  // read in place (widened in registers if of a reduced dtype), or through block_gemm for a task
+  // of many rows (multiplies_blocks).
   void key_block(const TaskRows& t, int64_t k0, int64_t cols, int64_t key_end, Scratch& s) const {
-    const int64_t D = dims_.head_dim, Dv = dims_.value_dim, rows = t.rows, b = t.b, h_kv = t.h_kv;
+    const int64_t Dv = dims_.value_dim, rows = t.rows, b = t.b, h_kv = t.h_kv;
     const bool* kept = dims_.hidden_keys(b, k0, cols);
     // attn_mask may hide a key from some rows and not others (heads and rows differ): then every
     // non-finite value row is left out of the products and added back where a row sees it.
@@ -323,23 +441,10 @@ class DecodeForward {
       block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
                  s.next_value_runs);
     }
-    size_t next = 0;
-    for (size_t i = 0; i < s.key_runs.size(); ++i) {
-      const RowRun<kv_t>& run = s.key_runs[i];
-      const StreamAhead stream = run_stream(s, i, next);
-      if (padded(rows) > 0) {
-        const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
-                                                      s.keys.data() + run.offset * D);
-        key_query_scores(s.queries_t.data(), padded(rows), padded(rows), keys.data, keys.ld,
-                         run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
-                         stream);
-      } else {
-        query_key_scores(s.queries.data(), D, rows, run.first, k_.row_stride, run.count, D,
-                         s.scores.data() + run.offset, cols, stream);
-      }
-    }
-    if (padded(rows) > 0) {
-      transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
+    if (multiplies_blocks(rows)) {
+      block_scores(rows, cols, s);
+    } else {
+      register_scores(rows, cols, s);
     }
     if constexpr (kScaled) {  // q . (k x scale) as (q . k) x scale
       block_scales(b, h_kv, k0, s);
@@ -368,6 +473,10 @@ class DecodeForward {
     // misread it (kSetsNaNApart).
     const bool guard_every_row = attn_mask_read || nan_values;
     if (!guard_every_row && !kept) {
+      if (multiplies_blocks(rows) && every_row_sees_all(rows, cols, s)) {
+        block_values(rows, cols, s);
+        return;
+      }
       if constexpr (kWidensValues) {
         if (padded(rows) > 0) {
           widen_values(s);
@@ -416,6 +525,7 @@ class DecodeForward {
   const KeyRows k_, v_;
   const OutputRows<scalar_t, acc_t> output_;
   const ScoreModifiers<acc_t> modifiers_;
+  const bool native_products_;  // read once a call (multiplies_blocks)
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -136,10 +136,12 @@ constexpr int64_t kShortScoreChain = 32;
 
 // The longest chain of k the scores S = Q K^T (and the backward's dP = dO V^T) are summed in
 // (multiply_in_chains, operands.h): the same in the forward's block path and the backward, so
-// that both compute the same scores. 64 keeps D <= 64 to one product and costs D = 128 one more
-// (measured 2-4 % of a float32 call at L = 2048); where the forward decoded, kShortScoreChain.
+// that both compute the same scores. kScoreChain keeps D <= 64 to one product and costs D = 128
+// one more (measured 2-4 % of a float32 call at L = 2048); where the forward decoded,
+// kShortScoreChain.
+constexpr int64_t kScoreChain = 64;
 inline int64_t score_chain(const AttentionDims& d) {
-  return forward_decodes(d) ? kShortScoreChain : 64;
+  return forward_decodes(d) ? kShortScoreChain : kScoreChain;
 }
 
 // Fewer work items than this and the forward splits the keys of each item into chunks computed
