@@ -103,14 +103,16 @@ class DecodeForward {
   // twice as fast as the register products' float32 ones.
   static constexpr int64_t kMinBlockProductRows = 16;
   // Whether the rows are bfloat16 or float16 in q's dtype, which the block products then take as
-  // they are. float32 rows gain nothing from them (measured slower on a Zen 4 where the rows are
-  // read from memory); 8-bit rows keep the register products, which fold the rows' scales in.
+  // they are. float32 rows gain nothing from them (slower in a trial on a Zen 4, a verify step
+  // reading its rows from memory); 8-bit rows keep the register products, which fold the rows'
+  // scales in.
   static constexpr bool kReducedRows =
       std::is_same_v<kv_t, scalar_t> &&
       (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>);
   // Whether a task of `rows` rows takes the block products: only where this call's products of
-  // two inputs are native (block_gemm.h). Widened, they measured up to 1.3x slower than the
-  // register products, which compute the same sums of exact products in another float32 order.
+  // two inputs are native (block_gemm.h). Widened, they were slower than the register products
+  // in a trial build (MLA's 16 heads, a verify step), which compute the same sums of exact
+  // products in another float32 order.
   bool multiplies_blocks(int64_t rows) const {
     return native_products_ && rows >= kMinBlockProductRows;
   }
@@ -192,19 +194,20 @@ class DecodeForward {
     for (int64_t h = 0; h < Tasks::heads_together(dims_); ++h) {
       Scratch& s = scratch[h];
       const TaskRows& t = s.task = Tasks::task(dims_, Tasks::head_item(dims_, item, h));
-      for (int64_t r = 0; r < t.rows; ++r) {
-        convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
-      }
-      if (multiplies_blocks(t.rows)) {
+      if (multiplies_blocks(t.rows)) {  // the block products' operand only
         const int64_t padded_dim = Pack::padded_k(D);
         for (int64_t r = 0; r < t.rows; ++r) {
           gemm_t* row = s.query_operand.data() + r * padded_dim;
           convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), row, D);
           std::fill(row + D, row + padded_dim, gemm_t(0));
         }
-      }
-      if (padded(t.rows) > 0) {
-        transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
+      } else {
+        for (int64_t r = 0; r < t.rows; ++r) {
+          convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
+        }
+        if (padded(t.rows) > 0) {
+          transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
+        }
       }
       s.state.reset(t.rows);
     }
@@ -253,10 +256,10 @@ class DecodeForward {
 
   // S = Q K_j^T through block_gemm (multiplies_blocks): K_j^T packed run by run (a page's rows lie
   // at one stride) into one operand, the head dim summed in chains of kScoreChain, as the block
-  // path sums its scores (the short chains of few rows would cost 128 heads 8 % more). Before a run
-  // is packed, the next block's rows from the same offset are requested, whole: the packing's
-  // transposes read a line of each of 16 rows at once, which the hardware's prefetchers did not
-  // follow (with them waiting on memory, MLA's 16 heads ran no faster than on the register
+  // path sums its scores (the short chains of few rows were slower for 128 heads in a trial).
+  // Before a run is packed, the next block's rows from the same offset are requested, whole: the
+  // packing's transposes read a line of each of 16 rows at once, which the hardware's prefetchers
+  // did not follow (with them waiting on memory, MLA's 16 heads ran no faster than on the register
   // products).
   void block_scores(int64_t rows, int64_t cols, Scratch& s) const {
     if constexpr (kReducedRows) {
