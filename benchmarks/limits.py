@@ -71,6 +71,19 @@ def probe(name):
     return getattr(torch.ops.causal_attention_bench, name)
 
 
+def page_reads(caches, table):
+    """{prefetching: a call reading every byte of the pages the table lists of each cache, in the
+    table's order}: without and with each next page requested into L2 (the faster of the two is
+    the memory system's charge for that order). Pages of any dtype are read as float32 words."""
+    read = probe("read_pages")
+    words = [cache.view(torch.uint8).view(torch.float32) for cache in caches]
+
+    def read_all(prefetch):
+        return sum(read(cache, table, prefetch) for cache in words)
+
+    return {prefetch: functools.partial(read_all, prefetch) for prefetch in (False, True)}
+
+
 def block_gemm_gflops():
     """The block-product probe: GFLOP/s of the kernels' block product, every thread at once."""
     return probe("block_gemm_gflops")

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import causal_attention as ca
 
 from . import paged_precisions
-from .limits import probe
+from .limits import page_reads
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
@@ -115,18 +115,6 @@ def gathered_sdpa(q, k_cache, v_cache, table, length):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def page_reads(k_cache, v_cache, table):
-    """{prefetching: a call reading every element of the K and V pages the table lists, in its
-    order}: without and with each next page requested into L2 (the faster of the two is the
-    memory system's charge for that order)."""
-    read = probe("read_pages")
-
-    def read_both(prefetch):
-        return read(k_cache, table, prefetch) + read(v_cache, table, prefetch)
-
-    return {prefetch: partial(read_both, prefetch) for prefetch in (False, True)}
-
-
 def section_decode(args) -> list:
     rows = []
     for length in args.lengths:
@@ -151,7 +139,7 @@ def section_decode(args) -> list:
                                                    seqlens)
                 for name, pages in (("read", (k_cache, v_cache, table)),
                                     ("read_in_order", in_order)):
-                    for prefetch, read in page_reads(*pages).items():
+                    for prefetch, read in page_reads(pages[:2], pages[2]).items():
                         calls[f"{name}{page}_{prefetch}"] = read
                 errors[page] = max((calls[f"{name}{page}"]() - expected).abs().max().item()
                                    for name in ("paged", "in_order"))

@@ -25,7 +25,7 @@ import torch
 import causal_attention as ca
 
 from .cases import FULL, QUICK
-from .limits import measure_limit, probe
+from .limits import measure_limit, page_reads
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 # label: (cache dtype, q dtype, scale layout)
@@ -76,16 +76,6 @@ def scales(layout, num_pages, generator):
             for name in ("k_scale", "v_scale")}
 
 
-def bare_read(k_cache, v_cache, table):
-    """Reads every byte of the K and V pages the table lists, in its order (the faster of
-    without and with the next page requested into L2)."""
-    read = probe("read_pages")
-    k_bytes, v_bytes = (c.view(torch.uint8).view(torch.float32) for c in (k_cache, v_cache))
-    return {prefetch: (lambda prefetch=prefetch: read(k_bytes, table, prefetch)
-                       + read(v_bytes, table, prefetch))
-            for prefetch in (False, True)}
-
-
 def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
     """{name: fn} of one cache dtype: its paged call and the bare reads of its pages (names
     prefixed by the label), with `in_cache` the same call on a pool of IN_CACHE_BYTES that every
@@ -110,7 +100,7 @@ def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
 
     paged, k_cache, v_cache, options = paged_call(num_pages, table)
     calls = {f"{label}/paged": paged}
-    for prefetch, read in bare_read(k_cache, v_cache, table).items():
+    for prefetch, read in page_reads((k_cache, v_cache), table).items():
         calls[f"{label}/read_{prefetch}"] = read
     if in_cache:
         page_bytes = k_cache[0].numel() * k_cache.element_size()
