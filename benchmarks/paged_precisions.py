@@ -144,17 +144,17 @@ def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
     return results
 
 
-def float32_gflops(quick):
-    """The chip's float32 block-product rate (GFLOP/s, every thread at once; the block-product
-    probe, benchmarks.limits): a decode's float32 multiply-adds take at least their count over
-    it, however its reads overlap them."""
+def block_product_gflops(quick) -> dict:
+    """{dtype name: the chip's block-product rate} (GFLOP/s, every thread at once; the
+    block-product probe, benchmarks.limits): a decode's multiply-adds take at least their count
+    over the rate of the dtype they are done in, however its reads overlap them."""
     limit, _ = measure_limit(QUICK if quick else FULL)
-    return limit["float32"]
+    return limit
 
 
 def section_precisions(args, seconds) -> dict:
     generator = torch.Generator().manual_seed(0)
-    gflops = float32_gflops(args.quick)
+    gflops = block_product_gflops(args.quick)["float32"]
     print(json.dumps({"float32_block_product_gflops": gflops}))
     decode = []
     for batch in args.precision_batches:

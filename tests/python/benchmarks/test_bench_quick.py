@@ -233,10 +233,10 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     """python -m benchmarks.paged --quick times every path (paged on shuffled pages and on pages
     in order, contiguous, gathered SDPA, the bare reads of the pages, the mixed batch's three
     ways, a draft-verifying step with and without its tree mask, MLA's decode from a latent read
-    once and from two caches, the decode and a prefill chunk from float32, bfloat16 and 8-bit
-    caches beside bare reads of their pages and beside the same decode on pages that stay in
-    cache) and measures a call's memory on a float32 and an int8 cache; the paged output is the
-    contiguous op's."""
+    once and from two caches with the bound the chip puts on their ratio, the decode and a
+    prefill chunk from float32, bfloat16 and 8-bit caches beside bare reads of their pages and
+    beside the same decode on pages that stay in cache) and measures a call's memory on a float32
+    and an int8 cache; the paged output is the contiguous op's."""
     report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
     assert decode["max_abs_error"] < 1e-5
@@ -246,6 +246,8 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     assert {"no_mask_ms", "chain_ms", "tree_ms", "tree_over_no_mask"} <= report["verify"].keys()
     (latent,) = report["latent"]
     assert {"shared_ms", "two_caches_ms", "two_caches_over_shared"} <= latent.keys()
+    assert latent["latent_read_ms"] > 0 and latent["values_read_ms"] > 0
+    assert latent["arithmetic_floor_ms"] > 0 and latent["two_caches_over_shared_bound"] > 1
     assert [m["cache_dtype"] for m in report["memory"]] == ["float32", "int8"]
     for memory in report["memory"]:
         assert {"peak_added_mib", "added_over_cache"} <= memory.keys()
