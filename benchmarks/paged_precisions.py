@@ -8,7 +8,12 @@ bounds how close to its bare read an exact float32 decode can come on the chip
 (best_read_over_decode); and beside the same decode with its reads taken away (in_cache: the same
 call, every block-table entry on a few pages that stay in L2), the time this kernel's arithmetic
 takes on the chip, which bounds read ÷ decode however well the read hides behind it
-(read_over_in_cache).
+(read_over_in_cache). The bare read is timed twice: reading each page as it comes (the hardware's
+prefetchers stream it), and with each next page requested in software (prefetched_read), as the
+decode requests its next key block while it computes. bare_read is the faster of the two (the
+memory system's charge); prefetched_read is what these bytes cost when software requests them
+(prefetched_read_over_decode: a decode near 1 there runs at the speed of its requests, its
+arithmetic hidden behind them).
 
 Each dtype is timed in the same rounds as the bfloat16 cache, so that their ratio holds on a
 shared machine. Sizes are the serving issue's: --precision-batches sequences of --precision-length cached tokens,
@@ -112,7 +117,8 @@ def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
 
 
 def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
-    """{label: {"paged", "read", "bytes", "bfloat16", and with in_cache "in_cache"}} (seconds,
+    """{label: {"paged", "read", "prefetched_read", "bytes", "bfloat16", and with in_cache
+    "in_cache"}} (seconds,
     bytes): each cache dtype timed in rounds that interleave it with the bfloat16 cache (kept
     alive throughout), so that its ratio to bfloat16 comes from one stretch of the machine's time
     however a shared machine drifts; bfloat16's own times are the medians over its pairings.
@@ -122,6 +128,7 @@ def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
     def times(label, timed, nbytes):
         out = {"paged": timed[f"{label}/paged"], "bytes": nbytes,
                "read": min(timed[f"{label}/read_False"], timed[f"{label}/read_True"]),
+               "prefetched_read": timed[f"{label}/read_True"],
                "bfloat16": timed["bfloat16/paged"]}
         if in_cache:
             out["in_cache"] = timed[f"{label}/in_cache"]
@@ -168,6 +175,8 @@ def section_precisions(args, seconds) -> dict:
             row = {"batch": batch, "length": args.precision_length, "cache": label,
                    "cache_mib": t["bytes"] / 2**20, "decode_ms": paged * 1e3,
                    "bare_read_ms": read * 1e3, "read_over_decode": read / paged,
+                   "prefetched_read_ms": t["prefetched_read"] * 1e3,
+                   "prefetched_read_over_decode": t["prefetched_read"] / paged,
                    "in_cache_ms": t["in_cache"] * 1e3,
                    "read_over_in_cache": min(1.0, read / t["in_cache"]),
                    "arithmetic_floor_ms": floor * 1e3,

@@ -258,6 +258,7 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
         assert row.get("decode_ms", row.get("prefill_ms")) > 0, row
         assert row["bfloat16_over_this"] > 0, row
     assert all(row["bare_read_ms"] > 0 and row["in_cache_ms"] > 0 for row in precisions["decode"])
+    assert all(row["prefetched_read_ms"] >= row["bare_read_ms"] for row in precisions["decode"])
 
 
 def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_path):

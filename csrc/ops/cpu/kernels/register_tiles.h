@@ -27,7 +27,12 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 //   (each pass over a stretch of columns requesting the same columns of the next block's rows),
 //   the decode was within 2 % either way at 2 threads (float32, bfloat16, int8);
 // - requesting the current block's value rows into L1 as well, as the scores pass, made the
-//   decode 7 % slower in bfloat16 and 3 % in float32 (2 threads).
+//   decode 7 % slower in bfloat16 and 3 % in float32 (2 threads);
+// - each KV head requesting its share of the next block's whole token rows (every head's, in
+//   the order memory holds them) instead of its own rows: no faster (a trial build). The decode
+//   runs as fast as a bare read of its pages with the next page requested in software
+//   (docs/benchmarks, "float32 and bfloat16 decode at the speed of their software-requested
+//   reads"): these requests, not the arithmetic, bound it in float32 and bfloat16.
 struct StreamAhead {
   struct Rows {
     const char* data = nullptr;
