@@ -138,9 +138,9 @@ def section_decode(args) -> list:
                 in_order = pool(k, v, page, shuffled=False)
                 calls[f"in_order{page}"] = partial(ca.paged_attention, q_flash, *in_order,
                                                    seqlens)
-                for name, pages in (("read", (k_cache, v_cache, table)),
-                                    ("read_in_order", in_order)):
-                    for prefetch, read in page_reads(pages[:2], pages[2]).items():
+                for name, (k_pages, v_pages, order) in (("read", (k_cache, v_cache, table)),
+                                                        ("read_in_order", in_order)):
+                    for prefetch, read in page_reads((k_pages, v_pages), order).items():
                         calls[f"{name}{page}_{prefetch}"] = read
                 errors[page] = max((calls[f"{name}{page}"]() - expected).abs().max().item()
                                    for name in ("paged", "in_order"))

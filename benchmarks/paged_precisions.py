@@ -118,11 +118,10 @@ def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
 
 def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
     """{label: {"paged", "read", "prefetched_read", "bytes", "bfloat16", and with in_cache
-    "in_cache"}} (seconds,
-    bytes): each cache dtype timed in rounds that interleave it with the bfloat16 cache (kept
-    alive throughout), so that its ratio to bfloat16 comes from one stretch of the machine's time
-    however a shared machine drifts; bfloat16's own times are the medians over its pairings.
-    Only the pools of two dtypes live at once."""
+    "in_cache"}} (seconds, bytes): each cache dtype timed in rounds that interleave it with the
+    bfloat16 cache (kept alive throughout), so that its ratio to bfloat16 comes from one stretch
+    of the machine's time however a shared machine drifts; bfloat16's own times are the medians
+    over its pairings. Only the pools of two dtypes live at once."""
     anchor, anchor_bytes = calls_for("bfloat16", batch, length, lengths_q, generator, in_cache)
 
     def times(label, timed, nbytes):
