@@ -12,7 +12,7 @@ import torch
 
 import causal_attention  # noqa: F401  (the probe library links the op library: load it first)
 
-from .cases import DTYPES
+from .cases import DTYPES, FULL, QUICK
 from .timing import interleaved_median, timer
 
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
@@ -102,6 +102,14 @@ def measure_limit(preset):
                                                   for _ in range(preset.limit_rounds))
         limit[name] = max(per_shape[name].values())
     return limit, per_shape
+
+
+def block_product_gflops(quick) -> dict:
+    """{dtype name: the chip's block-product rate} (GFLOP/s, every thread at once, the best over
+    the preset's probe shapes): multiply-adds take at least their count over the rate of the
+    dtype they are done in, however reads overlap them."""
+    limit, _ = measure_limit(QUICK if quick else FULL)
+    return limit
 
 
 def measure_copy_bandwidth(preset, threads, rounds, min_run_time):

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import causal_attention as ca
 
 from . import paged_precisions
-from .limits import page_reads
+from .limits import block_product_gflops, page_reads
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
@@ -286,7 +286,7 @@ def section_latent(args) -> list:
     the library's accuracy rule); `..._all_bfloat16` takes both products at the bfloat16 rate, the
     most any kernel of this chip could do with P rounded."""
     batch, dim, value_dim, page = 8, 576, 512, min(args.pages)
-    gflops = paged_precisions.block_product_gflops(args.quick)
+    gflops = block_product_gflops(args.quick)
     print(json.dumps({"block_product_gflops": gflops}))
     rows = []
     for length in args.lengths:
@@ -307,6 +307,8 @@ def section_latent(args) -> list:
             if batch * heads * length * dim * 2 <= 2**31:
                 calls["gather_sdpa"] = partial(gathered_sdpa, q.transpose(1, 2), k_cache,
                                                v_view, table, length)
+            # The reads are timed in the same rounds as each row's calls, so that the bound and
+            # the ratio it bounds see the same stretch of a shared machine's bandwidth.
             times = seconds({**calls, **reads}, args)
             read = {name: min(times[f"{name}_{prefetch}"] for prefetch in (False, True))
                     for name in ("latent_read", "values_read")}

@@ -29,8 +29,7 @@ import torch
 
 import causal_attention as ca
 
-from .cases import FULL, QUICK
-from .limits import measure_limit, page_reads
+from .limits import block_product_gflops, page_reads
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 # label: (cache dtype, q dtype, scale layout)
@@ -148,14 +147,6 @@ def paired(args, seconds, batch, length, lengths_q, generator, in_cache=False):
     results["bfloat16"] = {key: sorted(t[key] for t in anchor_times)[len(anchor_times) // 2]
                            for key in anchor_times[0]}
     return results
-
-
-def block_product_gflops(quick) -> dict:
-    """{dtype name: the chip's block-product rate} (GFLOP/s, every thread at once; the
-    block-product probe, benchmarks.limits): a decode's multiply-adds take at least their count
-    over the rate of the dtype they are done in, however its reads overlap them."""
-    limit, _ = measure_limit(QUICK if quick else FULL)
-    return limit
 
 
 def section_precisions(args, seconds) -> dict:

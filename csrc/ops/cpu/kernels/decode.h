@@ -137,7 +137,9 @@ class DecodeForward {
     std::vector<acc_t> key_scales, value_scales;  // the block's row scales, where KeyRows has them
     std::vector<acc_t> wide_values;  // the block's value rows widened once, for many query rows
     // The block products' operands (multiplies_blocks): the task's query rows and K_j^T, and one
-    // chain's scores (multiply_in_chains).
+    // chain's scores (multiply_in_chains). A scratch that has them keeps the register products'
+    // too: an item's task may have fewer rows than the largest (a group's last chunk, a sequence
+    // with fewer new tokens) and take the register products.
     std::vector<gemm_t> query_operand, keys_t;
     std::vector<acc_t> partial;
     TaskRows task{};  // the rows this scratch serves in the current item
