@@ -17,10 +17,24 @@ Two views of the same call:
    Debian's linux-perf): the samples of the call's own loop, sorted into the block products
    (oneDNN's JIT code), the softmax pass (scores, exp, the row passes of the backward), packing
    and conversion (operand packing, transposes, widening), the rest of our kernels, and the rest
-   (torch, Python, the OS). Where perf is missing it says so and shows view 1 only.
+   (torch, Python, the OS). Where perf is missing it says so and shows view 1 only
+   (--profile-seconds 0 leaves it out).
+
+Beside them, **what the products allow against SDPA and our float32**: SDPA's time on the same
+inputs and, for a reduced dtype, our float32 call on the same values, timed in the same rounds
+as the call. A call is never faster than its products at the best rate the probe finds for
+their operands (over its shapes and the kernels', so whatever the block shapes): SDPA's time over
+that floor bounds the speed-up over SDPA any call of these products can reach on the chip. It is
+given twice: with the products' operands as the kernels take them (P and dS in float32, the
+accuracy rule of the reduced-precision tests), and with every product at the input dtype's rate
+(P and dS rounded, outside that rule). Against our float32 call: its products' floor over this
+call's (the gain at equal efficiency: the rest of both calls, the softmax pass above all, is the
+same float32 work), and its measured time over this call's floor (the gain if this call did
+nothing but its products at their best rate while float32 stayed as it is).
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -34,7 +48,7 @@ import torch
 
 import causal_attention  # noqa: F401  (loads the ops, block_products among them)
 
-from .cases import FULL, QUICK
+from .cases import FULL, QUICK, sdpa
 from .limits import block_gemm_gflops, cpu_environment
 from .timing import interleaved_median, timer
 
@@ -67,10 +81,10 @@ def key_block(head_dim, value_dim):
     return 128 if 128 * (head_dim + value_dim) * 4 <= 2 * l1d else 64
 
 
-def block_products(args):
-    """(name, m, n, k, operand dtype, count per visible block pair) of the call's products."""
+def block_products(args, inputs):
+    """(name, m, n, k, operand dtype, count per visible block pair) of the products of the call
+    with inputs of dtype `inputs`."""
     d, keys = args.dim, key_block(args.dim, args.dim)
-    inputs = DTYPES[args.dtype]
     chains = -(-d // SCORE_CHAIN)
     chain = min(d, SCORE_CHAIN)
     forward = [("S = Q K^T", QUERY_ROWS, keys, chain, inputs, chains),
@@ -92,47 +106,73 @@ def block_products(args):
     ]
 
 
-def make_call(args):
-    dtype = DTYPES[args.dtype]
+def make_call(args, attention=causal_attention.attention, dtype=None):
+    """The call the breakdown looks at, of `attention` (ours, or SDPA on the same inputs), with
+    inputs of `dtype` (args.dtype's where None); the same values whatever the dtype."""
+    dtype = DTYPES[args.dtype] if dtype is None else dtype
     shape = (args.batch, args.heads, args.length, args.dim)
-    q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=args.pass_ == "fb") for _ in range(3))
-    grad_out = torch.randn(shape, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(shape, generator=generator).to(dtype) for _ in range(4))
+    for tensor in (q, k, v):
+        tensor.requires_grad_(args.pass_ == "fb")
 
     def call():
         if args.pass_ == "fwd":
             with torch.no_grad():
-                causal_attention.attention(q, k, v)
+                attention(q, k, v)
         else:
-            out = causal_attention.attention(q, k, v)
+            out = attention(q, k, v)
             torch.autograd.grad(out, (q, k, v), grad_out)
 
     return call
 
 
-def product_limit(args, call_seconds):
-    """View 1: each product's probe rate and the call's products' time at those rates."""
-    probe = block_gemm_gflops()
+def visible_pairs(args):
+    """The (query block, key block) pairs of the causal triangle the call multiplies."""
     keys = key_block(args.dim, args.dim)
-    # Visible block pairs of the causal triangle, per (batch, head).
     q_blocks = -(-args.length // QUERY_ROWS)
     pairs_per_head = sum(-(-min(args.length, (i + 1) * QUERY_ROWS) // keys) for i in range(q_blocks))
-    pairs = pairs_per_head * args.batch * args.heads
-    def rate(dtype, m, n, k):
-        iterations = max(4, int(args.probe_flops / (2 * m * n * k)))
-        return max(probe(dtype, m, n, k, iterations) for _ in range(3))
+    return pairs_per_head * args.batch * args.heads
 
-    products = block_products(args)
+
+def probe_rate(args):
+    """rate(dtype, m, n, k): the probe's GFLOP/s for a product of that shape and operand dtype,
+    the best of three, each shape probed once a run."""
+    probe, rates = block_gemm_gflops(), {}
+
+    def rate(dtype, m, n, k):
+        if (dtype, m, n, k) not in rates:
+            iterations = max(4, int(args.probe_flops / (2 * m * n * k)))
+            rates[dtype, m, n, k] = max(probe(dtype, m, n, k, iterations) for _ in range(3))
+        return rates[dtype, m, n, k]
+
+    return rate
+
+
+def products_seconds(args, products, gflops, operands=None):
+    """The products' time at gflops(dtype, m, n, k), each with its own operand dtype, or with
+    `operands` where given."""
+    pairs = visible_pairs(args)
+    return sum(2 * m * n * k * count * pairs / (gflops(operands or dtype, m, n, k) * 1e9)
+               for _, m, n, k, dtype, count in products)
+
+
+def product_limit(args, call_seconds, rate):
+    """View 1: each product's probe rate and the call's products' time at those rates. Returns
+    that time and {operand dtype: the best rate the probe found for it}."""
+    pairs = visible_pairs(args)
+    products = block_products(args, DTYPES[args.dtype])
     # The best cache-resident rate of each operand type over the benchmark's probe shapes (and
     # the kernels' own): what "% best" holds the kernels' shapes to.
     shapes = (QUICK if args.quick else FULL).limit_shapes
     best = {dtype: max(rate(dtype, *shape) for shape in shapes) for *_, dtype, _ in products}
-    rows, total = [], 0.0
+    rows = []
     for name, m, n, k, dtype, count in products:
         gflops = rate(dtype, m, n, k)
         best[dtype] = max(best[dtype], gflops)
         seconds = 2 * m * n * k * count * pairs / (gflops * 1e9)
-        total += seconds
         rows.append((name, f"{m}x{n}x{k}", dtype, count, gflops, seconds))
+    total = products_seconds(args, products, rate)
     print(f"\nblock products per visible pair ({pairs} pairs), each timed alone at "
           f"{args.threads} threads on cache-resident blocks (% best: of the best rate of its "
           "operands over the shapes " + ", ".join("x".join(map(str, s)) for s in shapes) + "):")
@@ -143,7 +183,39 @@ def product_limit(args, call_seconds):
               f"{gflops:8.1f} {100 * gflops / best[dtype]:6.0f} {seconds * 1e3:8.2f}")
     print(f"  block products at their probe rate: {total * 1e3:.2f} ms of the call's "
           f"{call_seconds * 1e3:.2f} ms ({100 * total / call_seconds:.0f} %)")
-    return total
+    return total, best
+
+
+def reach(args, seconds, best):
+    """What the call's products allow against SDPA and our float32 (the module's docstring),
+    their floors at the `best` rate of each operand dtype: {name: value}, printed."""
+    inputs = DTYPES[args.dtype]
+
+    def floor(dtype, operands=None):
+        return products_seconds(args, block_products(args, dtype),
+                                lambda operand, *_: best[operand], operands)
+
+    lowest, rounded = floor(inputs), floor(inputs, operands=inputs)
+    found = {"floor_ms": 1e3 * lowest, "rounded_floor_ms": 1e3 * rounded,
+             "sdpa_over_floor": seconds["sdpa"] / lowest,
+             "sdpa_over_rounded_floor": seconds["sdpa"] / rounded}
+    print(f"\nagainst SDPA on the same inputs: ours {seconds['call'] * 1e3:.2f} ms, SDPA "
+          f"{seconds['sdpa'] * 1e3:.2f} ms (SDPA / ours {seconds['sdpa'] / seconds['call']:.2f}); "
+          f"the products at their operands' best rate {1e3 * lowest:.2f} ms, the most any call "
+          f"of them reaches: SDPA / that {found['sdpa_over_floor']:.2f}; every product at "
+          f"{args.dtype}'s best rate (P and dS rounded) {1e3 * rounded:.2f} ms, SDPA / that "
+          f"{found['sdpa_over_rounded_floor']:.2f}")
+    if "float32" in seconds:
+        float32_floor = floor(torch.float32)
+        found["float32_floor_ms"] = 1e3 * float32_floor
+        found["float32_floor_over_floor"] = float32_floor / lowest
+        found["float32_over_floor"] = seconds["float32"] / lowest
+        print(f"against our float32 on the same values: {seconds['float32'] * 1e3:.2f} ms "
+              f"(float32 / this {seconds['float32'] / seconds['call']:.2f}); its products' floor "
+              f"/ this call's {found['float32_floor_over_floor']:.2f} (the gain at equal "
+              f"efficiency), its time / this call's floor {found['float32_over_floor']:.2f} (the "
+              "gain with nothing but products)")
+    return found
 
 
 PROFILED = textwrap.dedent(
@@ -176,7 +248,9 @@ def categorize(dso, symbol):
 
 
 def sampling_profile(args, argv):
-    """View 2, or None where perf is missing or refuses."""
+    """View 2, or None where perf is missing or refuses, or --profile-seconds is 0."""
+    if args.profile_seconds <= 0:
+        return None
     perf = shutil.which("perf")
     if perf is None:
         print("\nno sampling profile: perf is not installed (Debian: apt-get install linux-perf)")
@@ -228,6 +302,7 @@ def parse_args(argv=None):
                         help="floating-point operations each probe of a product shape times")
     parser.add_argument("--quick", action="store_true",
                         help="seconds-long run on a tiny call (what the tests run)")
+    parser.add_argument("--out", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.quick:
         args.heads, args.length, args.dim = 2, 256, 64
@@ -251,12 +326,23 @@ def main(argv=None):
           + ", ".join(f"{k} {v}" for k, v in env["block_products"].items()))
     print(f"call: {args.dtype} {'forward' if args.pass_ == 'fwd' else 'forward+backward'}, "
           f"B={args.batch} H={args.heads} L={args.length} D={args.dim}, {args.threads} threads")
-    call = make_call(args)
+    calls = {"call": make_call(args), "sdpa": make_call(args, attention=sdpa)}
+    if args.dtype != "float32":
+        calls["float32"] = make_call(args, dtype=torch.float32)
     rounds = 1 if args.quick else 3
-    seconds = interleaved_median({"call": timer(call, args.threads)}, rounds,
-                                 0.2 if args.quick else 1.0)["call"]
-    product_limit(args, seconds)
-    sampling_profile(args, argv)
+    seconds = interleaved_median({name: timer(call, args.threads) for name, call in calls.items()},
+                                 rounds, 0.2 if args.quick else 1.0)
+    rate = probe_rate(args)
+    products, best = product_limit(args, seconds["call"], rate)
+    found = reach(args, seconds, best)
+    shares = sampling_profile(args, argv)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "cpu_model": env["cpu_model"], "dtype": args.dtype, "pass": args.pass_,
+            "batch": args.batch, "heads": args.heads, "length": args.length, "dim": args.dim,
+            "threads": args.threads, "ms": {name: 1e3 * t for name, t in seconds.items()},
+            "products_ms": 1e3 * products, **found, "profile_shares": shares}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

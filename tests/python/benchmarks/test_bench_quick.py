@@ -190,12 +190,14 @@ def test_the_page_read_probe_sums_the_listed_pages_in_any_order(prefetch_next):
     assert not hasattr(torch.ops.causal_attention, "read_pages")
 
 
-def test_breakdown_quick_reports_both_views():
+def test_breakdown_quick_reports_both_views(tmp_path):
     """`python -m benchmarks.breakdown --quick`: the products' time at their probe rate against
-    the call's, and (where perf is installed) the sampling profile's categories; perf missing is
-    said, not hidden."""
+    the call's, what they allow against SDPA and our float32 (each bound the times it divides),
+    and (where perf is installed) the sampling profile's categories; perf missing is said, not
+    hidden."""
+    out_file = tmp_path / "breakdown.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.breakdown", "--quick"],
+        [sys.executable, "-m", "benchmarks.breakdown", "--quick", "--out", str(out_file)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -211,6 +213,17 @@ def test_breakdown_quick_reports_both_views():
     if "no sampling profile" not in out:
         for category in ("block products (oneDNN JIT)", "softmax pass", "packing and conversion"):
             assert category in out, category
+    assert "against SDPA on the same inputs" in out and "against our float32" in out
+    report = json.loads(out_file.read_text())
+    ms, floor = report["ms"], report["floor_ms"]
+    # The floor takes each product at its operands' best rate, never slower than the kernels'
+    # shapes' (products_ms).
+    assert 0 < floor <= report["products_ms"] * (1 + 1e-9)
+    assert report["sdpa_over_floor"] == pytest.approx(ms["sdpa"] / floor)
+    assert report["float32_over_floor"] == pytest.approx(ms["float32"] / floor)
+    assert report["sdpa_over_rounded_floor"] == pytest.approx(
+        ms["sdpa"] / report["rounded_floor_ms"])
+    assert report["float32_floor_over_floor"] == pytest.approx(report["float32_floor_ms"] / floor)
 
 
 def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
