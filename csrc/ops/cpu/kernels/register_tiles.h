@@ -29,8 +29,11 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // - requesting the current block's value rows into L1 as well, as the scores pass, made the
 //   decode 7 % slower in bfloat16 and 3 % in float32 (2 threads);
 // - each KV head requesting its share of the next block's whole token rows (every head's, in
-//   the order memory holds them) instead of its own rows: no faster (a trial build). The decode
-//   runs as fast as a bare read of its pages with the next page requested in software
+//   the order memory holds them) instead of its own rows: no faster (a trial build);
+// - no requests, the heads' products served in turn every 16 or 4 keys so that the demand reads
+//   pass through the pages in memory order, or pages laid head by head (8 KiB runs a head): the
+//   hardware's prefetchers did not keep up, 1.1-2x slower (trial builds, docs/benchmarks).
+// The decode runs as fast as a bare read of its pages with the next page requested in software
 //   (docs/benchmarks, "float32 and bfloat16 decode at the speed of their software-requested
 //   reads"): these requests, not the arithmetic, bound it in float32 and bfloat16.
 struct StreamAhead {
