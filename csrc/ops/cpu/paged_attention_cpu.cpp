@@ -9,6 +9,7 @@
 #include "kernel_call.h"
 #include "kernels/kernel_api.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -19,10 +20,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace causal_attention::cpu {
 namespace {
@@ -73,10 +76,52 @@ PackedSequences paged_sequences(const detail::PagedCall& call, const at::Tensor&
   return sequences;
 }
 
+// Whether the `count` scales from `first` are all positive and finite: those whose bits, read as
+// an unsigned integer, lie in [1, 0x7F800000) (the sign clear, not zero, the exponent not all
+// ones). Integer compares and no early exit, so that the compiler vectorizes the loop (float
+// compares it kept scalar): a decode checks every scale it reads, B x keys x Hkv of them.
+bool all_positive_finite(const float* first, int64_t count) {
+  constexpr uint32_t kPositiveFinite = 0x7F7FFFFFu;  // the count of positive finite bit patterns
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, first + i, sizeof(bits));
+    bad |= static_cast<uint32_t>(bits - 1u >= kPositiveFinite);
+  }
+  return bad == 0;
+}
+
+// Whether every scale the sequences read is positive and finite, where a page's rows of scales lie
+// side by side ((num_pages, page_size, Hkv) with its last two dims contiguous, as
+// paged_cache_append writes them): each page's read rows checked at once, the sequences split
+// among the threads. Checked serially, element by element, per-token scales made the 8-bit
+// decode about 10 % slower than one scale per tensor (docs/benchmarks, "8-bit KV caches").
+bool read_scales_valid(const at::Tensor& scales, const at::Tensor& table,
+                       const at::Tensor& cache_seqlens, int64_t page_size) {
+  const int64_t heads = scales.size(2), page_stride = scales.stride(0);
+  const int64_t batch = table.size(0), width = table.size(1);
+  const float* data = scales.data_ptr<float>();
+  const int32_t* lengths = cache_seqlens.data_ptr<int32_t>();
+  const int32_t* rows = table.data_ptr<int32_t>();
+  std::vector<uint8_t> valid(batch, 1);
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t key = 0; key < lengths[b]; key += page_size) {
+        const int64_t read_rows = std::min<int64_t>(page_size, lengths[b] - key);
+        const float* page = data + rows[b * width + key / page_size] * page_stride;
+        valid[b] &= all_positive_finite(page, read_rows * heads);
+      }
+    }
+  });
+  return std::all_of(valid.begin(), valid.end(), [](uint8_t v) { return v != 0; });
+}
+
 // The dequantization scale `name` of an 8-bit cache as the kernels read it (kernel_api.h): float32
 // (num_pages, Hkv, page_size), one per tensor expanded along every dim, 1 where not given. Each
 // scale the sequences read (the first cache_seqlens[b] rows of their pages) must be positive and
-// finite: a scale of a page or slot no sequence reads yet is never looked at.
+// finite: a scale of a page or slot no sequence reads yet is never looked at. Where a page's scales
+// lie side by side they are checked at once (read_scales_valid), and read one by one only to name
+// the first bad one.
 at::Tensor kernel_scale(const char* name, const std::optional<at::Tensor>& given,
                         const at::Tensor& cache, const at::Tensor& table,
                         const at::Tensor& cache_seqlens) {
@@ -88,6 +133,10 @@ at::Tensor kernel_scale(const char* name, const std::optional<at::Tensor>& given
     TORCH_CHECK_VALUE(single > 0 && std::isfinite(single), op, ": ", name,
                       " must be positive and finite (in float32), got ", value);
     return at::full({1, 1, 1}, single, at::kFloat).expand({pages, heads, page_size});
+  }
+  if (given->stride(2) == 1 && given->stride(1) == heads &&
+      read_scales_valid(*given, table, cache_seqlens, page_size)) {
+    return given->permute({0, 2, 1});
   }
   const auto scales = given->accessor<float, 3>();
   const int32_t* lengths = cache_seqlens.data_ptr<int32_t>();

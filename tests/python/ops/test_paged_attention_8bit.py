@@ -5,6 +5,8 @@ prefill chunks and mixed packed batches, every score option, GQA and MQA, pages 
 rows; bitwise the same at one and two threads; bad dtypes and scales refused with typed errors
 naming the argument. The quantization is written here in torch, apart from the library's."""
 
+import math
+
 import pytest
 import torch
 
@@ -243,6 +245,42 @@ def test_bad_dtypes_and_scales_are_refused(case):
     changes, error, match = BAD[case]
     with pytest.raises(error, match=match):
         small_call(**changes)
+
+
+def per_token_scales(layout, value=None, slot=None):
+    """small_call's (3, 4, 2) per-token scales, 1 but `value` at `slot`: contiguous, as
+    paged_cache_append writes them (each page's scales checked at once), or a transposed view of
+    (3, 2, 4) storage (checked one by one)."""
+    scales = torch.ones(3, 4, 2) if layout == "contiguous" else torch.ones(3, 2, 4).transpose(1, 2)
+    if slot is not None:
+        scales[slot] = value
+    return scales
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("value", [0.0, -0.0, -1.0, -1e-45, math.nan, math.inf, -math.inf])
+def test_every_read_slot_of_per_token_scales_is_checked(layout, value):
+    """A bad scale in any slot a sequence reads (the 6 keys on pages 0 and 1, both heads) is named
+    exactly, whichever layout the scales have."""
+    for key in range(6):
+        for head in range(2):
+            slot = (key // 4, key % 4, head)
+            match = r"v_scale\[{}\]\[{}\]\[{}\]=".format(*slot)
+            with pytest.raises(ValueError, match=match):
+                small_call(k_scale=per_token_scales(layout),
+                           v_scale=per_token_scales(layout, value, slot))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("value", [1e-45, torch.finfo(torch.float32).tiny,
+                                   torch.finfo(torch.float32).max])
+def test_the_edges_of_the_positive_finite_scales_are_accepted(layout, value):
+    """The smallest subnormal, the smallest normal and the largest float32 are valid scales in
+    every read slot (the zero cache keeps the output finite even at the largest)."""
+    scales = per_token_scales(layout).fill_(value)
+    assert float(scales[0, 0, 0]) > 0
+    out = small_call(k_scale=scales, v_scale=scales)
+    assert torch.isfinite(out).all()
 
 
 def test_a_slot_no_sequence_reads_may_hold_any_scale():
