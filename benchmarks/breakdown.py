@@ -28,11 +28,11 @@ that floor bounds the speed-up over SDPA any call of these products can reach on
 given three times: with the products' operands as the kernels take them (P and dS in float32, the
 accuracy rule of the reduced-precision tests), with every product at the input dtype's rate
 (P and dS rounded, outside that rule), and with P and dS each split into two operands of the
-input dtype (hi and lo, float32-grade: two products for each float32 one, the lead that pays
-only where the input dtype multiplies more than twice as fast). Against our float32 call: its products' floor over this
-call's (the gain at equal efficiency: the rest of both calls, the softmax pass above all, is the
-same float32 work), and its measured time over this call's floor (the gain if this call did
-nothing but its products at their best rate while float32 stayed as it is).
+input dtype (hi and lo, float32-grade: two products for each float32 one, which pays only where
+the input dtype multiplies more than twice as fast). Against our float32 call: its products'
+floor over this call's (the gain at equal efficiency: the rest of both calls, the softmax pass
+above all, is the same float32 work), and its measured time over this call's floor (the gain if
+this call did nothing but its products at their best rate while float32 stayed as it is).
 """
 
 import argparse
@@ -169,12 +169,13 @@ def product_limit(args, call_seconds, rate):
     shapes = (QUICK if args.quick else FULL).limit_shapes
     best = {dtype: max(rate(dtype, *shape) for shape in shapes) for *_, dtype, _ in products}
     rows = []
-    for name, m, n, k, dtype, count in products:
+    for product in products:
+        name, m, n, k, dtype, count = product
         gflops = rate(dtype, m, n, k)
         best[dtype] = max(best[dtype], gflops)
-        seconds = 2 * m * n * k * count * pairs / (gflops * 1e9)
-        rows.append((name, f"{m}x{n}x{k}", dtype, count, gflops, seconds))
-    total = products_seconds(args, products, rate)
+        rows.append((name, f"{m}x{n}x{k}", dtype, count, gflops,
+                     products_seconds(args, [product], rate)))
+    total = sum(row[-1] for row in rows)
     print(f"\nblock products per visible pair ({pairs} pairs), each timed alone at "
           f"{args.threads} threads on cache-resident blocks (% best: of the best rate of its "
           "operands over the shapes " + ", ".join("x".join(map(str, s)) for s in shapes) + "):")
@@ -193,9 +194,11 @@ def reach(args, seconds, best):
     their floors at the `best` rate of each operand dtype: {name: value}, printed."""
     inputs = DTYPES[args.dtype]
 
+    def at_best(operand, *_):
+        return best[operand]
+
     def floor(dtype, operands=None):
-        return products_seconds(args, block_products(args, dtype),
-                                lambda operand, *_: best[operand], operands)
+        return products_seconds(args, block_products(args, dtype), at_best, operands)
 
     lowest, rounded = floor(inputs), floor(inputs, operands=inputs)
     found = {"floor_ms": 1e3 * lowest, "rounded_floor_ms": 1e3 * rounded,
@@ -203,12 +206,10 @@ def reach(args, seconds, best):
              "sdpa_over_rounded_floor": seconds["sdpa"] / rounded}
     if inputs != torch.float32:
         # P and dS each split into two operands of the input dtype (hi, and the residual lo):
-        # float32-grade operands, each float32 product made two of the input dtype. It pays
-        # only where the input dtype's products run at more than twice float32's rate.
-        split = products_seconds(args, [
-            (name, m, n, k, inputs, 2 * count if dtype == torch.float32 else count)
-            for name, m, n, k, dtype, count in block_products(args, inputs)],
-            lambda operand, *_: best[operand])
+        # float32-grade operands, so each product that takes them (float32 today) runs twice at
+        # the input dtype's rate: the rounded floor plus those products once more.
+        takes_p_or_ds = [p for p in block_products(args, inputs) if p[4] == torch.float32]
+        split = rounded + products_seconds(args, takes_p_or_ds, at_best, operands=inputs)
         found["split_floor_ms"] = 1e3 * split
         found["sdpa_over_split_floor"] = seconds["sdpa"] / split
     print(f"\nagainst SDPA on the same inputs: ours {seconds['call'] * 1e3:.2f} ms, SDPA "

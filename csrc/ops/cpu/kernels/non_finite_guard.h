@@ -44,9 +44,9 @@ struct MaskedFactor {
 
 // Whether row[0, n) holds no inf or NaN. For the 16-, 32- and 64-bit float types, from the
 // exponent bits (all ones: inf or NaN) with an integer max and no early exit, which the compiler
-// vectorizes: the guard asks this of every B row of every block pair with masked
-// entries (each diagonal block), where a loop of std::isfinite took a few percent of a forward's
-// time. 8-bit cache rows (rarely guarded: the decode's masked blocks) keep their conversions.
+// vectorizes: the guard asks this of every B row of every block pair with masked entries (each
+// diagonal block), where a loop of std::isfinite took a few percent of a forward's time. 8-bit
+// cache rows (rarely guarded: the decode's masked blocks) keep their conversions.
 template <typename T>
 inline bool all_finite(const T* row, int64_t n) {
   if constexpr (sizeof(T) == 1) {
