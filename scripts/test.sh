@@ -13,7 +13,7 @@ PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_aoti_packages.py" \
   "$CAUSAL_ATTENTION_INTEROP_DIR"
 
 echo "==> ctest"
-(cd "$ROOT/build" && ctest --output-on-failure)
+(cd "$ROOT/build" && ctest --output-on-failure -j2)
 
 echo "==> a C++ program outside the tree, built against the installed package (tests/cpp/consumer)"
 cmake --install "$ROOT/build" --prefix "$ROOT/build/install" >/dev/null
