@@ -7,8 +7,9 @@
 Two views of the same call:
 
 1. **The block-product limit on the kernels' own shapes.** The call's block products, counted
-   per block pair from the kernels' schedule (64 query rows by 128 or 64 keys, the scores
-   summed in chains of 64: csrc/ops/cpu/kernels/schedule.h), each timed alone on cache-resident
+   per block pair from the kernels' schedule (the block shape the kernels choose on this chip,
+   which the op block_shape reports: csrc/ops/cpu/block_shapes.h; the scores summed in chains of
+   64: csrc/ops/cpu/kernels/schedule.h), each timed alone on cache-resident
    blocks of its shape and operand type by the probe library (benchmarks/block_gemm_probe.cpp):
    the products of two inputs (S, dP) in the input dtype ("native" or "widened" products), those
    with P or dS in float32. Their sum is the time the call would take if nothing but its block
@@ -56,10 +57,8 @@ from .timing import interleaved_median, timer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# The kernels' schedule (csrc/ops/cpu/kernels/schedule.h), mirrored: 64 query rows a block, 128
-# keys where 128 float32 key and value rows fit in twice L1d (else 64), scores summed in chains
-# of at most 64 k.
-QUERY_ROWS = 64
+# The kernels' schedule (csrc/ops/cpu/kernels/schedule.h), mirrored: scores summed in chains of
+# at most 64 k.
 SCORE_CHAIN = 64
 # (batch, KV head) items from which the backward takes one task per item (schedule.h,
 # kMinOnePassItems).
@@ -77,20 +76,21 @@ CATEGORIES = (
 )
 
 
-def key_block(head_dim, value_dim):
-    l1d = os.sysconf("SC_LEVEL1_DCACHE_SIZE") if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names else 0
-    l1d = l1d if l1d and l1d > 0 else 32 * 1024
-    return 128 if 128 * (head_dim + value_dim) * 4 <= 2 * l1d else 64
+def block_shape(args, inputs):
+    """(query rows, keys) of the blocks of a call with inputs of dtype `inputs` made now, as the
+    kernels choose them on this chip (csrc/ops/cpu/block_shapes.h)."""
+    return tuple(torch.ops.causal_attention.block_shape(inputs, args.dim, args.dim, args.length))
 
 
 def block_products(args, inputs):
-    """(name, m, n, k, operand dtype, count per visible block pair) of the products of the call
-    with inputs of dtype `inputs`."""
-    d, keys = args.dim, key_block(args.dim, args.dim)
+    """(name, m, n, k, operand dtype, count per visible block pair, visible block pairs) of the
+    products of the call with inputs of dtype `inputs`."""
+    d, (rows, keys) = args.dim, block_shape(args, inputs)
+    pairs = visible_pairs(args, rows, keys)
     chains = -(-d // SCORE_CHAIN)
     chain = min(d, SCORE_CHAIN)
-    forward = [("S = Q K^T", QUERY_ROWS, keys, chain, inputs, chains),
-               ("O += P V", QUERY_ROWS, d, keys, torch.float32, 1)]
+    forward = [("S = Q K^T", rows, keys, chain, inputs, chains, pairs),
+               ("O += P V", rows, d, keys, torch.float32, 1, pairs)]
     if args.pass_ == "fwd":
         return forward
     # The backward: S and dP again (bfloat16/float16 sum the row statistics from them: with
@@ -100,11 +100,11 @@ def block_products(args, inputs):
     two_steps = inputs != torch.float32 and args.batch * args.heads < ONE_PASS_ITEMS
     recompute = 2 if two_steps else 1
     return forward + [
-        ("S = Q K^T (backward)", QUERY_ROWS, keys, chain, inputs, recompute * chains),
-        ("dP = dO V^T (backward)", QUERY_ROWS, keys, chain, inputs, recompute * chains),
-        ("dV += P^T dO", keys, d, QUERY_ROWS, torch.float32, 1),
-        ("dK += dS^T Q", keys, d, QUERY_ROWS, torch.float32, 1),
-        ("dQ += dS K", QUERY_ROWS, d, keys, torch.float32, 1),
+        ("S = Q K^T (backward)", rows, keys, chain, inputs, recompute * chains, pairs),
+        ("dP = dO V^T (backward)", rows, keys, chain, inputs, recompute * chains, pairs),
+        ("dV += P^T dO", keys, d, rows, torch.float32, 1, pairs),
+        ("dK += dS^T Q", keys, d, rows, torch.float32, 1, pairs),
+        ("dQ += dS K", rows, d, keys, torch.float32, 1, pairs),
     ]
 
 
@@ -129,11 +129,11 @@ def make_call(args, attention=causal_attention.attention, dtype=None):
     return call
 
 
-def visible_pairs(args):
-    """The (query block, key block) pairs of the causal triangle the call multiplies."""
-    keys = key_block(args.dim, args.dim)
-    q_blocks = -(-args.length // QUERY_ROWS)
-    pairs_per_head = sum(-(-min(args.length, (i + 1) * QUERY_ROWS) // keys) for i in range(q_blocks))
+def visible_pairs(args, rows, keys):
+    """The (query block, key block) pairs of the causal triangle the call multiplies, with blocks
+    of `rows` query rows and `keys` keys."""
+    q_blocks = -(-args.length // rows)
+    pairs_per_head = sum(-(-min(args.length, (i + 1) * rows) // keys) for i in range(q_blocks))
     return pairs_per_head * args.batch * args.heads
 
 
@@ -154,39 +154,44 @@ def probe_rate(args):
 def products_seconds(args, products, gflops, operands=None):
     """The products' time at gflops(dtype, m, n, k), each with its own operand dtype, or with
     `operands` where given."""
-    pairs = visible_pairs(args)
     return sum(2 * m * n * k * count * pairs / (gflops(operands or dtype, m, n, k) * 1e9)
-               for _, m, n, k, dtype, count in products)
+               for _, m, n, k, dtype, count, pairs in products)
 
 
 def product_limit(args, call_seconds, rate):
     """View 1: each product's probe rate and the call's products' time at those rates. Returns
-    that time and {operand dtype: the best rate the probe found for it}."""
-    pairs = visible_pairs(args)
+    that time, {operand dtype: the best rate the probe found for it} and the block shape with
+    each product's rate."""
     products = block_products(args, DTYPES[args.dtype])
+    (rows, keys), pairs = block_shape(args, DTYPES[args.dtype]), products[0][-1]
     # The best cache-resident rate of each operand type over the benchmark's probe shapes (and
     # the kernels' own): what "% best" holds the kernels' shapes to.
     shapes = (QUICK if args.quick else FULL).limit_shapes
-    best = {dtype: max(rate(dtype, *shape) for shape in shapes) for *_, dtype, _ in products}
-    rows = []
+    best = {dtype: max(rate(dtype, *shape) for shape in shapes)
+            for dtype in {product[4] for product in products}}
+    table = []
     for product in products:
-        name, m, n, k, dtype, count = product
+        name, m, n, k, dtype, count, _ = product
         gflops = rate(dtype, m, n, k)
         best[dtype] = max(best[dtype], gflops)
-        rows.append((name, f"{m}x{n}x{k}", dtype, count, gflops,
+        table.append((name, f"{m}x{n}x{k}", dtype, count, gflops,
                      products_seconds(args, [product], rate)))
-    total = sum(row[-1] for row in rows)
-    print(f"\nblock products per visible pair ({pairs} pairs), each timed alone at "
+    total = sum(row[-1] for row in table)
+    print(f"\nblocks of {rows} query rows by {keys} keys, as the kernels choose them on this chip; "
+          f"block products per visible pair ({pairs} pairs), each timed alone at "
           f"{args.threads} threads on cache-resident blocks (% best: of the best rate of its "
           "operands over the shapes " + ", ".join("x".join(map(str, s)) for s in shapes) + "):")
     print(f"  {'product':26s} {'m x n x k':>12s} {'operands':>9s} {'x':>3s} {'GFLOP/s':>8s} "
           f"{'% best':>6s} {'ms':>8s}")
-    for name, shape, dtype, count, gflops, seconds in rows:
+    for name, shape, dtype, count, gflops, seconds in table:
         print(f"  {name:26s} {shape:>12s} {str(dtype).replace('torch.', ''):>9s} {count:3d} "
               f"{gflops:8.1f} {100 * gflops / best[dtype]:6.0f} {seconds * 1e3:8.2f}")
     print(f"  block products at their probe rate: {total * 1e3:.2f} ms of the call's "
           f"{call_seconds * 1e3:.2f} ms ({100 * total / call_seconds:.0f} %)")
-    return total, best
+    return total, best, {"query_rows": rows, "keys": keys,
+                         "products": [{"name": name, "shape": shape, "gflops": gflops,
+                                       "percent_of_best": 100 * gflops / best[dtype]}
+                                      for name, shape, dtype, _, gflops, _ in table]}
 
 
 def reach(args, seconds, best):
@@ -349,7 +354,7 @@ def main(argv=None):
     seconds = interleaved_median({name: timer(call, args.threads) for name, call in calls.items()},
                                  rounds, 0.2 if args.quick else 1.0)
     rate = probe_rate(args)
-    products, best = product_limit(args, seconds["call"], rate)
+    products, best, shape = product_limit(args, seconds["call"], rate)
     found = reach(args, seconds, best)
     shares = sampling_profile(args, argv)
     if args.out is not None:
@@ -358,7 +363,7 @@ def main(argv=None):
             "cpu_model": env["cpu_model"], "dtype": args.dtype, "pass": args.pass_,
             "batch": args.batch, "heads": args.heads, "length": args.length, "dim": args.dim,
             "threads": args.threads, "ms": {name: 1e3 * t for name, t in seconds.items()},
-            "products_ms": 1e3 * products, **found, "profile_shares": shares}, indent=1) + "\n")
+            "products_ms": 1e3 * products, "block_shape": shape, **found, "profile_shares": shares}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

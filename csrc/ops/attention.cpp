@@ -3,12 +3,15 @@
 // attention_forward took them). The public C++ API and the dispatcher calls are api.cpp.
 #include "checks.h"
 #include "cpu/block_gemm.h"
+#include "cpu/block_shapes.h"
 #include "schema_adapters.h"
 
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace causal_attention {
 namespace {
@@ -130,6 +133,15 @@ TORCH_LIBRARY(causal_attention, m) {
   // (cpu/block_gemm.h).
   m.def("block_products(ScalarType dtype) -> str",
         [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
+  // The block shape (query rows, keys) of a call of this dtype made now with these head and
+  // value dims and keys (cpu/block_shapes.h), as its kernels take it.
+  m.def("block_shape(ScalarType dtype, int head_dim, int value_dim, int len_k) -> int[]",
+        [](c10::ScalarType dtype, int64_t head_dim, int64_t value_dim, int64_t len_k) {
+          const cpu::BlockSizes blocks =
+              cpu::block_sizes(head_dim, value_dim, len_k,
+                               cpu::native_products_now(dtype) ? dtype : at::toOpMathType(dtype));
+          return std::vector<int64_t>{blocks.query_rows, blocks.keys};
+        });
 
   m.impl("varlen_attention_forward", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd,
                                                      TORCH_FN(packed_forward_alias)));

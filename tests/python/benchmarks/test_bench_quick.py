@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import causal_attention  # noqa: F401  (the ops: block_shape)
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -215,6 +217,11 @@ def test_breakdown_quick_reports_both_views(tmp_path):
             assert category in out, category
     assert "against SDPA on the same inputs" in out and "against our float32" in out
     report = json.loads(out_file.read_text())
+    # The shape it prices is the one the kernels take (the quick call: bfloat16, D 64, L 256).
+    rows, keys = torch.ops.causal_attention.block_shape(torch.bfloat16, 64, 64, 256)
+    assert (report["block_shape"]["query_rows"], report["block_shape"]["keys"]) == (rows, keys)
+    assert f"blocks of {rows} query rows by {keys} keys" in out
+    assert f"{rows}x{keys}x64" in out  # S = Q K^T, in chains of 64
     ms, floor = report["ms"], report["floor_ms"]
     # The floor takes each product at its operands' best rate, never slower than the kernels'
     # shapes' (products_ms).

@@ -49,8 +49,7 @@ class BackwardKernel {
   explicit BackwardKernel(const BackwardTensors& t)
       : statistics_(t),
         dsinks_(t.dsinks),
-        pair_(t, block_sizes(t.q.size(3), t.v.size(3)), statistics_.delta(),
-              statistics_.normalizers()),
+        pair_(t, statistics_.delta(), statistics_.normalizers()),
         dq_(t.dq, pair_.dims.cu_q),
         dk_(t.dk, pair_.dims.cu_k),
         dv_(t.dv, pair_.dims.cu_k),

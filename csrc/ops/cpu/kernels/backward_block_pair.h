@@ -96,10 +96,9 @@ class BlockPairGradients {
 
   // delta: one value per query row; normalizers: one factor per query row that P is scaled by
   // (backward_row_statistics.h).
-  BlockPairGradients(const BackwardTensors& t, const BlockSizes& blocks, const acc_t* delta,
-                     const acc_t* normalizers)
+  BlockPairGradients(const BackwardTensors& t, const acc_t* delta, const acc_t* normalizers)
       : dims(t),
-        blocks(blocks),
+        blocks(block_sizes<gemm_t>(dims)),
         q(t.q, dims.cu_q),
         k(t.k, dims.cu_k),
         v(t.v, dims.cu_k),

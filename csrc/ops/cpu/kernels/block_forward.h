@@ -39,7 +39,7 @@ class BlockForward {
                const KeyRows& v, const OutputRows<scalar_t, acc_t>& output,
                const ScoreModifiers<acc_t>& modifiers)
       : dims_(d),
-        blocks_(block_sizes(dims_.head_dim, dims_.value_dim)),
+        blocks_(block_sizes<gemm_t>(dims_)),
         tile_rows_(forward_tile_rows(dims_, blocks_)),
         q_(q),
         k_(k),

@@ -1,10 +1,12 @@
-// The schedule: block sizes, how work is cut into tasks, key splits, and the causal load
-// balance. Every choice here depends on the shapes and the CPU only, never on the thread count,
-// and each output element is summed by one task in a fixed order: results are bitwise identical
-// at any thread count, with no atomics and no scratch indexed by thread number.
+// The schedule: the block shape a kernel takes (chosen in ../block_shapes.h), how work is cut
+// into tasks, key splits, and the causal load balance. Every choice here depends on the shapes and
+// the CPU only, never on the thread count, and each output element is summed by one task in a fixed
+// order: results are bitwise identical at any thread count, with no atomics and no scratch indexed
+// by thread number.
 #pragma once
 
 #include "../block_gemm.h"
+#include "../block_shapes.h"
 #include "geometry.h"
 
 #include <ATen/Parallel.h>
@@ -18,26 +20,11 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-// Rows of queries and keys per block. Longer key blocks amortize the softmax's per-block work
-// (the row max, the correction of the running output) over more keys, but the micro-kernel
-// slows down once the operands of one product outgrow L1: measured on Zen 3 (32 KiB L1d), a
-// 64 x 128 x 128 float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64. So
-// a key block holds 128 keys where its float32 K and V rows fit in twice L1d, else 64.
-struct BlockSizes {
-  int64_t query_rows;
-  int64_t keys;
-};
-
-// The size of a CPU cache as the OS reports it (sysconf name), or `fallback` where it does not.
-inline int64_t cache_bytes(int name, int64_t fallback) {
-  const long reported = sysconf(name);
-  return reported > 0 ? int64_t(reported) : fallback;
-}
-
-inline BlockSizes block_sizes(int64_t head_dim, int64_t value_dim) {
-  static const int64_t l1d_bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32 * 1024);
-  const int64_t bytes_of_128_keys = 128 * (head_dim + value_dim) * int64_t(sizeof(float));
-  return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
+// The block shape of a kernel whose products of two inputs take gemm_t (block_shapes.h).
+template <typename gemm_t>
+BlockSizes block_sizes(const AttentionDims& d) {
+  return cpu::block_sizes(d.head_dim, d.value_dim, d.len_k,
+                          c10::CppTypeToScalarType<gemm_t>::value);
 }
 
 // Query rows of a forward task: several query blocks, which take each key block in turn while

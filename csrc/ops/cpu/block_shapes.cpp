@@ -1,0 +1,100 @@
+#include "block_shapes.h"
+
+#include <ATen/cpu/Utils.h>
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+namespace causal_attention::cpu {
+
+int64_t cache_bytes(int name, int64_t fallback) {
+  const long reported = sysconf(name);
+  return reported > 0 ? int64_t(reported) : fallback;
+}
+
+namespace {
+
+constexpr int64_t kShapeStep = 16;
+constexpr int64_t kLargestShape = 1024;
+
+// CAUSAL_ATTENTION_BLOCK_SHAPE, read once per process: the shape every call takes, or none for
+// "auto" (or unset).
+std::optional<BlockSizes> shape_from_environment() {
+  static const std::optional<BlockSizes> shape = []() -> std::optional<BlockSizes> {
+    const char* value = std::getenv("CAUSAL_ATTENTION_BLOCK_SHAPE");
+    const std::string choice = value == nullptr ? "" : value;
+    if (choice.empty() || choice == "auto") {
+      return std::nullopt;
+    }
+    const auto valid = [](int64_t n) {
+      return n >= kShapeStep && n <= kLargestShape && n % kShapeStep == 0;
+    };
+    const size_t by = choice.find('x');
+    char* end = nullptr;
+    BlockSizes forced{0, 0};
+    if (by != std::string::npos) {
+      forced.query_rows = std::strtoll(choice.c_str(), &end, 10);
+      const bool rows_read = end == choice.c_str() + by;
+      forced.keys = std::strtoll(choice.c_str() + by + 1, &end, 10);
+      if (rows_read && *end == '\0' && valid(forced.query_rows) && valid(forced.keys)) {
+        return forced;
+      }
+    }
+    TORCH_CHECK_VALUE(false,
+                      "CAUSAL_ATTENTION_BLOCK_SHAPE must be \"auto\" or \"QxK\" (query rows x "
+                      "keys, each a multiple of ",
+                      kShapeStep, " from ", kShapeStep, " to ", kLargestShape, "), got \"", choice,
+                      "\"");
+  }();
+  return shape;
+}
+
+// Whether the chip multiplies `products` on AMX tiles: bfloat16 where it has amx_bf16 (native
+// products of bfloat16 are oneDNN's, which takes the tiles where the chip has them).
+bool products_on_tiles(at::ScalarType products) {
+  static const bool amx_bf16 = [] {
+    const auto capabilities = at::cpu::get_cpu_capabilities();
+    const auto found = capabilities.find("amx_bf16");
+    return found != capabilities.end() && found->second.isBool() && found->second.toBool();
+  }();
+  return products == at::kBFloat16 && amx_bf16;
+}
+
+}  // namespace
+
+// Longer key blocks amortize the softmax's per-block work (the row max, the correction of the
+// running output) over more keys, but a product slows down once its operands outgrow the cache it
+// runs from:
+//   - products on vector units (float32, avx512_bf16, widened): 64 query rows by 128 keys where
+//     the block's float32 K and V rows fit in twice L1d, else 64. Measured on Zen 3 (32 KiB L1d),
+//     a 64 x 128 x 128 float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64.
+//   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
+//     (benchmarks.breakdown's probe on the AMX Xeon, unordered by size within its drift), so the
+//     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
+//     (bfloat16) and V (float32, for P V) rows fit in a quarter of L2 and there are keys enough
+//     (1024) for blocks this long to waste little on the causal diagonal. Measured on the AMX Xeon
+//     (2 MiB L2) at L 1024-4096, calls of both shapes interleaved in one process, against the
+//     vector-unit shapes: forward 0.88-1.38x as fast (median 1.11), forward+backward 1.00-1.20x
+//     (median 1.11); at L 128-512 longer blocks gained nothing.
+BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
+                       at::ScalarType products) {
+  if (const auto forced = shape_from_environment()) {
+    return *forced;
+  }
+  static const int64_t l1d_bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32 * 1024);
+  static const int64_t l2_bytes = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 512 * 1024);
+  constexpr int64_t kTileKeys = 256;
+  const int64_t tile_block_bytes =
+      kTileKeys * (head_dim * int64_t(sizeof(c10::BFloat16)) + value_dim * int64_t(sizeof(float)));
+  if (products_on_tiles(products) && len_k >= 4 * kTileKeys && tile_block_bytes <= l2_bytes / 4) {
+    return {128, kTileKeys};
+  }
+  const int64_t bytes_of_128_keys = 128 * (head_dim + value_dim) * int64_t(sizeof(float));
+  return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
+}
+
+}  // namespace causal_attention::cpu

@@ -1,0 +1,32 @@
+// The shape of the kernels' block pairs: query rows and keys per block, chosen per chip from its
+// caches and the instruction set its block products run on. Only the shapes depend on the chip:
+// every block pair is computed the same way whatever its shape, and no choice depends on the
+// thread count, so results stay bitwise identical at any thread count (a chip choosing other
+// shapes sums its online softmax over other key blocks, within the same accuracy).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace causal_attention::cpu {
+
+struct BlockSizes {
+  int64_t query_rows;
+  int64_t keys;
+};
+
+// The size of a CPU cache as the OS reports it (a sysconf name such as _SC_LEVEL2_CACHE_SIZE), or
+// `fallback` where it does not.
+int64_t cache_bytes(int name, int64_t fallback);
+
+// The block shape of a call whose products of two inputs (S = Q K^T, dP = dO V^T) take
+// `products` (the input dtype where they are native, else float32 or float64: block_gemm.h), with
+// head and value dims as given and keys up to `len_k` (the longest sequence's). The environment
+// variable CAUSAL_ATTENTION_BLOCK_SHAPE, read once per process, is "auto" (the default: the rule
+// in block_shapes.cpp) or "QxK", query rows and keys each a multiple of 16 from 16 to 1024, which
+// every call then takes: it lets a chip run, and its tests check, the shapes another chip
+// chooses.
+BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k, at::ScalarType products);
+
+}  // namespace causal_attention::cpu

@@ -1,0 +1,168 @@
+"""The kernels' block shapes (csrc/ops/cpu/block_shapes.h): the rule the op block_shape reports,
+the kernels taking the shape it reports, and the kernels right at the shapes other chips choose.
+
+A chip picks its block shape from its caches and from where its block products run (longer
+blocks where bfloat16 multiplies on AMX tiles), so a shape one chip never picks would go untested
+there. ``CAUSAL_ATTENTION_BLOCK_SHAPE=QxK`` makes every call of a process take one shape (it is
+read once, at a process's first call): each test here runs fresh interpreters under it, and the
+last one runs the suites that cover the block path once more under shapes this chip may not
+choose, the AMX Xeon's among them, on every chip."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import causal_attention
+from attention_testing.subprocesses import run_python
+
+PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1]
+SHAPE_VARIABLE = "CAUSAL_ATTENTION_BLOCK_SHAPE"
+
+
+def _cpu_flags():
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_bytes(name, fallback):
+    """The cache size glibc's sysconf reports, as the library reads it (Python's os.sysconf does
+    not know the cache names; getconf asks the same sysconf)."""
+    reported = subprocess.run(["getconf", name], capture_output=True, text=True).stdout.strip()
+    return int(reported) if reported.isdigit() and int(reported) > 0 else fallback
+
+
+def _expected_shape(dtype, head_dim, value_dim, len_k):
+    """The rule of block_shapes.cpp, written out: 128 x 256 where bfloat16 products are native
+    on AMX tiles, the keys are at least 1024 and such a key block's K (bfloat16) and V (float32)
+    rows fit in a quarter of L2; else 64 query rows by 128 keys where 128 float32 K and V rows
+    fit in twice L1d, or 64."""
+    native = torch.ops.causal_attention.block_products(dtype) == "native"
+    l1d = _cache_bytes("LEVEL1_DCACHE_SIZE", 32 * 1024)
+    l2 = _cache_bytes("LEVEL2_CACHE_SIZE", 512 * 1024)
+    if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and len_k >= 1024
+            and 256 * (2 * head_dim + 4 * value_dim) <= l2 // 4):
+        return [128, 256]
+    return [64, 128 if 128 * (head_dim + value_dim) * 4 <= 2 * l1d else 64]
+
+
+@pytest.mark.skipif(os.environ.get(SHAPE_VARIABLE, "auto") not in ("", "auto"),
+                    reason=f"{SHAPE_VARIABLE} forces one shape in this process")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_block_shape_follows_the_chip(dtype):
+    for head_dim, value_dim in ((64, 64), (128, 128), (128, 64), (256, 256), (512, 512)):
+        for len_k in (100, 1023, 1024, 8192):
+            got = torch.ops.causal_attention.block_shape(dtype, head_dim, value_dim, len_k)
+            want = _expected_shape(dtype, head_dim, value_dim, len_k)
+            assert got == want, (dtype, head_dim, value_dim, len_k)
+
+
+# Computes out, dq, dk, dv of a float32 and a bfloat16 call long enough for the AMX rule
+# (L 1100 >= 1024 keys, several blocks of any shape), with a window, softcap and GQA, and saves
+# them with the shape each call took.
+RESULTS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import causal_attention
+
+    torch.manual_seed(0)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 4, 1100, 64).to(dtype).requires_grad_()
+        k, v = (torch.randn(1, 2, 1100, 64).to(dtype).requires_grad_() for _ in range(2))
+        grad_out = torch.randn(1, 4, 1100, 64).to(dtype)
+        out = causal_attention.attention(q, k, v, window=(700, 0), softcap=20.0)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, 1100)
+        results[str(dtype)] = {"shape": "x".join(map(str, shape)),
+                               "tensors": [out.detach(), *grads]}
+    torch.save(results, sys.argv[1] if len(sys.argv) > 1 else "results.pt")
+    """
+)
+
+
+def _results_under(shape, path, monkeypatch):
+    monkeypatch.setenv(SHAPE_VARIABLE, shape)
+    result = run_python(RESULTS_SCRIPT.replace('"results.pt"', repr(str(path))), PACKAGE_PARENT,
+                        timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(path)
+
+
+def _all_equal(a, b):
+    """Whether every tensor of a is b's, element for element (none holds NaN)."""
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_kernels_take_the_shape_the_op_reports(tmp_path, monkeypatch):
+    """The results of a call under the chip's own choice are bitwise those of the same call
+    forced to the shape block_shape reports, and not those of another shape (a different key
+    blocking sums the online softmax in another order: this is what makes the check bite)."""
+    chosen = _results_under("auto", tmp_path / "auto.pt", monkeypatch)
+    for shape in sorted({entry["shape"] for entry in chosen.values()}):
+        forced = _results_under(shape, tmp_path / f"{shape}.pt", monkeypatch)
+        for dtype, entry in chosen.items():
+            if entry["shape"] == shape:
+                assert forced[dtype]["shape"] == shape
+                assert _all_equal(entry["tensors"], forced[dtype]["tensors"]), (dtype, shape)
+    other = _results_under("16x48", tmp_path / "other.pt", monkeypatch)
+    for dtype, entry in chosen.items():
+        assert other[dtype]["shape"] == "16x48"
+        assert not _all_equal(entry["tensors"], other[dtype]["tensors"]), dtype
+
+
+@pytest.mark.parametrize("value", ["33x48", "64", "64x2048"])
+def test_a_bad_shape_is_a_value_error_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv(SHAPE_VARIABLE, value)
+    result = run_python(textwrap.dedent(
+        """
+        import torch
+        import causal_attention
+        q = torch.randn(1, 1, 100, 8)
+        try:
+            causal_attention.attention(q, q, q)
+        except ValueError as error:
+            print("VALUE_ERROR", error)
+        """), PACKAGE_PARENT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VALUE_ERROR" in result.stdout and SHAPE_VARIABLE in result.stdout, result.stdout
+    assert f'got "{value}"' in result.stdout, result.stdout
+
+
+# Suites run again under a forced shape: the AMX Xeon's (128 x 256) under the suites with long
+# sequences (against SDPA up to 1600 keys, bfloat16/float16 against SDPA's error on the grid's
+# L 1024), and one far smaller than any chip's (16 x 48: many blocks, rows and keys unequal, at
+# the small sizes the option suites use) under those that reach every path of the block kernels:
+# score options, packed sequences, key masks, dropout, both backward schedules, float64 gradcheck.
+# About 70 s in all on 2 cores.
+SUITES_UNDER_SHAPE = {
+    "128x256": ("test_against_sdpa.py", "test_reduced_precision.py"),
+    "16x48": ("test_score_options.py", "test_varlen.py", "test_key_mask.py", "test_dropout.py",
+              "test_backward_schedules.py", "test_gradcheck.py"),
+}
+
+
+@pytest.mark.skipif(os.environ.get(SHAPE_VARIABLE, "auto") not in ("", "auto"),
+                    reason=f"{SHAPE_VARIABLE} forces one shape in this process already")
+@pytest.mark.parametrize("shape", list(SUITES_UNDER_SHAPE))
+def test_block_path_suites_pass_under_other_shapes(shape, monkeypatch):
+    monkeypatch.setenv(SHAPE_VARIABLE, shape)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         *(str(TESTS / "ops" / suite) for suite in SUITES_UNDER_SHAPE[shape])],
+        cwd=TESTS, capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
