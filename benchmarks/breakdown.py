@@ -163,7 +163,7 @@ def product_limit(args, call_seconds, rate):
     that time, {operand dtype: the best rate the probe found for it} and the block shape with
     each product's rate."""
     products = block_products(args, DTYPES[args.dtype])
-    (rows, keys), pairs = block_shape(args, DTYPES[args.dtype]), products[0][-1]
+    _, rows, keys, *_, pairs = products[0]  # S = Q K^T: query rows x keys of the block shape
     # The best cache-resident rate of each operand type over the benchmark's probe shapes (and
     # the kernels' own): what "% best" holds the kernels' shapes to.
     shapes = (QUICK if args.quick else FULL).limit_shapes

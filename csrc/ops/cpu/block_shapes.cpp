@@ -77,9 +77,10 @@ bool products_on_tiles(at::ScalarType products) {
 //     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
 //     (bfloat16) and V (float32, for P V) rows fit in a quarter of L2 and there are keys enough
 //     (1024) for blocks this long to waste little on the causal diagonal. Measured on the AMX Xeon
-//     (2 MiB L2) at L 1024-4096, calls of both shapes interleaved in one process, against the
-//     vector-unit shapes: forward 0.88-1.38x as fast (median 1.11), forward+backward 1.00-1.20x
-//     (median 1.11); at L 128-512 longer blocks gained nothing.
+//     (2 MiB L2), bfloat16 grid at L 1024-4096 against the vector-unit shapes forced back with
+//     CAUSAL_ATTENTION_BLOCK_SHAPE (docs/benchmarks/README.md): forward 0.95-1.34x as fast
+//     (median 1.13), forward+backward 0.97-1.50x (median 1.10); at L 128-512 longer blocks gained
+//     nothing.
 BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
                        at::ScalarType products) {
   if (const auto forced = shape_from_environment()) {

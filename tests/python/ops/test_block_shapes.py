@@ -68,10 +68,9 @@ def test_block_shape_follows_the_chip(dtype):
 
 # Computes out, dq, dk, dv of a float32 and a bfloat16 call long enough for the AMX rule
 # (L 1100 >= 1024 keys, several blocks of any shape), with a window, softcap and GQA, and saves
-# them with the shape each call took.
+# them with the shape each call took, at RESULTS_PATH.
 RESULTS_SCRIPT = textwrap.dedent(
     """
-    import sys
     import torch
     import causal_attention
 
@@ -86,14 +85,14 @@ RESULTS_SCRIPT = textwrap.dedent(
         shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, 1100)
         results[str(dtype)] = {"shape": "x".join(map(str, shape)),
                                "tensors": [out.detach(), *grads]}
-    torch.save(results, sys.argv[1] if len(sys.argv) > 1 else "results.pt")
+    torch.save(results, RESULTS_PATH)
     """
 )
 
 
 def _results_under(shape, path, monkeypatch):
     monkeypatch.setenv(SHAPE_VARIABLE, shape)
-    result = run_python(RESULTS_SCRIPT.replace('"results.pt"', repr(str(path))), PACKAGE_PARENT,
+    result = run_python(RESULTS_SCRIPT.replace("RESULTS_PATH", repr(str(path))), PACKAGE_PARENT,
                         timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return torch.load(path)
