@@ -116,17 +116,19 @@ run_ctest() {
 }
 
 run_python_subset() {
-  # -P and the check below: the tests must import the sanitized copy, not the repo's package.
-  (cd "$ROOT" && CAUSAL_ATTENTION_FUZZ_SCALE=0.25 sanitized_python -P - "${PYTHON_TESTS[@]}" <<EOF
+  # -P and the check below: the tests must import the sanitized copy, not the repo's package
+  # (pyproject.toml's pytest pythonpath puts the repo first). Two shards at once (setup_env.sh).
+  local run_pytest="
 import sys
 import causal_attention
 import pytest
 
-if not causal_attention.__file__.startswith("$PACKAGE/"):
-    sys.exit(f"imported {causal_attention.__file__}, not the sanitized package in $PACKAGE")
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
-EOF
-  )
+if not causal_attention.__file__.startswith('$PACKAGE/'):
+    sys.exit(f'imported {causal_attention.__file__}, not the sanitized package in $PACKAGE')
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *sys.argv[1:]]))
+"
+  (cd "$ROOT" && CAUSAL_ATTENTION_FUZZ_SCALE=0.25 pytest_in_shards sanitized_python -P -c \
+    "$run_pytest" "${PYTHON_TESTS[@]}")
 }
 
 step "build (ASan + UBSan) in $BUILD" configure_and_build

@@ -24,9 +24,14 @@ fi
 cmake --build "$ROOT/build/consumer"
 "$ROOT/build/consumer/consumer"
 
-echo "==> pytest"
 cd "$ROOT"
-"$PY" -m pytest -q "$@"
+if [ $# -eq 0 ]; then
+  echo "==> pytest, the whole suite as two shards at once"
+  pytest_in_shards "$PY" -m pytest -q
+else
+  echo "==> pytest $*"
+  "$PY" -m pytest -q "$@"
+fi
 
 # The bfloat16/float16 tests once more on the block products other chips take
 # (csrc/ops/cpu/block_gemm.h), where this chip multiplies them natively (avx512_bf16, AMX): with
@@ -45,7 +50,7 @@ print(" ".join(d for d in ("bfloat16", "float16")
       (cd "$ROOT/build" && ONEDNN_MAX_CPU_ISA=$isa ctest --output-on-failure -R BlockGemm)
     done
     echo "==> bfloat16/float16 tests with ONEDNN_MAX_CPU_ISA=AVX2 (native here: $native)"
-    ONEDNN_MAX_CPU_ISA=AVX2 "$PY" -m pytest -q tests/python/ops tests/python/integrations \
-      -k "bf16 or f16" -p no:cacheprovider
+    ONEDNN_MAX_CPU_ISA=AVX2 pytest_in_shards "$PY" -m pytest -q tests/python/ops \
+      tests/python/integrations -k "bf16 or f16" -p no:cacheprovider
   fi
 fi

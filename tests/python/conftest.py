@@ -1,11 +1,36 @@
-"""Fixtures shared by the causal_attention Python tests.
+"""Fixtures shared by the causal_attention Python tests, and the shards of a run.
 
-Time budget: CI (.ci/run on a fresh clone) stays under 25 minutes, this suite about 6 of them. A
-test that takes over 30 s on the CI machine (``pytest --durations=40`` shows them) says why in its
-docstring; tests that only repeat an input at a larger size are cut instead."""
+Time budget: CI (.ci/run on a fresh clone) stays under 25 minutes, this suite about 5 of them
+(run as two shards at once by scripts/test.sh). A test that takes over 30 s on the CI machine
+(``pytest --durations=40`` shows them) says why in its docstring; tests that only repeat an input
+at a larger size are cut instead."""
+
+import os
 
 import pytest
 import torch
+
+SHARD_VARIABLE = "CAUSAL_ATTENTION_TEST_SHARD"
+
+
+def pytest_collection_modifyitems(config, items):
+    """With CAUSAL_ATTENTION_TEST_SHARD="i/n", runs the collected tests i, i + n, i + 2n, ...:
+    shard i of n. scripts/setup_env.sh's pytest_in_shards runs the shards of a run at once, one
+    process each, so that both cores work (most tests keep one core busy with Python). Taking
+    every n-th test splits each file, the slow ones too, about evenly."""
+    shard = os.environ.get(SHARD_VARIABLE)
+    if not shard:
+        return
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+    except ValueError:
+        index = count = -1
+    if not 0 <= index < count:
+        raise pytest.UsageError(f'{SHARD_VARIABLE} must be "i/n" with 0 <= i < n, got "{shard}"')
+    kept, deselected = items[index::count], [
+        item for position, item in enumerate(items) if position % count != index]
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = kept
 
 
 @pytest.fixture(autouse=True)

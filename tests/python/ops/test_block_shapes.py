@@ -158,6 +158,9 @@ SUITES_UNDER_SHAPE = {
 @pytest.mark.parametrize("shape", list(SUITES_UNDER_SHAPE))
 def test_block_path_suites_pass_under_other_shapes(shape, monkeypatch):
     monkeypatch.setenv(SHAPE_VARIABLE, shape)
+    # The whole selection runs in the subprocess, whichever shard of a run this test is in
+    # (tests/python/conftest.py).
+    monkeypatch.delenv("CAUSAL_ATTENTION_TEST_SHARD", raising=False)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])))
     suites, selection = SUITES_UNDER_SHAPE[shape]
