@@ -8,8 +8,8 @@ setup_everything
 
 cd "$ROOT"
 for attention in causal_attention sdpa; do
-  echo "==> training with --attention $attention"
+  banner "training with --attention $attention"
   "$PY" -m training.train --attention "$attention" --out "runs/$attention" "$@"
 done
-echo "==> comparison"
+banner "comparison"
 "$PY" -m training.compare_runs runs/causal_attention runs/sdpa --plot runs/loss_curves.png

@@ -66,7 +66,7 @@ status=0
 step() {  # step NAME COMMAND...: runs a step, records its outcome for the summary
   local name="$1"
   shift
-  echo "==> $name"
+  banner "$name"
   local t0=$SECONDS
   if "$@"; then
     SUMMARY+=("ok      $name ($((SECONDS - t0)) s)")
@@ -146,15 +146,15 @@ for log in "$REPORTS"/*; do
   [ -e "$log" ] || continue
   if grep -qE "ERROR: AddressSanitizer|runtime error:|CHECK failed|SUMMARY: .*Sanitizer" "$log"; then
     reports+=("$log")
-    echo "==> sanitizer report $log"
+    banner "sanitizer report $log"
   else
-    echo "==> sanitizer warnings (not errors) $log"
+    banner "sanitizer warnings (not errors) $log"
   fi
   cat "$log"
 done
 
 echo
-echo "==> sanitize.sh summary ($((SECONDS - started)) s)"
+banner "sanitize.sh summary ($((SECONDS - started)) s)"
 printf '    %s\n' "${SUMMARY[@]}"
 echo "    sanitizer reports: ${#reports[@]}"
 if [ "${#reports[@]}" -ne 0 ]; then

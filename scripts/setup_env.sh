@@ -11,6 +11,12 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+# banner TEXT: a step's heading, with the time of day, so that a log (CI's) tells how long each
+# step took.
+banner() {
+  echo "==> $* [$(date +%T)]"
+}
+
 ensure_system_packages() {
   local missing=()
   command -v g++ >/dev/null || missing+=(g++)
@@ -19,7 +25,7 @@ ensure_system_packages() {
   [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -eq 0 ]; then
-    echo "==> installing system packages: ${missing[*]}"
+    banner "installing system packages: ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
@@ -34,7 +40,7 @@ ensure_python() {
     PY="$VIRTUAL_ENV/bin/python"
   else
     if [ ! -x "$ROOT/.venv/bin/python" ]; then
-      echo "==> creating $ROOT/.venv"
+      banner "creating $ROOT/.venv"
       python3 -m venv "$ROOT/.venv"
     fi
     PY="$ROOT/.venv/bin/python"
@@ -43,13 +49,13 @@ ensure_python() {
   missing="$(unsatisfied --build)"
   if [ -n "$missing" ]; then
     mapfile -t missing <<<"$missing"
-    echo "==> installing what the build needs: ${missing[*]}"
+    banner "installing what the build needs: ${missing[*]}"
     "$PY" -m pip install -q "${missing[@]}"
   fi
   # --no-build-isolation: the library is compiled against the torch just checked, the one it is
   # loaded into; the exact torch pin then keeps pip from replacing it.
   if [ -n "$(unsatisfied)" ]; then
-    echo "==> pip install --no-build-isolation -e '.[test]' (builds the library in build/)"
+    banner "pip install --no-build-isolation -e '.[test]' (builds the library in build/)"
     "$PY" -m pip install -q --no-build-isolation -e "$ROOT[test]"
   fi
   export PY
@@ -100,7 +106,7 @@ torch_cmake_prefix() {
 configure() {
   local preset="$1"
   shift
-  echo "==> configuring (preset $preset)"
+  banner "configuring (preset $preset)"
   (cd "$ROOT" && cmake --preset "$preset" -DCMAKE_PREFIX_PATH="$(torch_cmake_prefix)" "$@" >/dev/null)
 }
 
@@ -110,7 +116,7 @@ build() {
     ! grep -q "CAUSAL_ATTENTION_BUILD_BENCH_PROBE:BOOL=ON" "$cache"; then
     configure tests
   fi
-  echo "==> building"
+  banner "building"
   cmake --build "$ROOT/build"
 }
 
@@ -128,7 +134,7 @@ pytest_in_shards() {
   second=$!
   OMP_WAIT_POLICY=PASSIVE CAUSAL_ATTENTION_TEST_SHARD=0/2 "$@" || status=1
   wait "$second" || status=1
-  echo "==> the second shard"
+  banner "the second shard"
   cat "$log"
   rm -f "$log"
   return "$status"

@@ -5,17 +5,17 @@
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 setup_everything
 
-echo "==> exporting the TorchScript model and compiling the AOTInductor packages the C++ tests load"
+banner "exporting the TorchScript model and compiling the AOTInductor packages the C++ tests load"
 export CAUSAL_ATTENTION_INTEROP_DIR="$ROOT/build/interop"
 PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_torchscript_model.py" \
   "$CAUSAL_ATTENTION_INTEROP_DIR"
 PYTHONPATH="$ROOT" "$PY" "$ROOT/tests/fixtures/export_aoti_packages.py" \
   "$CAUSAL_ATTENTION_INTEROP_DIR"
 
-echo "==> ctest"
+banner "ctest"
 (cd "$ROOT/build" && ctest --output-on-failure -j2)
 
-echo "==> a C++ program outside the tree, built against the installed package (tests/cpp/consumer)"
+banner "a C++ program outside the tree, built against the installed package (tests/cpp/consumer)"
 cmake --install "$ROOT/build" --prefix "$ROOT/build/install" >/dev/null
 if [ ! -f "$ROOT/build/consumer/CMakeCache.txt" ]; then
   cmake -S "$ROOT/tests/cpp/consumer" -B "$ROOT/build/consumer" -G Ninja \
@@ -26,10 +26,10 @@ cmake --build "$ROOT/build/consumer"
 
 cd "$ROOT"
 if [ $# -eq 0 ]; then
-  echo "==> pytest, the whole suite as two shards at once"
+  banner "pytest, the whole suite as two shards at once"
   pytest_in_shards "$PY" -m pytest -q
 else
-  echo "==> pytest $*"
+  banner "pytest $*"
   "$PY" -m pytest -q "$@"
 fi
 
@@ -46,10 +46,10 @@ print(" ".join(d for d in ("bfloat16", "float16")
                if torch.ops.causal_attention.block_products(getattr(torch, d)) == "native"))')"
   if [ -n "$native" ]; then
     for isa in AVX512_CORE_VNNI AVX2; do
-      echo "==> block products with ONEDNN_MAX_CPU_ISA=$isa"
+      banner "block products with ONEDNN_MAX_CPU_ISA=$isa"
       (cd "$ROOT/build" && ONEDNN_MAX_CPU_ISA=$isa ctest --output-on-failure -R BlockGemm)
     done
-    echo "==> bfloat16/float16 tests with ONEDNN_MAX_CPU_ISA=AVX2 (native here: $native)"
+    banner "bfloat16/float16 tests with ONEDNN_MAX_CPU_ISA=AVX2 (native here: $native)"
     ONEDNN_MAX_CPU_ISA=AVX2 pytest_in_shards "$PY" -m pytest -q tests/python/ops \
       tests/python/integrations -k "bf16 or f16" -p no:cacheprovider
   fi
