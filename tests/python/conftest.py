@@ -14,10 +14,13 @@ SHARD_VARIABLE = "CAUSAL_ATTENTION_TEST_SHARD"
 
 
 def pytest_collection_modifyitems(config, items):
-    """With CAUSAL_ATTENTION_TEST_SHARD="i/n", runs the collected tests i, i + n, i + 2n, ...:
-    shard i of n. scripts/setup_env.sh's pytest_in_shards runs the shards of a run at once, one
-    process each, so that both cores work (most tests keep one core busy with Python). Taking
-    every n-th test splits each file, the slow ones too, about evenly."""
+    """With CAUSAL_ATTENTION_TEST_SHARD="i/n", runs shard i of n: the collected tests whose
+    place in the sorted test ids is i, i + n, i + 2n, ..., in their usual order.
+    scripts/setup_env.sh's pytest_in_shards runs the shards of a run at once, one process each,
+    so that both cores work (most tests keep one core busy with Python). Every n-th test splits
+    each file, the slow ones too, about evenly; sorted ids, not the order of collection, decide,
+    so that the shards stay complementary even where two processes collect in different orders
+    (a parametrization drawn from a set of strings follows each process's hash seed)."""
     shard = os.environ.get(SHARD_VARIABLE)
     if not shard:
         return
@@ -27,9 +30,10 @@ def pytest_collection_modifyitems(config, items):
         index = count = -1
     if not 0 <= index < count:
         raise pytest.UsageError(f'{SHARD_VARIABLE} must be "i/n" with 0 <= i < n, got "{shard}"')
-    kept, deselected = items[index::count], [
-        item for position, item in enumerate(items) if position % count != index]
-    config.hook.pytest_deselected(items=deselected)
+    place = {test_id: i for i, test_id in enumerate(sorted(item.nodeid for item in items))}
+    kept = [item for item in items if place[item.nodeid] % count == index]
+    config.hook.pytest_deselected(
+        items=[item for item in items if place[item.nodeid] % count != index])
     items[:] = kept
 
 
