@@ -123,8 +123,8 @@ build() {
 # pytest_in_shards COMMAND...: runs COMMAND, a pytest run, as two processes at once, each on half
 # of the tests it collects (CAUSAL_ATTENTION_TEST_SHARD, tests/python/conftest.py); fails if
 # either fails. Most tests are small calls that keep one core busy with Python, so one process
-# leaves the second core idle: the whole suite took 297 s as two shards against ~545 s as one
-# process (Intel Xeon, 2 cores). OMP_WAIT_POLICY=PASSIVE: OpenMP's idle workers sleep instead of
+# leaves the second core idle: the whole suite took 282-364 s as two shards against ~545 s as
+# one process (Intel Xeon with AMX, 2 cores). OMP_WAIT_POLICY=PASSIVE: OpenMP's idle workers sleep instead of
 # spinning on the core the other shard needs. The first shard prints as it runs, the second's
 # output follows when both are done.
 pytest_in_shards() {

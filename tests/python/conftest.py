@@ -31,10 +31,11 @@ def pytest_collection_modifyitems(config, items):
     if not 0 <= index < count:
         raise pytest.UsageError(f'{SHARD_VARIABLE} must be "i/n" with 0 <= i < n, got "{shard}"')
     place = {test_id: i for i, test_id in enumerate(sorted(item.nodeid for item in items))}
-    kept = [item for item in items if place[item.nodeid] % count == index]
-    config.hook.pytest_deselected(
-        items=[item for item in items if place[item.nodeid] % count != index])
-    items[:] = kept
+    shards = {True: [], False: []}  # in this shard or not
+    for item in items:
+        shards[place[item.nodeid] % count == index].append(item)
+    config.hook.pytest_deselected(items=shards[False])
+    items[:] = shards[True]
 
 
 @pytest.fixture(autouse=True)

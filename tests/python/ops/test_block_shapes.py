@@ -20,6 +20,7 @@ import torch
 
 import causal_attention
 from attention_testing.subprocesses import run_python
+from conftest import SHARD_VARIABLE
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def test_block_path_suites_pass_under_other_shapes(shape, monkeypatch):
     monkeypatch.setenv(SHAPE_VARIABLE, shape)
     # The whole selection runs in the subprocess, whichever shard of a run this test is in
     # (tests/python/conftest.py).
-    monkeypatch.delenv("CAUSAL_ATTENTION_TEST_SHARD", raising=False)
+    monkeypatch.delenv(SHARD_VARIABLE, raising=False)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])))
     suites, selection = SUITES_UNDER_SHAPE[shape]
