@@ -116,9 +116,10 @@ inline at::Tensor expand_kv_heads(const at::Tensor& kv, int64_t heads_q) {
 }
 
 // logsumexp over visible keys of scale * q k^T, computed naively in float64: max + log of the
-// sum of exp(x - max), row by row with std::exp and std::log. Not at::logsumexp: right after our
-// op ran on two threads, its first float64 call in a process is off by ~9e-10 in about 4 % of
-// processes (Intel Xeon with AMX, torch 2.13; none after SDPA or a one-thread call of ours).
+// sum of exp(x - max), row by row with std::exp and std::log. Not at::logsumexp: torch's
+// elementwise exp goes through MKL's vector math, whose first call in a process, started on two
+// threads at once (a pool our op had warmed), was off by ~1e-9 in a few % of processes (torch
+// 2.13, Intel Xeon with AMX; torch alone shows it: tests/python/conftest.py).
 inline at::Tensor naive_lse(const at::Tensor& q, const at::Tensor& k, double scale) {
   const at::Tensor q64 = q.to(at::kDouble);
   const at::Tensor k64 = expand_kv_heads(k.to(at::kDouble), q.dim() >= 3 ? q.size(-3) : 1);
