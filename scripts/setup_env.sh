@@ -121,11 +121,12 @@ build() {
 }
 
 # pytest_in_shards COMMAND...: runs COMMAND, a pytest run, as two processes at once, each on half
-# of the tests it collects (CAUSAL_ATTENTION_TEST_SHARD, tests/python/conftest.py); fails if
-# either fails. Most tests are small calls that keep one core busy with Python, so one process
-# leaves the second core idle: the whole suite took 282-364 s as two shards against ~545 s as
-# one process (Intel Xeon with AMX, 2 cores). OMP_WAIT_POLICY=PASSIVE: OpenMP's idle workers sleep instead of
-# spinning on the core the other shard needs. The first shard prints as it runs, the second's
+# of the tests it collects (CAUSAL_ATTENTION_TEST_SHARD, tests/python/attention_testing/
+# shards.py); fails if either fails. Most tests are small calls that keep one core busy with
+# Python, so one process leaves the second core idle: the whole suite took 245-364 s as two
+# shards (the slower one, fresh-clone CI runs of 2026-12-05) against ~545 s as one process
+# (Intel Xeon with AMX, 2 cores). OMP_WAIT_POLICY=PASSIVE: OpenMP's idle workers sleep instead
+# of spinning on the core the other shard needs. The first shard prints as it runs, the second's
 # output follows when both are done.
 pytest_in_shards() {
   local log status=0 second

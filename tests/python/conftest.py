@@ -9,8 +9,7 @@ import os
 
 import pytest
 import torch
-
-SHARD_VARIABLE = "CAUSAL_ATTENTION_TEST_SHARD"
+from attention_testing.shards import SHARD_VARIABLE, parse_shard, shard_ids
 
 
 def pytest_sessionstart(session):
@@ -34,28 +33,17 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """With CAUSAL_ATTENTION_TEST_SHARD="i/n", runs shard i of n: the collected tests whose
-    place in the sorted test ids is i, i + n, i + 2n, ..., in their usual order.
-    scripts/setup_env.sh's pytest_in_shards runs the shards of a run at once, one process each,
-    so that both cores work (most tests keep one core busy with Python). Every n-th test splits
-    each file, the slow ones too, about evenly; sorted ids, not the order of collection, decide,
-    so that the shards stay complementary even where two processes collect in different orders
-    (a parametrization drawn from a set of strings follows each process's hash seed)."""
-    shard = os.environ.get(SHARD_VARIABLE)
-    if not shard:
+    """With CAUSAL_ATTENTION_TEST_SHARD="i/n", runs shard i of n (attention_testing/shards.py)."""
+    spec = os.environ.get(SHARD_VARIABLE)
+    if not spec:
         return
     try:
-        index, count = (int(part) for part in shard.split("/"))
-    except ValueError:
-        index = count = -1
-    if not 0 <= index < count:
-        raise pytest.UsageError(f'{SHARD_VARIABLE} must be "i/n" with 0 <= i < n, got "{shard}"')
-    place = {test_id: i for i, test_id in enumerate(sorted(item.nodeid for item in items))}
-    shards = {True: [], False: []}  # in this shard or not
-    for item in items:
-        shards[place[item.nodeid] % count == index].append(item)
-    config.hook.pytest_deselected(items=shards[False])
-    items[:] = shards[True]
+        index, count = parse_shard(spec)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    kept = shard_ids((item.nodeid for item in items), index, count)
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in kept])
+    items[:] = [item for item in items if item.nodeid in kept]
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import causal_attention
+from attention_testing.shards import SHARD_VARIABLE
 from attention_testing.subprocesses import run_python
-from conftest import SHARD_VARIABLE
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parents[1]
