@@ -18,6 +18,7 @@
 #include "split_combine.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
 
 #include <type_traits>
 #include <vector>
@@ -29,7 +30,15 @@ class BlockForward {
   using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;
   using ValuePack = Packing<acc_t>;
-  using Packed = PackedKeyValues<scalar_t, gemm_t, ValueOperand::kRows, KeyRows>;
+  // bfloat16 inputs multiply P V with P as (hi, lo) pairs (operands.h): natively one bfloat16
+  // product against V's value pairs, widened P = hi + lo against V in float32. A tensor's own
+  // rows only: a paged cache's V (packed run by run) and an 8-bit cache's (widened with its
+  // scales, not bfloat16 values) keep P in float32.
+  static constexpr bool kSplitsProbabilities =
+      std::is_same_v<scalar_t, c10::BFloat16> && KeyRows::kOneRun && !KeyRows::kWidens;
+  static constexpr bool kValuePairs = kSplitsProbabilities && std::is_same_v<gemm_t, scalar_t>;
+  using Packed = PackedKeyValues<scalar_t, gemm_t,
+                                 kValuePairs ? ValueOperand::kPairs : ValueOperand::kRows, KeyRows>;
   // The value rows the non-finite guard reads: V's own where they lie at one stride, else their
   // packed copy (widened: a non-finite value stays so).
   using value_row_t = std::conditional_t<KeyRows::kOneRun, scalar_t, acc_t>;
@@ -88,6 +97,10 @@ class BlockForward {
     std::vector<gemm_t> q_tile;
     std::vector<acc_t> v_tile, scores;
     std::vector<acc_t> partial;  // one chain's scores (multiply_in_chains)
+    // P as (hi, lo) pairs (kValuePairs; at::empty, as a vector's zeros cost a short call a tenth
+    // of its time), and the value pairs of a block the guard cleaned (sized when one is).
+    at::Tensor probability_pairs;
+    std::vector<gemm_t> value_pairs;
     // The keys of the current block each row of a query block sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     std::vector<MaskRow<acc_t>> mask_rows;  // and the attn_mask row of each, where it is read
@@ -98,6 +111,8 @@ class BlockForward {
           v_tile(blocks.keys * d.value_dim),
           scores(blocks.query_rows * blocks.keys),
           partial(blocks.query_rows * blocks.keys),
+          probability_pairs(at::empty({kValuePairs ? blocks.query_rows * blocks.keys * 2 : 0},
+                                      c10::CppTypeToScalarType<gemm_t>::value)),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           mask_rows(blocks.query_rows),
@@ -178,29 +193,56 @@ class BlockForward {
   }
 
   // O += P V_j, with P in s.scores (float32 for every input dtype, V widened to it:
-  // backward_block_pair.h says why); V_j is the packed block unless the guard cleaned it.
+  // backward_block_pair.h says why; bfloat16's as (hi, lo) pairs, kSplitsProbabilities); V_j is
+  // the packed block unless the guard cleaned it.
   void accumulate_values(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, const BlockMasks& masks, const Packed& packed, acc_t* out,
                          Scratch& s) const {
-    const Operand<acc_t> p{s.scores.data(), cols};
-    Operand<value_row_t> v_rows;
-    if constexpr (KeyRows::kOneRun) {
-      v_rows = {v_.row(b, h_kv, k0), v_.row_stride};
+    const bool has_masked_entries = dims_.has_masked_entries(b, q0, rows, k0, cols, masks);
+    const MaskedFactor<acc_t> factor{
+        s.scores.data(),      cols,       s.first_visible.data(),
+        s.visible.data(),
+        /*transposed=*/false, masks.kept, masks.attn_mask ? s.mask_rows.data() : nullptr};
+    if constexpr (kValuePairs) {
+      gemm_t* pairs = s.probability_pairs.template data_ptr<gemm_t>();
+      split_into_pairs(s.scores.data(), rows * cols, pairs);
+      const Operand<gemm_t> p_pairs{pairs, 2 * cols};
+      const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
+      s.v_guard.multiply_add_by(
+          has_masked_entries, rows, dims_.value_dim, cols, factor, v_rows,
+          [&](Operand<scalar_t> source) {
+            Operand<gemm_t> v_pairs;
+            if (source.data == v_rows.data) {
+              v_pairs = packed.value_pairs(b, h_kv, k0);
+            } else {
+              s.value_pairs.resize(cols * dims_.value_dim * 2);
+              v_pairs = Pack::b_value_pairs(source.data, cols, dims_.value_dim, source.ld,
+                                            s.value_pairs.data());
+            }
+            multiply(rows, dims_.value_dim, 2 * cols, p_pairs, v_pairs, out, dims_.value_dim,
+                     /*accumulate=*/true);
+          },
+          out, dims_.value_dim);
     } else {
-      v_rows = packed.values(b, h_kv, k0);
-    }
-    const auto pack_values = [&](Operand<value_row_t> source) {
-      if (source.data == v_rows.data) {
-        return packed.values(b, h_kv, k0);
+      if constexpr (kSplitsProbabilities) {
+        round_to_pairs(s.scores.data(), rows * cols);
       }
-      return ValuePack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
-    };
-    s.v_guard.multiply_add(dims_.has_masked_entries(b, q0, rows, k0, cols, masks), rows,
-                           dims_.value_dim, cols, p,
-                           MaskedFactor<acc_t>{s.scores.data(), cols, s.first_visible.data(),
-                                               s.visible.data(), /*transposed=*/false, masks.kept,
-                                               masks.attn_mask ? s.mask_rows.data() : nullptr},
-                           v_rows, pack_values, out, dims_.value_dim);
+      const Operand<acc_t> p{s.scores.data(), cols};
+      Operand<value_row_t> v_rows;
+      if constexpr (KeyRows::kOneRun) {
+        v_rows = {v_.row(b, h_kv, k0), v_.row_stride};
+      } else {
+        v_rows = packed.values(b, h_kv, k0);
+      }
+      const auto pack_values = [&](Operand<value_row_t> source) {
+        if (source.data == v_rows.data) {
+          return packed.values(b, h_kv, k0);
+        }
+        return ValuePack::b(source.data, cols, dims_.value_dim, source.ld, s.v_tile.data());
+      };
+      s.v_guard.multiply_add(has_masked_entries, rows, dims_.value_dim, cols, p, factor, v_rows,
+                             pack_values, out, dims_.value_dim);
+    }
   }
 
   const AttentionDims dims_;

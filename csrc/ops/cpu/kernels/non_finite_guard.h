@@ -80,8 +80,21 @@ class NonFiniteRowGuard {
   void multiply_add(bool has_masked_entries, int64_t M, int64_t N, int64_t K, Operand<gemm_t> a,
                     const MaskedFactor<acc_t>& factor, Operand<scalar_t> b_rows,
                     const PackB& pack_b, acc_t* c, int64_t ldc) {
-    const Operand<scalar_t> source = prepare(has_masked_entries, b_rows, K, N);
-    multiply(M, N, K, a, pack_b(source), c, ldc, /*accumulate=*/true);
+    multiply_add_by(
+        has_masked_entries, M, N, K, factor, b_rows,
+        [&](Operand<scalar_t> source) {
+          multiply(M, N, K, a, pack_b(source), c, ldc, /*accumulate=*/true);
+        },
+        c, ldc);
+  }
+
+  // As multiply_add, with the product c += A B(source rows) made by multiply_by(source rows):
+  // for operands whose reduction is not B's K rows one to one (P's (hi, lo) pairs, operands.h).
+  template <typename acc_t, typename MultiplyBy>
+  void multiply_add_by(bool has_masked_entries, int64_t M, int64_t N, int64_t K,
+                       const MaskedFactor<acc_t>& factor, Operand<scalar_t> b_rows,
+                       const MultiplyBy& multiply_by, acc_t* c, int64_t ldc) {
+    multiply_by(prepare(has_masked_entries, b_rows, K, N));
     add_back(M, N, factor, b_rows, c, ldc);
   }
 

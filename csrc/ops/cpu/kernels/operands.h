@@ -138,6 +138,23 @@ struct Packing {
     }
   }
 
+  // B = the k x n rows of src (leading dim ld), each value as a whole VNNI pair (v, v): the
+  // operand that multiplies the (hi, lo) pairs of split_into_pairs, pair i of each column being
+  // row i of src twice, so that the product sums hi v + lo v over the k rows.
+  static Operand<gemm_t> b_value_pairs(const gemm_t* src, int64_t k, int64_t n, int64_t ld,
+                                       gemm_t* scratch) {
+    static_assert(kVnni, "value pairs are VNNI operands");
+    for (int64_t i = 0; i < k; ++i) {
+      const gemm_t* row = src + i * ld;
+      gemm_t* pairs = scratch + i * n * 2;
+      for (int64_t j = 0; j < n; ++j) {
+        const uint32_t word = uint32_t(row[j].x) * 0x10001u;  // the value in both halves
+        std::memcpy(pairs + 2 * j, &word, sizeof(word));
+      }
+    }
+    return {scratch, n};
+  }
+
   // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K. The operand
   // has leading dim ld_b (n where not given): a block packed from several runs of rows takes
   // each run's columns at b_columns_from of the same operand.
@@ -207,6 +224,61 @@ struct Packing {
     }
   }
 };
+
+// A float32 probability p in [0, 1] as two bfloat16 values: hi = p rounded to nearest even, and
+// lo = p - hi (exact in float32) rounded likewise. hi + lo carries 16 of p's 24 significant bits
+// (a relative error below 2^-16, against bfloat16's 2^-8 for p alone), and their products with a
+// bfloat16 value are exact in float32: O += P V as one bfloat16 product with A's pairs (hi, lo)
+// against V's (v, v) (Packing::b_value_pairs) keeps float32-grade P at the speed of the chip's
+// bfloat16 products (the split issue 38 names: on AMX tiles a bfloat16 product with twice the
+// reduction takes 0.7-0.85 of the float32 one's time).
+struct ProbabilityPair {
+  uint16_t hi, lo;  // bfloat16 bits
+  float value() const { return widen(hi) + widen(lo); }
+
+  explicit ProbabilityPair(float p) {
+    const uint32_t hi_bits = rounded(bits_of(p));
+    hi = uint16_t(hi_bits >> 16);
+    lo = uint16_t(rounded(bits_of(p - float_of(hi_bits))) >> 16);
+  }
+
+ private:
+  static uint32_t bits_of(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return bits;
+  }
+  static float float_of(uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+  }
+  // To nearest, ties to even, as float32 bits whose low half is zero (finite values only).
+  static uint32_t rounded(uint32_t bits) {
+    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  }
+  static float widen(uint16_t half) { return float_of(uint32_t(half) << 16); }
+};
+
+// pairs[2 c], pairs[2 c + 1] = the (hi, lo) of p[c], for c < n. Each pair is stored as one
+// 32-bit word (hi in its low half: little-endian x86), which the compiler vectorizes without the
+// permutes that two 16-bit stores cost.
+inline void split_into_pairs(const float* p, int64_t n, c10::BFloat16* pairs) {
+  for (int64_t c = 0; c < n; ++c) {
+    const ProbabilityPair pair(p[c]);
+    const uint32_t word = uint32_t(pair.hi) | uint32_t(pair.lo) << 16;
+    std::memcpy(pairs + 2 * c, &word, sizeof(word));
+  }
+}
+
+// p[c] = hi + lo of p[c], for c < n: the probabilities the pairs carry, multiplied in float32
+// where the chip has no native bfloat16 products (the same values, up to the order of the
+// float32 sums: hi + lo is exact in float32).
+inline void round_to_pairs(float* p, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    p[c] = ProbabilityPair(p[c]).value();
+  }
+}
 
 // C[M, N] (= or +=) A[M, K] * B[K, N], K padded as the operands were.
 template <typename gemm_t, typename acc_t>

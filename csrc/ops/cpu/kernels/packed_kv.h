@@ -1,7 +1,8 @@
 // K and V packed once per call for the block products: K_j^T (the B operand of S = Q_i K_j^T,
 // multiplied as gemm_t) and V_j, as the forward needs it (ValueOperand::kRows: the B operand of
 // O += P V_j, the value rows widened to the accumulation dtype where they are not in it;
-// backward_block_pair.h says why) or as the backward does (kTransposed: V_j^T, the B operand of
+// backward_block_pair.h says why; kPairs: bfloat16 rows as the value pairs that multiply P's
+// (hi, lo) pairs, operands.h) or as the backward does (kTransposed: V_j^T, the B operand of
 // dP = dO_i V_j^T, as gemm_t). Every query block and every query head of the GQA group then
 // reuses the block packed for its (batch, KV head), instead of repacking it per pair. The copy
 // has the size of K and V, O(L) memory, and is freed with the call. K and V rows come from
@@ -25,7 +26,7 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-enum class ValueOperand { kRows, kTransposed };
+enum class ValueOperand { kRows, kPairs, kTransposed };
 
 template <typename scalar_t, typename gemm_t, ValueOperand kValues = ValueOperand::kRows,
           typename KeyRows = HeadRows<const scalar_t>>
@@ -34,12 +35,17 @@ class PackedKeyValues {
   using Pack = Packing<gemm_t>;
   using ValuePack = Packing<acc_t>;
   static constexpr bool kTransposedValues = kValues == ValueOperand::kTransposed;
-  using value_t = std::conditional_t<kTransposedValues, gemm_t, acc_t>;
+  static constexpr bool kValuePairs = kValues == ValueOperand::kPairs;
+  static_assert(!kValuePairs || (std::is_same_v<scalar_t, gemm_t> && Pack::kVnni &&
+                                 KeyRows::kOneRun && !KeyRows::kWidens),
+                "value pairs are packed from a tensor's own bfloat16/float16 rows");
+  using value_t = std::conditional_t<kTransposedValues || kValuePairs, gemm_t, acc_t>;
 
  public:
   // Value rows are read in place only where they need no conversion and lie at one stride.
-  static constexpr bool kPacksValues =
-      kTransposedValues || ValuePack::template b_is_packed<scalar_t>() || !KeyRows::kOneRun;
+  static constexpr bool kPacksValues = kTransposedValues || kValuePairs ||
+                                       ValuePack::template b_is_packed<scalar_t>() ||
+                                       !KeyRows::kOneRun;
 
   // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
   // causally (the first blocks_of(b) of them), for every (batch, KV head); blocks the key mask
@@ -51,6 +57,7 @@ class PackedKeyValues {
         key_slot_(Pack::padded_k(d.head_dim) * key_block),
         value_slot_(!kPacksValues       ? 0
                     : kTransposedValues ? Pack::padded_k(d.value_dim) * key_block
+                    : kValuePairs       ? key_block * d.value_dim * 2
                                         : key_block * d.value_dim),
         first_block_(d.batch + 1, 0) {
     for (int64_t b = 0; b < d.batch; ++b) {
@@ -81,6 +88,9 @@ class PackedKeyValues {
           pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + slot * key_slot_);
           if constexpr (kTransposedValues) {
             pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_);
+          } else if constexpr (kValuePairs) {
+            Pack::b_value_pairs(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
+                                values + slot * value_slot_);
           } else if constexpr (kPacksValues) {
             for (int64_t r = 0; r < cols; ++r) {  // widened row by row, each where it lies
               convert_row(v.row(b, h_kv, k0 + r), values + slot * value_slot_ + r * d.value_dim,
@@ -109,10 +119,20 @@ class PackedKeyValues {
         k0 - start);
   }
 
+  // The value pairs of V_j from key k0 of its block (kPairs), the B operand of O += P V_j with
+  // P as (hi, lo) pairs.
+  Operand<gemm_t> value_pairs(int64_t b, int64_t h_kv, int64_t k0) const {
+    static_assert(kValuePairs, "value_pairs() is the operand of split probabilities");
+    const int64_t start = block_start(k0);
+    return {values_.data_ptr<gemm_t>() + slot(b, h_kv, start) * value_slot_ +
+                (k0 - start) * dims_.value_dim * 2,
+            dims_.value_dim};
+  }
+
   // The rows of V_j from key k0 of its block as the B operand of O += P V_j (kRows): packed, or
   // the value rows themselves.
   Operand<acc_t> values(int64_t b, int64_t h_kv, int64_t k0) const {
-    static_assert(!kTransposedValues, "values() is the forward's operand");
+    static_assert(kValues == ValueOperand::kRows, "values() is the forward's operand");
     if constexpr (kPacksValues) {
       const int64_t start = block_start(k0);
       return {values_.data_ptr<acc_t>() + slot(b, h_kv, start) * value_slot_ +
