@@ -9,9 +9,10 @@
 // Operands, the same on every CPU: S and dP multiply two inputs (Q, dO by K_j^T, V_j^T) in their
 // own dtype, with the products of gemm_t (for bfloat16/float16 native or widened, block_gemm.h).
 // The three gradient products multiply P or dS, kept in float32, by dO, Q or K widened to float32
-// (the bfloat16 forward's O += P V_j takes P as (hi, lo) bfloat16 pairs instead, operands.h). Rounding P and dS to bfloat16 for native products would add
-// an error as large as the final rounding of the results: measured, dq, dk and dv up to 3x the
-// error of SDPA's math path (which computes in float32) and out above SDPA's flash kernel's.
+// (the bfloat16 forward's O += P V_j takes P as (hi, lo) bfloat16 pairs instead, operands.h).
+// Rounding P and dS to bfloat16 for native products would add an error as large as the final
+// rounding of the results: measured, dq, dk and dv up to 3x the error of SDPA's math path (which
+// computes in float32) and out above SDPA's flash kernel's.
 #pragma once
 
 #include "attn_mask_view.h"
