@@ -95,8 +95,8 @@ class BlockForward {
  private:
   struct Scratch {
     std::vector<gemm_t> q_tile;
-    std::vector<acc_t> v_tile, scores;
-    std::vector<acc_t> partial;  // one chain's scores (multiply_in_chains)
+    std::vector<acc_t> v_tile, scores;  // v_tile: a block the guard cleaned (not kValuePairs)
+    std::vector<acc_t> partial;         // one chain's scores (multiply_in_chains)
     // P as (hi, lo) pairs (kValuePairs; at::empty, as a vector's zeros cost a short call a tenth
     // of its time), and the value pairs of a block the guard cleaned (sized when one is).
     at::Tensor probability_pairs;
@@ -108,7 +108,7 @@ class BlockForward {
     RowState<acc_t> state;  // every row of the tile
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile_rows)
         : q_tile(Pack::scratch_size(tile_rows, d.head_dim)),
-          v_tile(blocks.keys * d.value_dim),
+          v_tile(kValuePairs ? 0 : blocks.keys * d.value_dim),
           scores(blocks.query_rows * blocks.keys),
           partial(blocks.query_rows * blocks.keys),
           probability_pairs(at::empty({kValuePairs ? blocks.query_rows * blocks.keys * 2 : 0},

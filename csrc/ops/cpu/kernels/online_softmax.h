@@ -138,9 +138,9 @@ struct RowState {
     // Once a row's max has settled, most blocks leave it unchanged: e^0 = 1 exactly, without
     // the scalar exp (one a row and block, a few percent of a forward's time). A row's first
     // visible block has nothing to rescale: e^-inf = 0, and its sum and O are still zeros.
-    const bool first_visible = old_max == -std::numeric_limits<acc_t>::infinity();
+    const bool first_visible_block = old_max == -std::numeric_limits<acc_t>::infinity();
     const acc_t correction =
-        new_max == old_max || first_visible ? acc_t(1) : std::exp(old_max - new_max);
+        new_max == old_max || first_visible_block ? acc_t(1) : std::exp(old_max - new_max);
     sum[r] = sum[r] * correction + exp_and_sum(scores, range.begin, range.end, cols, new_max);
     max[r] = new_max;
     if (scoring.dropout) {

@@ -233,31 +233,12 @@ struct Packing {
 // bfloat16 products (the split issue 38 names: on AMX tiles a bfloat16 product with twice the
 // reduction takes 0.7-0.85 of the float32 one's time).
 struct ProbabilityPair {
-  uint16_t hi, lo;  // bfloat16 bits
-  float value() const { return widen(hi) + widen(lo); }
+  uint16_t hi, lo;  // bfloat16 bits, rounded as c10::BFloat16 rounds
+  float value() const { return c10::detail::f32_from_bits(hi) + c10::detail::f32_from_bits(lo); }
 
-  explicit ProbabilityPair(float p) {
-    const uint32_t hi_bits = rounded(bits_of(p));
-    hi = uint16_t(hi_bits >> 16);
-    lo = uint16_t(rounded(bits_of(p - float_of(hi_bits))) >> 16);
-  }
-
- private:
-  static uint32_t bits_of(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof(bits));
-    return bits;
-  }
-  static float float_of(uint32_t bits) {
-    float x;
-    std::memcpy(&x, &bits, sizeof(x));
-    return x;
-  }
-  // To nearest, ties to even, as float32 bits whose low half is zero (finite values only).
-  static uint32_t rounded(uint32_t bits) {
-    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  }
-  static float widen(uint16_t half) { return float_of(uint32_t(half) << 16); }
+  explicit ProbabilityPair(float p)
+      : hi(c10::detail::round_to_nearest_even(p)),
+        lo(c10::detail::round_to_nearest_even(p - c10::detail::f32_from_bits(hi))) {}
 };
 
 // pairs[2 c], pairs[2 c + 1] = the (hi, lo) of p[c], for c < n. Each pair is stored as one
