@@ -129,6 +129,39 @@ def test_bfloat16_probabilities_keep_float32_grade(onednn):
     assert missed < 0.001, f"{products} products: {missed:.2%} missed"
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["default-products", "widened"])
+def test_bfloat16_gradients_keep_float32_grade(onednn):
+    """The backward's dV += P^T dO, dK += dS^T Q and dQ += dS K take P and dS as (hi, lo) bfloat16
+    pairs (as the forward's P V). With values and output gradients of mean 3, rounding P and dS
+    to bfloat16 alone would make about 40 % of dq, 30 % of dk and 2.5 % of dv miss the correctly
+    rounded float64 gradients (a float64 emulation of it); SDPA's kernel misses 16-75 %; ours,
+    with float32-grade P and dS, well under 1 %."""
+    torch.manual_seed(0)
+    shape = (1, 4, 1024, 64)
+    q, k = (torch.randn(shape).bfloat16() for _ in range(2))
+    v, grad_out = ((torch.randn(shape) + 3).bfloat16() for _ in range(2))
+    inputs = (q, k, v)
+    rounded_exact = [
+        g.bfloat16()
+        for g in forward_and_grads(_sdpa_causal, tuple(map(to64, inputs)), to64(grad_out))[1:]
+    ]
+    enabled = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = onednn
+        products = _products(torch.bfloat16)
+        ours = forward_and_grads(causal_attention.attention, inputs, grad_out)[1:]
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+    sdpa = forward_and_grads(_sdpa_causal, inputs, grad_out)[1:]
+    for name, got, theirs, want, most in zip(
+        RESULT_NAMES[1:], ours, sdpa, rounded_exact, (0.01, 0.01, 0.001)
+    ):
+        missed = (got != want).double().mean().item()
+        missed_by_sdpa = (theirs != want).double().mean().item()
+        assert missed_by_sdpa > 0.1, f"{name}: the measure no longer tells bfloat16 apart"
+        assert missed < most, f"{products} products, {name}: {missed:.3%} missed"
+
+
 SCRIPT = """
 import sys
 import torch

@@ -8,11 +8,13 @@
 //
 // Operands, the same on every CPU: S and dP multiply two inputs (Q, dO by K_j^T, V_j^T) in their
 // own dtype, with the products of gemm_t (for bfloat16/float16 native or widened, block_gemm.h).
-// The three gradient products multiply P or dS, kept in float32, by dO, Q or K widened to float32
-// (the bfloat16 forward's O += P V_j takes P as (hi, lo) bfloat16 pairs instead, operands.h).
-// Rounding P and dS to bfloat16 for native products would add an error as large as the final
-// rounding of the results: measured, dq, dk and dv up to 3x the error of SDPA's math path (which
-// computes in float32) and out above SDPA's flash kernel's.
+// The three gradient products multiply P or dS, kept in float32, by dO, Q or K: for bfloat16 with
+// P and dS as (hi, lo) bfloat16 pairs (operands.h, as the forward's O += P V_j), one native
+// bfloat16 product against the rows' value pairs, or where products are widened P and dS = hi +
+// lo against the rows widened to float32; for float16, float32 and float64 in float32 (float64),
+// the rows widened. Rounding P and dS to bfloat16 alone for native products would add an error as
+// large as the final rounding of the results: measured, dq, dk and dv up to 3x the error of SDPA's
+// math path (which computes in float32) and out above SDPA's flash kernel's.
 #pragma once
 
 #include "attn_mask_view.h"
@@ -27,10 +29,12 @@
 #include "score_modifiers.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -40,13 +44,25 @@ class BlockPairGradients {
   using acc_t = at::opmath_type<scalar_t>;
   using Pack = Packing<gemm_t>;         // the operands of S and dP
   using GradientPack = Packing<acc_t>;  // the operands of dV, dK and dQ
+  // bfloat16 splits P and dS into (hi, lo) pairs for the gradient products: natively multiplied
+  // as pairs, widened as hi + lo in float32 (the file comment).
+  static constexpr bool kSplitsFactors = std::is_same_v<scalar_t, c10::BFloat16>;
+  static constexpr bool kFactorPairs = kSplitsFactors && std::is_same_v<gemm_t, scalar_t>;
 
  public:
+  // The factor of a gradient product, P or dS of the current pair; with kTransposedFactor, the
+  // numbers of Scratch::pairs.
+  enum Factor : int64_t { kP = 0, kDS = 1, kTransposedFactor = 2 };
+
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile;
-    std::vector<acc_t> p_tile, ds_tile, b_rows;
-    std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
+    std::vector<acc_t> p_tile, ds_tile, b_rows;  // not kFactorPairs
+    std::vector<acc_t> partial;                  // one chain's S or dP (multiply_in_chains)
+    // kFactorPairs: the pair's P and dS as (hi, lo) pairs row by row, and one of them transposed
+    // (at::empty: a vector's zeros would cost every task a pass over them), and B's value pairs.
+    at::Tensor factor_pairs;
+    std::vector<gemm_t> b_pairs;
     std::vector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
     // The current pair's P and dS (rows x cols): p_block and ds_block, or a panel slot's.
     acc_t* p = nullptr;
@@ -60,10 +76,13 @@ class BlockPairGradients {
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
         : q_tile(Pack::scratch_size(blocks.query_rows, d.head_dim)),
           do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
-          p_tile(blocks.query_rows * blocks.keys),
-          ds_tile(blocks.query_rows * blocks.keys),
-          b_rows(std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim)),
+          p_tile(kFactorPairs ? 0 : blocks.query_rows * blocks.keys),
+          ds_tile(p_tile.size()),
+          b_rows(kFactorPairs ? 0 : b_operand_size(d, blocks)),
           partial(blocks.query_rows * blocks.keys),
+          factor_pairs(at::empty({kFactorPairs ? 3 * 2 * blocks.query_rows * blocks.keys : 0},
+                                 c10::CppTypeToScalarType<gemm_t>::value)),
+          b_pairs(kFactorPairs ? 2 * b_operand_size(d, blocks) : 0),
           p_block(blocks.query_rows * blocks.keys),
           ds_block(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
@@ -82,8 +101,16 @@ class BlockPairGradients {
     acc_t* value_gradient(int64_t t, const AttentionDims& d) {
       return grad_b.data() + t * keys_per_block * d.value_dim;
     }
+    // kFactorPairs: the (hi, lo) pairs of P or of dS (rows x cols pairs, leading dim 2 cols), or
+    // room for either transposed (kTransposedFactor).
+    gemm_t* pairs(Factor which) {
+      return factor_pairs.template data_ptr<gemm_t>() + which * factor_pairs.numel() / 3;
+    }
 
    private:
+    static int64_t b_operand_size(const AttentionDims& d, const BlockSizes& blocks) {
+      return std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim);
+    }
     int64_t keys_per_block;
   };
 
@@ -210,33 +237,23 @@ class BlockPairGradients {
   // dV_j += P^T dO_i (into dv_acc, cols x Dv).
   void add_value_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                           acc_t* dv_acc, Scratch& s) const {
-    const Operand<acc_t> p_t = GradientPack::a_transposed(s.p, rows, cols, cols, s.p_tile.data());
-    add_transposed_product(p_t, s.p, {grad_out.row(b, h, q0), grad_out.row_stride}, dims.value_dim,
-                           b, q0, rows, k0, cols, dv_acc, s);
+    add_factor_product(Factor::kP, /*transposed=*/true,
+                       {grad_out.row(b, h, q0), grad_out.row_stride}, dims.value_dim, b, q0, rows,
+                       k0, cols, dv_acc, dims.value_dim, s);
   }
 
   // dK_j += dS^T Q_i (into dk_acc, cols x D).
   void add_key_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                         acc_t* dk_acc, Scratch& s) const {
-    const Operand<acc_t> ds_t =
-        GradientPack::a_transposed(s.ds, rows, cols, cols, s.ds_tile.data());
-    add_transposed_product(ds_t, s.ds, {q.row(b, h, q0), q.row_stride}, dims.head_dim, b, q0, rows,
-                           k0, cols, dk_acc, s);
+    add_factor_product(Factor::kDS, /*transposed=*/true, {q.row(b, h, q0), q.row_stride},
+                       dims.head_dim, b, q0, rows, k0, cols, dk_acc, dims.head_dim, s);
   }
 
   // acc (rows x D) += dS K_j (dS in s.ds): the dQ product.
   void add_query_product(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
-    const acc_t* a_values = s.ds;
-    const Operand<acc_t> a = GradientPack::a(a_values, rows, cols, cols, s.ds_tile.data());
-    s.guard.multiply_add(
-        dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), rows, dims.head_dim, cols, a,
-        masked_factor(a_values, cols, /*transposed=*/false, s),
-        Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
-        [&](Operand<scalar_t> source) {
-          return GradientPack::b(source.data, cols, dims.head_dim, source.ld, s.b_rows.data());
-        },
-        acc, ld_acc);
+    add_factor_product(Factor::kDS, /*transposed=*/false, {k.row(b, h_kv, k0), k.row_stride},
+                       dims.head_dim, b, q0, rows, k0, cols, acc, ld_acc, s);
   }
 
   const AttentionDims dims;
@@ -282,6 +299,15 @@ class BlockPairGradients {
                           mask_grad_rows ? mask_grad_rows + r * dims.len_k : nullptr);
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
+      // The row's P and dS as the gradient products take them, while the row is in L1: as
+      // pairs (the zeros around its keys too), or as the values of pairs (zeros stay zeros).
+      if constexpr (kFactorPairs) {
+        split_into_pairs(s.p + r * cols, cols, s.pairs(Factor::kP) + 2 * r * cols);
+        split_into_pairs(s.ds + r * cols, cols, s.pairs(Factor::kDS) + 2 * r * cols);
+      } else if constexpr (kSplitsFactors) {
+        round_to_pairs(s.p + r * cols + range.begin, range.end - range.begin);
+        round_to_pairs(s.ds + r * cols + range.begin, range.end - range.begin);
+      }
     }
   }
 
@@ -316,18 +342,44 @@ class BlockPairGradients {
             s.keep_factors.data()};
   }
 
-  // acc (cols x width) += A^T B_i, B_i the query rows `rows_of_b` (rows x width).
-  void add_transposed_product(Operand<acc_t> a_t, const acc_t* a_values,
-                              Operand<scalar_t> rows_of_b, int64_t width, int64_t b, int64_t q0,
-                              int64_t rows, int64_t k0, int64_t cols, acc_t* acc,
-                              Scratch& s) const {
-    s.guard.multiply_add(
-        dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), cols, width, rows, a_t,
-        masked_factor(a_values, cols, /*transposed=*/true, s), rows_of_b,
-        [&](Operand<scalar_t> source) {
-          return GradientPack::b(source.data, rows, width, source.ld, s.b_rows.data());
-        },
-        acc, width);
+  // acc += A B with A the pair's P or dS (rows x cols): transposed, acc (cols x width) += A^T B_i
+  // with B_i the query rows `rows_of_b` (rows x width); else acc (rows x width) += A B_j with B_j
+  // the key rows (cols x width). Through the non-finite guard; kFactorPairs multiplies A's pairs
+  // by B's value pairs, else A in float32 by B widened.
+  void add_factor_product(Factor which, bool transposed, Operand<scalar_t> rows_of_b, int64_t width,
+                          int64_t b, int64_t q0, int64_t rows, int64_t k0, int64_t cols, acc_t* acc,
+                          int64_t ld_acc, Scratch& s) const {
+    const acc_t* values = which == Factor::kP ? s.p : s.ds;
+    const int64_t m = transposed ? cols : rows, reduction = transposed ? rows : cols;
+    const bool has_masked_entries = dims.has_masked_entries(b, q0, rows, k0, cols, s.masks);
+    const MaskedFactor<acc_t> factor = masked_factor(values, cols, transposed, s);
+    if constexpr (kFactorPairs) {
+      const gemm_t* pairs = s.pairs(which);
+      const Operand<gemm_t> a =
+          transposed
+              ? Pack::a_transposed_pairs(pairs, rows, cols, s.pairs(Factor::kTransposedFactor))
+              : Operand<gemm_t>{pairs, 2 * cols};
+      s.guard.multiply_add_by(
+          has_masked_entries, m, width, reduction, factor, rows_of_b,
+          [&](Operand<scalar_t> source) {
+            multiply(
+                m, width, 2 * reduction, a,
+                Pack::b_value_pairs(source.data, reduction, width, source.ld, s.b_pairs.data()),
+                acc, ld_acc, /*accumulate=*/true);
+          },
+          acc, ld_acc);
+    } else {
+      acc_t* tile = which == Factor::kP ? s.p_tile.data() : s.ds_tile.data();
+      const Operand<acc_t> a = transposed
+                                   ? GradientPack::a_transposed(values, rows, cols, cols, tile)
+                                   : GradientPack::a(values, rows, cols, cols, tile);
+      s.guard.multiply_add(
+          has_masked_entries, m, width, reduction, a, factor, rows_of_b,
+          [&](Operand<scalar_t> source) {
+            return GradientPack::b(source.data, reduction, width, source.ld, s.b_rows.data());
+          },
+          acc, ld_acc);
+    }
   }
 };
 

@@ -11,8 +11,10 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -155,6 +157,15 @@ struct Packing {
     return {scratch, n};
   }
 
+  // A = the transpose of `rows` x `cols` (hi, lo) pairs (split_into_pairs, leading dim 2 cols):
+  // cols rows of `rows` pairs, to multiply value pairs of B (dV += P^T dO, dK += dS^T Q).
+  static Operand<gemm_t> a_transposed_pairs(const gemm_t* pairs, int64_t rows, int64_t cols,
+                                            gemm_t* scratch) {
+    static_assert(kVnni, "value pairs are VNNI operands");
+    transpose_pairs(pairs, rows, cols, 2 * cols, scratch, rows);
+    return {scratch, 2 * rows};
+  }
+
   // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K. The operand
   // has leading dim ld_b (n where not given): a block packed from several runs of rows takes
   // each run's columns at b_columns_from of the same operand.
@@ -225,39 +236,60 @@ struct Packing {
   }
 };
 
-// A float32 probability p in [0, 1] as two bfloat16 values: hi = p rounded to nearest even, and
-// lo = p - hi (exact in float32) rounded likewise. hi + lo carries 16 of p's 24 significant bits
-// (a relative error below 2^-16, against bfloat16's 2^-8 for p alone), and their products with a
-// bfloat16 value are exact in float32: O += P V as one bfloat16 product with A's pairs (hi, lo)
-// against V's (v, v) (Packing::b_value_pairs) keeps float32-grade P at the speed of the chip's
-// bfloat16 products (the split issue 38 names: on AMX tiles a bfloat16 product with twice the
-// reduction takes 0.7-0.85 of the float32 one's time).
-struct ProbabilityPair {
-  uint16_t hi, lo;  // bfloat16 bits, rounded as c10::BFloat16 rounds
-  float value() const { return c10::detail::f32_from_bits(hi) + c10::detail::f32_from_bits(lo); }
+// x rounded to bfloat16's 8 significant bits, to nearest even, as a float32: c10's rounding for
+// any x but a NaN (whose low bits it may carry into the exponent), without c10's NaN test, which
+// BFloat16Pair makes once for both of its halves.
+inline float rounded_to_bfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float rounded;
+  std::memcpy(&rounded, &bits, sizeof(rounded));
+  return rounded;
+}
 
-  explicit ProbabilityPair(float p)
-      : hi(c10::detail::round_to_nearest_even(p)),
-        lo(c10::detail::round_to_nearest_even(p - c10::detail::f32_from_bits(hi))) {}
+// A float32 value x as two bfloat16 values: hi = x rounded to nearest even, and lo = x - hi
+// (exact in float32) rounded likewise. hi + lo carries 16 of x's 24 significant bits (a relative
+// error below 2^-16, against bfloat16's 2^-8 for x alone), and their products with a bfloat16
+// value are exact in float32: a product of P or dS by bfloat16 rows as one bfloat16 product, A's
+// pairs (hi, lo) against B's (v, v) (Packing::b_value_pairs), keeps float32-grade P and dS at the
+// speed of the chip's bfloat16 products (the split issue 38 names: on AMX tiles a bfloat16
+// product with twice the reduction takes 0.6-0.85 of the float32 one's time). Where x - hi is not
+// finite (x an inf or NaN, as a poisoned row's dS may be, or beyond bfloat16's range) hi is x's
+// inf or a NaN, and lo 0: hi v + lo v is then x v, not the NaN that inf - inf would make of it.
+struct BFloat16Pair {
+  float hi, lo;  // bfloat16 values
+
+  // Selects, not branches: the loops over a row's pairs stay vectorized.
+  explicit BFloat16Pair(float x) : hi(rounded_to_bfloat16(x)), lo(rounded_to_bfloat16(x - hi)) {
+    hi = std::isnan(x) ? std::numeric_limits<float>::quiet_NaN() : hi;
+    lo = std::isfinite(lo) ? lo : 0.f;
+  }
+  float value() const { return hi + lo; }
+  // hi's bits in the low half, lo's in the high half (the pair's order in memory on x86).
+  uint32_t word() const {
+    uint32_t hi_bits, lo_bits;
+    std::memcpy(&hi_bits, &hi, sizeof(hi_bits));
+    std::memcpy(&lo_bits, &lo, sizeof(lo_bits));
+    return hi_bits >> 16 | lo_bits;
+  }
 };
 
-// pairs[2 c], pairs[2 c + 1] = the (hi, lo) of p[c], for c < n. Each pair is stored as one
-// 32-bit word (hi in its low half: little-endian x86), which the compiler vectorizes without the
-// permutes that two 16-bit stores cost.
-inline void split_into_pairs(const float* p, int64_t n, c10::BFloat16* pairs) {
+// pairs[2 c], pairs[2 c + 1] = the (hi, lo) of x[c], for c < n. Each pair is stored as one
+// 32-bit word, which the compiler vectorizes without the permutes that two 16-bit stores cost.
+inline void split_into_pairs(const float* x, int64_t n, c10::BFloat16* pairs) {
   for (int64_t c = 0; c < n; ++c) {
-    const ProbabilityPair pair(p[c]);
-    const uint32_t word = uint32_t(pair.hi) | uint32_t(pair.lo) << 16;
+    const uint32_t word = BFloat16Pair(x[c]).word();
     std::memcpy(pairs + 2 * c, &word, sizeof(word));
   }
 }
 
-// p[c] = hi + lo of p[c], for c < n: the probabilities the pairs carry, multiplied in float32
-// where the chip has no native bfloat16 products (the same values, up to the order of the
-// float32 sums: hi + lo is exact in float32).
-inline void round_to_pairs(float* p, int64_t n) {
+// x[c] = hi + lo of x[c], for c < n: the values the pairs carry, multiplied in float32 where the
+// chip has no native bfloat16 products (the same values, up to the order of the float32 sums:
+// hi + lo is exact in float32).
+inline void round_to_pairs(float* x, int64_t n) {
   for (int64_t c = 0; c < n; ++c) {
-    p[c] = ProbabilityPair(p[c]).value();
+    x[c] = BFloat16Pair(x[c]).value();
   }
 }
 
