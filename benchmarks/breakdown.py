@@ -12,8 +12,10 @@ Two views of the same call:
    64: csrc/ops/cpu/kernels/schedule.h), each timed alone on cache-resident
    blocks of its shape and operand type by the probe library (benchmarks/block_gemm_probe.cpp):
    the products of two inputs (S, dP) in the input dtype ("native" or "widened" products), those
-   with P or dS in float32. Their sum is the time the call would take if nothing but its block
-   products ran, at their cache-resident rate.
+   with P or dS as the kernels take them: bfloat16 with native products as (hi, lo) pairs, one
+   bfloat16 product of twice the reduction (csrc/ops/cpu/kernels/operands.h), else in float32.
+   Their sum is the time the call would take if nothing but its block products ran, at their
+   cache-resident rate.
 2. **A sampling profile** (`perf record -e cpu-clock`, which needs no hardware counters;
    Debian's linux-perf): the samples of the call's own loop, sorted into the block products
    (oneDNN's JIT code), the softmax pass (scores, exp, the row passes of the backward), packing
@@ -26,12 +28,12 @@ inputs and, for a reduced dtype, our float32 call on the same values, timed in t
 as the call. A call is never faster than its products at the best rate the probe finds for
 their operands (over its shapes and the kernels', so whatever the block shapes): SDPA's time over
 that floor bounds the speed-up over SDPA any call of these products can reach on the chip. It is
-given three times: with the products' operands as the kernels take them (P and dS in float32, the
-accuracy rule of the reduced-precision tests), with every product at the input dtype's rate
-(P and dS rounded, outside that rule), and with P and dS each split into two operands of the
-input dtype (hi and lo, float32-grade: two products for each float32 one, which pays only where
-the input dtype multiplies more than twice as fast). Against our float32 call: its products'
-floor over this call's (the gain at equal efficiency: the rest of both calls, the softmax pass
+given three times: with the products' operands as the kernels take them (float32-grade P and dS,
+the accuracy rule of the reduced-precision tests), with every product at the input dtype's rate
+(P and dS rounded, outside that rule), and with P and dS each split into (hi, lo) pairs of the
+input dtype (float32-grade: a product of twice the reduction for each float32 one, which pays
+only where the input dtype multiplies more than twice as fast; what bfloat16 takes where its
+products are native). Against our float32 call: its products' floor over this call's (the gain at equal efficiency: the rest of both calls, the softmax pass
 above all, is the same float32 work), and its measured time over this call's floor (the gain if
 this call did nothing but its products at their best rate while float32 stayed as it is).
 """
@@ -82,29 +84,45 @@ def block_shape(args, inputs):
     return tuple(torch.ops.causal_attention.block_shape(inputs, args.dim, args.dim, args.length))
 
 
-def block_products(args, inputs):
+def kernel_factors(inputs):
+    """How the kernels take P and dS in the products with them, for inputs of dtype `inputs`:
+    "pairs" (bfloat16 with native products), else "float32"."""
+    native = torch.ops.causal_attention.block_products(inputs) == "native"
+    return "pairs" if inputs == torch.bfloat16 and native else "float32"
+
+
+def block_products(args, inputs, factors=None):
     """(name, m, n, k, operand dtype, count per visible block pair, visible block pairs) of the
-    products of the call with inputs of dtype `inputs`."""
+    products of the call with inputs of dtype `inputs`, P and dS taken as `factors` says:
+    "float32", "rounded" (to the input dtype) or "pairs" ((hi, lo) pairs of the input dtype, twice
+    the reduction); as the kernels take them where None."""
     d, (rows, keys) = args.dim, block_shape(args, inputs)
     pairs = visible_pairs(args, rows, keys)
     chains = -(-d // SCORE_CHAIN)
     chain = min(d, SCORE_CHAIN)
+    factors = factors or kernel_factors(inputs)
+
+    def with_factor(name, m, n, k):  # a product whose A is P or dS
+        if factors == "pairs":
+            return (f"{name} (pairs)", m, n, 2 * k, inputs, 1, pairs)
+        return (name, m, n, k, torch.float32 if factors == "float32" else inputs, 1, pairs)
+
     forward = [("S = Q K^T", rows, keys, chain, inputs, chains, pairs),
-               ("O += P V", rows, d, keys, torch.float32, 1, pairs)]
+               with_factor("O += P V", rows, d, keys)]
     if args.pass_ == "fwd":
         return forward
     # The backward: S and dP again (bfloat16/float16 sum the row statistics from them: with
     # batch * heads >= ONE_PASS_ITEMS in the same pass, csrc/ops/cpu/kernels/
     # backward_row_panels.h, else in a step of their own that computes them once more), then dV,
-    # dK, dQ with P or dS in float32.
+    # dK, dQ with P or dS.
     two_steps = inputs != torch.float32 and args.batch * args.heads < ONE_PASS_ITEMS
     recompute = 2 if two_steps else 1
     return forward + [
         ("S = Q K^T (backward)", rows, keys, chain, inputs, recompute * chains, pairs),
         ("dP = dO V^T (backward)", rows, keys, chain, inputs, recompute * chains, pairs),
-        ("dV += P^T dO", keys, d, rows, torch.float32, 1, pairs),
-        ("dK += dS^T Q", keys, d, rows, torch.float32, 1, pairs),
-        ("dQ += dS K", rows, d, keys, torch.float32, 1, pairs),
+        with_factor("dV += P^T dO", keys, d, rows),
+        with_factor("dK += dS^T Q", keys, d, rows),
+        with_factor("dQ += dS K", rows, d, keys),
     ]
 
 
@@ -151,10 +169,9 @@ def probe_rate(args):
     return rate
 
 
-def products_seconds(args, products, gflops, operands=None):
-    """The products' time at gflops(dtype, m, n, k), each with its own operand dtype, or with
-    `operands` where given."""
-    return sum(2 * m * n * k * count * pairs / (gflops(operands or dtype, m, n, k) * 1e9)
+def products_seconds(args, products, gflops):
+    """The products' time at gflops(dtype, m, n, k), each with its own operand dtype."""
+    return sum(2 * m * n * k * count * pairs / (gflops(dtype, m, n, k) * 1e9)
                for _, m, n, k, dtype, count, pairs in products)
 
 
@@ -167,8 +184,9 @@ def product_limit(args, call_seconds, rate):
     # The best cache-resident rate of each operand type over the benchmark's probe shapes (and
     # the kernels' own): what "% best" holds the kernels' shapes to.
     shapes = (QUICK if args.quick else FULL).limit_shapes
+    # float32 too, which the floors of float32 P and dS and of our float32 call price.
     best = {dtype: max(rate(dtype, *shape) for shape in shapes)
-            for dtype in {product[4] for product in products}}
+            for dtype in {product[4] for product in products} | {torch.float32}}
     table = []
     for product in products:
         name, m, n, k, dtype, count, _ = product
@@ -202,19 +220,18 @@ def reach(args, seconds, best):
     def at_best(operand, *_):
         return best[operand]
 
-    def floor(dtype, operands=None):
-        return products_seconds(args, block_products(args, dtype), at_best, operands)
+    def floor(dtype, factors=None):
+        return products_seconds(args, block_products(args, dtype, factors), at_best)
 
-    lowest, rounded = floor(inputs), floor(inputs, operands=inputs)
+    lowest, rounded = floor(inputs), floor(inputs, "rounded")
     found = {"floor_ms": 1e3 * lowest, "rounded_floor_ms": 1e3 * rounded,
              "sdpa_over_floor": seconds["sdpa"] / lowest,
              "sdpa_over_rounded_floor": seconds["sdpa"] / rounded}
     if inputs != torch.float32:
-        # P and dS each split into two operands of the input dtype (hi, and the residual lo):
-        # float32-grade operands, so each product that takes them (float32 today) runs twice at
-        # the input dtype's rate: the rounded floor plus those products once more.
-        takes_p_or_ds = [p for p in block_products(args, inputs) if p[4] == torch.float32]
-        split = rounded + products_seconds(args, takes_p_or_ds, at_best, operands=inputs)
+        # P and dS each split into (hi, lo) pairs of the input dtype: float32-grade operands at
+        # the input dtype's rate, with twice the reduction (the kernels' own where bfloat16
+        # multiplies natively).
+        split = floor(inputs, "pairs")
         found["split_floor_ms"] = 1e3 * split
         found["sdpa_over_split_floor"] = seconds["sdpa"] / split
     print(f"\nagainst SDPA on the same inputs: ours {seconds['call'] * 1e3:.2f} ms, SDPA "
@@ -224,7 +241,7 @@ def reach(args, seconds, best):
           f"{args.dtype}'s best rate (P and dS rounded) {1e3 * rounded:.2f} ms, SDPA / that "
           f"{found['sdpa_over_rounded_floor']:.2f}")
     if "split_floor_ms" in found:
-        print(f"P and dS split into two {args.dtype} operands each (hi and lo): "
+        print(f"P and dS split into (hi, lo) pairs of {args.dtype}: "
               f"{found['split_floor_ms']:.2f} ms, SDPA / that {found['sdpa_over_split_floor']:.2f}")
     if "float32" in seconds:
         float32_floor = floor(torch.float32)

@@ -231,11 +231,16 @@ def test_breakdown_quick_reports_both_views(tmp_path):
     assert report["sdpa_over_rounded_floor"] == pytest.approx(
         ms["sdpa"] / report["rounded_floor_ms"])
     assert report["float32_floor_over_floor"] == pytest.approx(report["float32_floor_ms"] / floor)
-    # Split P and dS: the rounded floor with the products that take them counted twice, so
-    # above it and below twice it (the products of two inputs, S and dP, count once).
+    # Split P and dS: the products that take them with twice the reduction, so above the rounded
+    # floor and below twice it (the products of two inputs, S and dP, count once); and the
+    # kernels' own operands where bfloat16 multiplies natively (operands.h), else float32's.
     rounded, split = report["rounded_floor_ms"], report["split_floor_ms"]
     assert rounded < split < 2 * rounded
     assert report["sdpa_over_split_floor"] == pytest.approx(ms["sdpa"] / split)
+    if torch.ops.causal_attention.block_products(torch.bfloat16) == "native":
+        assert floor == pytest.approx(split) and "dQ += dS K (pairs)" in out
+    else:
+        assert "(pairs)" not in out
 
 
 def test_context_parallel_benchmark_quick_writes_every_section(tmp_path):
