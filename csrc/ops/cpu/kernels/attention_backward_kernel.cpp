@@ -190,6 +190,7 @@ class BackwardKernel {
         const int64_t key_begin = dims_.key_begin(b, q0);
         const int64_t key_end = std::min(tile_end, dims_.key_end(b, q0 + rows - 1));
         const auto qo = pair_.query_operands(b, h, q0, rows, s);
+        const auto qr = pair_.query_rows(qo, b, h, q0, rows, s);
         for (int64_t t = 0; k0 + t * blocks_.keys < key_end; ++t) {
           const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
           // Blocks before the window of every row, or that the key mask or attn_mask hides, get
@@ -199,6 +200,7 @@ class BackwardKernel {
                 b, h, q0, rows, kj, cols, [&](int64_t q, int64_t r, int64_t k, int64_t c) {
                   const int64_t first_key = k - kj;
                   pair_gradients(b, h, PairPart{q, r, k, c}, Pair::rows_from(qo, q - q0),
+                                 Pair::rows_from(qr, q - q0),
                                  first_key == 0 ? ko[t] : pair_.key_operands(b, h_kv, k),
                                  s.key_gradient(t, dims_) + first_key * dims_.head_dim,
                                  s.value_gradient(t, dims_) + first_key * dims_.value_dim, dq, s);
@@ -221,13 +223,14 @@ class BackwardKernel {
   // One block pair (its part): dV_j and dK_j into the accumulators of its keys, and with dq
   // dQ_i into it.
   void pair_gradients(int64_t b, int64_t h, const PairPart& part,
-                      const typename Pair::QueryOperands& qo, const typename Pair::KeyOperands& ko,
-                      acc_t* dk_acc, acc_t* dv_acc, const QuerySums* dq, Scratch& s) const {
+                      const typename Pair::QueryOperands& qo, const typename Pair::QueryRows& qr,
+                      const typename Pair::KeyOperands& ko, acc_t* dk_acc, acc_t* dv_acc,
+                      const QuerySums* dq, Scratch& s) const {
     const auto [q0, rows, k0, cols] = part;
     pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols,
                                       /*record_mask_gradient=*/true, s);
-    pair_.add_value_gradient(b, h, q0, rows, k0, cols, dv_acc, s);
-    pair_.add_key_gradient(b, h, q0, rows, k0, cols, dk_acc, s);
+    pair_.add_value_gradient(b, h, q0, rows, k0, cols, qr, dv_acc, s);
+    pair_.add_key_gradient(b, h, q0, rows, k0, cols, qr, dk_acc, s);
     if (dq != nullptr) {
       pair_.add_query_product(b, h / dims_.group(), q0, rows, k0, cols,
                               dq->row(h % dims_.group(), q0), dq->row_stride, s);

@@ -63,6 +63,7 @@ class BlockPairGradients {
     // (at::empty: a vector's zeros would cost every task a pass over them), and B's value pairs.
     at::Tensor factor_pairs;
     std::vector<gemm_t> b_pairs;
+    std::vector<gemm_t> q_pairs, do_pairs;  // kFactorPairs: a query block's QueryRows
     std::vector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
     // The current pair's P and dS (rows x cols): p_block and ds_block, or a panel slot's.
     acc_t* p = nullptr;
@@ -83,6 +84,8 @@ class BlockPairGradients {
           factor_pairs(at::empty({kFactorPairs ? 3 * 2 * blocks.query_rows * blocks.keys : 0},
                                  c10::CppTypeToScalarType<gemm_t>::value)),
           b_pairs(kFactorPairs ? 2 * b_operand_size(d, blocks) : 0),
+          q_pairs(kFactorPairs ? 2 * blocks.query_rows * d.head_dim : 0),
+          do_pairs(kFactorPairs ? 2 * blocks.query_rows * d.value_dim : 0),
           p_block(blocks.query_rows * blocks.keys),
           ds_block(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
@@ -121,6 +124,13 @@ class BlockPairGradients {
   struct KeyOperands {
     Operand<gemm_t> k_t, v_t;
   };
+  // Q_i and dO_i as the B operands of dK_j += dS^T Q_i and dV_j += P^T dO_i, made once for all
+  // the key blocks a query block meets: their value pairs (kFactorPairs), else the A operands
+  // themselves where those are float32 (float64) rows, else none (data null: float16 with
+  // native products widens them product by product).
+  struct QueryRows {
+    Operand<gemm_t> q, grad_out;
+  };
 
   // delta: one value per query row; normalizers: one factor per query row that P is scaled by
   // (backward_row_statistics.h).
@@ -150,6 +160,30 @@ class BlockPairGradients {
   static QueryOperands rows_from(const QueryOperands& qo, int64_t r) {
     return {{qo.q.data + r * qo.q.ld, qo.q.ld},
             {qo.grad_out.data + r * qo.grad_out.ld, qo.grad_out.ld}};
+  }
+
+  // The QueryRows of the query block of `qo` (query_operands(b, h, q0, rows, s)).
+  QueryRows query_rows(const QueryOperands& qo, int64_t b, int64_t h, int64_t q0, int64_t rows,
+                       Scratch& s) const {
+    if constexpr (kFactorPairs) {
+      return {
+          Pack::b_value_pairs(q.row(b, h, q0), rows, dims.head_dim, q.row_stride, s.q_pairs.data()),
+          Pack::b_value_pairs(grad_out.row(b, h, q0), rows, dims.value_dim, grad_out.row_stride,
+                              s.do_pairs.data())};
+    } else if constexpr (std::is_same_v<gemm_t, acc_t>) {
+      return {qo.q, qo.grad_out};
+    } else {
+      return {{nullptr, 0}, {nullptr, 0}};
+    }
+  }
+
+  // The QueryRows of a query block from its row r on (a value pair holds its row twice).
+  static QueryRows rows_from(const QueryRows& qr, int64_t r) {
+    const auto from = [r](Operand<gemm_t> rows) -> Operand<gemm_t> {
+      return {rows.data != nullptr ? rows.data + r * (kFactorPairs ? 2 : 1) * rows.ld : nullptr,
+              rows.ld};
+    };
+    return {from(qr.q), from(qr.grad_out)};
   }
 
   // K_j^T and V_j^T of the key block from k0 (or of its keys from k0), packed once per call
@@ -234,18 +268,18 @@ class BlockPairGradients {
     }
   }
 
-  // dV_j += P^T dO_i (into dv_acc, cols x Dv).
+  // dV_j += P^T dO_i (into dv_acc, cols x Dv); qr the QueryRows of the pair's query rows.
   void add_value_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
-                          acc_t* dv_acc, Scratch& s) const {
+                          const QueryRows& qr, acc_t* dv_acc, Scratch& s) const {
     add_factor_product(Factor::kP, /*transposed=*/true,
-                       {grad_out.row(b, h, q0), grad_out.row_stride}, dims.value_dim, b, q0, rows,
-                       k0, cols, dv_acc, dims.value_dim, s);
+                       {grad_out.row(b, h, q0), grad_out.row_stride}, qr.grad_out, dims.value_dim,
+                       b, q0, rows, k0, cols, dv_acc, dims.value_dim, s);
   }
 
-  // dK_j += dS^T Q_i (into dk_acc, cols x D).
+  // dK_j += dS^T Q_i (into dk_acc, cols x D); qr as above.
   void add_key_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
-                        acc_t* dk_acc, Scratch& s) const {
-    add_factor_product(Factor::kDS, /*transposed=*/true, {q.row(b, h, q0), q.row_stride},
+                        const QueryRows& qr, acc_t* dk_acc, Scratch& s) const {
+    add_factor_product(Factor::kDS, /*transposed=*/true, {q.row(b, h, q0), q.row_stride}, qr.q,
                        dims.head_dim, b, q0, rows, k0, cols, dk_acc, dims.head_dim, s);
   }
 
@@ -253,7 +287,8 @@ class BlockPairGradients {
   void add_query_product(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
     add_factor_product(Factor::kDS, /*transposed=*/false, {k.row(b, h_kv, k0), k.row_stride},
-                       dims.head_dim, b, q0, rows, k0, cols, acc, ld_acc, s);
+                       /*prepared_b=*/{nullptr, 0}, dims.head_dim, b, q0, rows, k0, cols, acc,
+                       ld_acc, s);
   }
 
   const AttentionDims dims;
@@ -345,10 +380,15 @@ class BlockPairGradients {
   // acc += A B with A the pair's P or dS (rows x cols): transposed, acc (cols x width) += A^T B_i
   // with B_i the query rows `rows_of_b` (rows x width); else acc (rows x width) += A B_j with B_j
   // the key rows (cols x width). Through the non-finite guard; kFactorPairs multiplies A's pairs
-  // by B's value pairs, else A in float32 by B widened.
-  void add_factor_product(Factor which, bool transposed, Operand<scalar_t> rows_of_b, int64_t width,
-                          int64_t b, int64_t q0, int64_t rows, int64_t k0, int64_t cols, acc_t* acc,
-                          int64_t ld_acc, Scratch& s) const {
+  // by B's value pairs, else A in float32 by B widened. B is `prepared_b` where given (a
+  // QueryRows operand) and the guard left the rows as they are, else packed here.
+  void add_factor_product(Factor which, bool transposed, Operand<scalar_t> rows_of_b,
+                          Operand<gemm_t> prepared_b, int64_t width, int64_t b, int64_t q0,
+                          int64_t rows, int64_t k0, int64_t cols, acc_t* acc, int64_t ld_acc,
+                          Scratch& s) const {
+    const auto prepared = [&](Operand<scalar_t> source) {
+      return prepared_b.data != nullptr && source.data == rows_of_b.data;
+    };
     const acc_t* values = which == Factor::kP ? s.p : s.ds;
     const int64_t m = transposed ? cols : rows, reduction = transposed ? rows : cols;
     const bool has_masked_entries = dims.has_masked_entries(b, q0, rows, k0, cols, s.masks);
@@ -362,10 +402,11 @@ class BlockPairGradients {
       s.guard.multiply_add_by(
           has_masked_entries, m, width, reduction, factor, rows_of_b,
           [&](Operand<scalar_t> source) {
-            multiply(
-                m, width, 2 * reduction, a,
-                Pack::b_value_pairs(source.data, reduction, width, source.ld, s.b_pairs.data()),
-                acc, ld_acc, /*accumulate=*/true);
+            multiply(m, width, 2 * reduction, a,
+                     prepared(source) ? prepared_b
+                                      : Pack::b_value_pairs(source.data, reduction, width,
+                                                            source.ld, s.b_pairs.data()),
+                     acc, ld_acc, /*accumulate=*/true);
           },
           acc, ld_acc);
     } else {
@@ -376,6 +417,11 @@ class BlockPairGradients {
       s.guard.multiply_add(
           has_masked_entries, m, width, reduction, a, factor, rows_of_b,
           [&](Operand<scalar_t> source) {
+            if constexpr (std::is_same_v<gemm_t, acc_t>) {
+              if (prepared(source)) {
+                return prepared_b;
+              }
+            }
             return GradientPack::b(source.data, reduction, width, source.ld, s.b_rows.data());
           },
           acc, ld_acc);

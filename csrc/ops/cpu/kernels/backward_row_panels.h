@@ -103,6 +103,7 @@ class RowPanelGradients {
     const int64_t bh = b * dims_.heads_q + h, h_kv = h / dims_.group();
     const int64_t rows = std::min(blocks_.query_rows, dims_.rows_q(b) - q0);
     const auto qo = pair_.query_operands(b, h, q0, rows, s.pair);
+    const auto qr = pair_.query_rows(qo, b, h, q0, rows, s.pair);
     // S, dP -> P, dP' into the panel; mass and share per row.
     const typename Statistics::BlockRows block = statistics_.block_rows(bh, q0, rows, dims_);
     s.parts.clear();
@@ -123,10 +124,11 @@ class RowPanelGradients {
     for (const PairPart& part : s.parts) {
       const auto [part_q0, part_rows, k0, cols] = part;
       pair_.gradients_from_panel(bh, panel_slot(offset, s), part_q0, part_rows, k0, cols, s.pair);
-      pair_.add_value_gradient(b, h, part_q0, part_rows, k0, cols,
+      const auto part_rows_of = Pair::rows_from(qr, part_q0 - q0);
+      pair_.add_value_gradient(b, h, part_q0, part_rows, k0, cols, part_rows_of,
                                s.dv.data() + k0 * dims_.value_dim, s.pair);
-      pair_.add_key_gradient(b, h, part_q0, part_rows, k0, cols, s.dk.data() + k0 * dims_.head_dim,
-                             s.pair);
+      pair_.add_key_gradient(b, h, part_q0, part_rows, k0, cols, part_rows_of,
+                             s.dk.data() + k0 * dims_.head_dim, s.pair);
       pair_.add_query_product(b, h_kv, part_q0, part_rows, k0, cols,
                               s.dq.data() + (part_q0 - q0) * dims_.head_dim, dims_.head_dim,
                               s.pair);
