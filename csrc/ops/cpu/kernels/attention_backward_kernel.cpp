@@ -177,8 +177,8 @@ class BackwardKernel {
     for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
       const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
       ko[t] = pair_.key_operands(b, h_kv, kj);
-      std::fill_n(s.key_gradient(t, dims_), cols * dims_.head_dim, acc_t(0));
-      std::fill_n(s.value_gradient(t, dims_), cols * dims_.value_dim, acc_t(0));
+      std::fill_n(s.key_gradient(t, dims_), s.gradient_ld() * dims_.head_dim, acc_t(0));
+      std::fill_n(s.value_gradient(t, dims_), s.gradient_ld() * dims_.value_dim, acc_t(0));
     }
     // The query blocks with a row that sees a key of the tile.
     const int64_t first_q0 =
@@ -202,8 +202,9 @@ class BackwardKernel {
                   pair_gradients(b, h, PairPart{q, r, k, c}, Pair::rows_from(qo, q - q0),
                                  Pair::rows_from(qr, q - q0),
                                  first_key == 0 ? ko[t] : pair_.key_operands(b, h_kv, k),
-                                 s.key_gradient(t, dims_) + first_key * dims_.head_dim,
-                                 s.value_gradient(t, dims_) + first_key * dims_.value_dim, dq, s);
+                                 s.key_gradient_column(t * blocks_.keys + first_key, dims_),
+                                 s.value_gradient_column(t * blocks_.keys + first_key, dims_), dq,
+                                 s);
                 });
           }
         }
@@ -212,16 +213,16 @@ class BackwardKernel {
     for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
       const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
       for (int64_t c = 0; c < cols; ++c) {
-        dk_.store(s.key_gradient(t, dims_) + c * dims_.head_dim, dims_.head_dim, pair_.scale, b,
-                  h_kv, kj + c);
-        dv_.store(s.value_gradient(t, dims_) + c * dims_.value_dim, dims_.value_dim, acc_t(1), b,
-                  h_kv, kj + c);
+        dk_.store(Pair::column(s.key_gradient(t, dims_) + c, s.gradient_ld(), dims_.head_dim, s),
+                  dims_.head_dim, pair_.scale, b, h_kv, kj + c);
+        dv_.store(Pair::column(s.value_gradient(t, dims_) + c, s.gradient_ld(), dims_.value_dim, s),
+                  dims_.value_dim, acc_t(1), b, h_kv, kj + c);
       }
     }
   }
 
-  // One block pair (its part): dV_j and dK_j into the accumulators of its keys, and with dq
-  // dQ_i into it.
+  // One block pair (its part): dV_j^T and dK_j^T into the transposed accumulators of its keys
+  // (leading dim s.gradient_ld()), and with dq dQ_i into it.
   void pair_gradients(int64_t b, int64_t h, const PairPart& part,
                       const typename Pair::QueryOperands& qo, const typename Pair::QueryRows& qr,
                       const typename Pair::KeyOperands& ko, acc_t* dk_acc, acc_t* dv_acc,
@@ -229,8 +230,8 @@ class BackwardKernel {
     const auto [q0, rows, k0, cols] = part;
     pair_.probabilities_and_gradients(b * dims_.heads_q + h, qo, ko, q0, rows, k0, cols,
                                       /*record_mask_gradient=*/true, s);
-    pair_.add_value_gradient(b, h, q0, rows, k0, cols, qr, dv_acc, s);
-    pair_.add_key_gradient(b, h, q0, rows, k0, cols, qr, dk_acc, s);
+    pair_.add_value_gradient(b, h, q0, rows, k0, cols, qr, dv_acc, s.gradient_ld(), s);
+    pair_.add_key_gradient(b, h, q0, rows, k0, cols, qr, dk_acc, s.gradient_ld(), s);
     if (dq != nullptr) {
       pair_.add_query_product(b, h / dims_.group(), q0, rows, k0, cols,
                               dq->row(h % dims_.group(), q0), dq->row_stride, s);

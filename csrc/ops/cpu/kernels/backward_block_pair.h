@@ -48,23 +48,27 @@ class BlockPairGradients {
   // as pairs, widened as hi + lo in float32 (the file comment).
   static constexpr bool kSplitsFactors = std::is_same_v<scalar_t, c10::BFloat16>;
   static constexpr bool kFactorPairs = kSplitsFactors && std::is_same_v<gemm_t, scalar_t>;
+  // The operands of the gradient products: bfloat16 pairs, else float32 (float64).
+  using factor_t = std::conditional_t<kFactorPairs, gemm_t, acc_t>;
+  // Elements of an operand per value of a row it multiplies: a value pair holds it twice.
+  static constexpr int64_t kPerValue = kFactorPairs ? 2 : 1;
 
  public:
-  // The factor of a gradient product, P or dS of the current pair; with kTransposedFactor, the
-  // numbers of Scratch::pairs.
-  enum Factor : int64_t { kP = 0, kDS = 1, kTransposedFactor = 2 };
+  // The factor of a gradient product: P or dS of the current pair.
+  enum Factor : int64_t { kP = 0, kDS = 1 };
 
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile;
-    std::vector<acc_t> p_tile, ds_tile, b_rows;  // not kFactorPairs
-    std::vector<acc_t> partial;                  // one chain's S or dP (multiply_in_chains)
-    // kFactorPairs: the pair's P and dS as (hi, lo) pairs row by row, and one of them transposed
-    // (at::empty: a vector's zeros would cost every task a pass over them), and B's value pairs.
+    std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
+    // kFactorPairs: the pair's P and dS as (hi, lo) pairs row by row (at::empty: a vector's
+    // zeros would cost every task a pass over them).
     at::Tensor factor_pairs;
-    std::vector<gemm_t> b_pairs;
-    std::vector<gemm_t> q_pairs, do_pairs;  // kFactorPairs: a query block's QueryRows
+    // A query block's QueryRows; K_j packed for dQ, or rows the guard cleaned, packed (with
+    // kFactorPairs, `words` holds their value pairs before they are transposed).
+    std::vector<factor_t> q_t, do_t, packed_rows, words;
     std::vector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
+    std::vector<acc_t> column;  // a column of the transposed dK or dV accumulators
     // The current pair's P and dS (rows x cols): p_block and ds_block, or a panel slot's.
     acc_t* p = nullptr;
     acc_t* ds = nullptr;
@@ -77,15 +81,14 @@ class BlockPairGradients {
     Scratch(const AttentionDims& d, const BlockSizes& blocks, int64_t tile)
         : q_tile(Pack::scratch_size(blocks.query_rows, d.head_dim)),
           do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
-          p_tile(kFactorPairs ? 0 : blocks.query_rows * blocks.keys),
-          ds_tile(p_tile.size()),
-          b_rows(kFactorPairs ? 0 : b_operand_size(d, blocks)),
           partial(blocks.query_rows * blocks.keys),
-          factor_pairs(at::empty({kFactorPairs ? 3 * 2 * blocks.query_rows * blocks.keys : 0},
+          factor_pairs(at::empty({kFactorPairs ? 2 * 2 * blocks.query_rows * blocks.keys : 0},
                                  c10::CppTypeToScalarType<gemm_t>::value)),
-          b_pairs(kFactorPairs ? 2 * b_operand_size(d, blocks) : 0),
-          q_pairs(kFactorPairs ? 2 * blocks.query_rows * d.head_dim : 0),
-          do_pairs(kFactorPairs ? 2 * blocks.query_rows * d.value_dim : 0),
+          q_t(kPerValue * blocks.query_rows * d.head_dim),
+          do_t(kPerValue * blocks.query_rows * d.value_dim),
+          packed_rows(kPerValue * std::max(blocks.query_rows, blocks.keys) *
+                      std::max(d.head_dim, d.value_dim)),
+          words(kFactorPairs ? packed_rows.size() : 0),
           p_block(blocks.query_rows * blocks.keys),
           ds_block(blocks.query_rows * blocks.keys),
           grad_a(tile * std::max(blocks.query_rows, blocks.keys) * d.head_dim),
@@ -95,25 +98,32 @@ class BlockPairGradients {
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           mask_rows(blocks.query_rows),
+          column(std::max(d.head_dim, d.value_dim)),
           keys_per_block(blocks.keys) {}
 
-    // The dK_j and dV_j accumulators of block t of a key tile (cols x D, cols x Dv).
+    // The dK_j^T and dV_j^T accumulators of block t of a key tile (D x cols and Dv x cols,
+    // leading dim gradient_ld()).
     acc_t* key_gradient(int64_t t, const AttentionDims& d) {
       return grad_a.data() + t * keys_per_block * d.head_dim;
     }
     acc_t* value_gradient(int64_t t, const AttentionDims& d) {
       return grad_b.data() + t * keys_per_block * d.value_dim;
     }
-    // kFactorPairs: the (hi, lo) pairs of P or of dS (rows x cols pairs, leading dim 2 cols), or
-    // room for either transposed (kTransposedFactor).
+    int64_t gradient_ld() const { return keys_per_block; }
+    // Where key `key` of the tile (from its first) has its column in them.
+    acc_t* key_gradient_column(int64_t key, const AttentionDims& d) {
+      return key_gradient(key / keys_per_block, d) + key % keys_per_block;
+    }
+    acc_t* value_gradient_column(int64_t key, const AttentionDims& d) {
+      return value_gradient(key / keys_per_block, d) + key % keys_per_block;
+    }
+    // kFactorPairs: the (hi, lo) pairs of P or of dS (rows x cols pairs: a VNNI B of 2 rows
+    // reduction rows, leading dim cols).
     gemm_t* pairs(Factor which) {
-      return factor_pairs.template data_ptr<gemm_t>() + which * factor_pairs.numel() / 3;
+      return factor_pairs.template data_ptr<gemm_t>() + which * factor_pairs.numel() / 2;
     }
 
    private:
-    static int64_t b_operand_size(const AttentionDims& d, const BlockSizes& blocks) {
-      return std::max(blocks.query_rows, blocks.keys) * std::max(d.head_dim, d.value_dim);
-    }
     int64_t keys_per_block;
   };
 
@@ -124,12 +134,11 @@ class BlockPairGradients {
   struct KeyOperands {
     Operand<gemm_t> k_t, v_t;
   };
-  // Q_i and dO_i as the B operands of dK_j += dS^T Q_i and dV_j += P^T dO_i, made once for all
-  // the key blocks a query block meets: their value pairs (kFactorPairs), else the A operands
-  // themselves where those are float32 (float64) rows, else none (data null: float16 with
-  // native products widens them product by product).
+  // Q_i^T and dO_i^T, the A operands of dK_j^T += Q_i^T dS and dV_j^T += dO_i^T P, made once for
+  // all the key blocks a query block meets: as value pairs (v, v) where kFactorPairs (D x 2 rows),
+  // else in float32 (float64).
   struct QueryRows {
-    Operand<gemm_t> q, grad_out;
+    Operand<factor_t> q_t, grad_out_t;
   };
 
   // delta: one value per query row; normalizers: one factor per query row that P is scaled by
@@ -162,28 +171,26 @@ class BlockPairGradients {
             {qo.grad_out.data + r * qo.grad_out.ld, qo.grad_out.ld}};
   }
 
-  // The QueryRows of the query block of `qo` (query_operands(b, h, q0, rows, s)).
+  // The QueryRows of the query block of `qo` (query_operands(b, h, q0, rows, s)): from the rows
+  // S and dP multiply where those are float32 (float64), else from the inputs.
   QueryRows query_rows(const QueryOperands& qo, int64_t b, int64_t h, int64_t q0, int64_t rows,
                        Scratch& s) const {
-    if constexpr (kFactorPairs) {
-      return {
-          Pack::b_value_pairs(q.row(b, h, q0), rows, dims.head_dim, q.row_stride, s.q_pairs.data()),
-          Pack::b_value_pairs(grad_out.row(b, h, q0), rows, dims.value_dim, grad_out.row_stride,
-                              s.do_pairs.data())};
-    } else if constexpr (std::is_same_v<gemm_t, acc_t>) {
-      return {qo.q, qo.grad_out};
+    if constexpr (std::is_same_v<gemm_t, acc_t>) {
+      return {GradientPack::a_transposed(qo.q.data, rows, dims.head_dim, qo.q.ld, s.q_t.data()),
+              GradientPack::a_transposed(qo.grad_out.data, rows, dims.value_dim, qo.grad_out.ld,
+                                         s.do_t.data())};
     } else {
-      return {{nullptr, 0}, {nullptr, 0}};
+      return {
+          rows_transposed({q.row(b, h, q0), q.row_stride}, rows, dims.head_dim, s.q_t.data(), s),
+          rows_transposed({grad_out.row(b, h, q0), grad_out.row_stride}, rows, dims.value_dim,
+                          s.do_t.data(), s)};
     }
   }
 
-  // The QueryRows of a query block from its row r on (a value pair holds its row twice).
+  // The QueryRows of a query block from its row r on: its columns from r on.
   static QueryRows rows_from(const QueryRows& qr, int64_t r) {
-    const auto from = [r](Operand<gemm_t> rows) -> Operand<gemm_t> {
-      return {rows.data != nullptr ? rows.data + r * (kFactorPairs ? 2 : 1) * rows.ld : nullptr,
-              rows.ld};
-    };
-    return {from(qr.q), from(qr.grad_out)};
+    return {{qr.q_t.data + r * kPerValue, qr.q_t.ld},
+            {qr.grad_out_t.data + r * kPerValue, qr.grad_out_t.ld}};
   }
 
   // K_j^T and V_j^T of the key block from k0 (or of its keys from k0), packed once per call
@@ -268,27 +275,50 @@ class BlockPairGradients {
     }
   }
 
-  // dV_j += P^T dO_i (into dv_acc, cols x Dv); qr the QueryRows of the pair's query rows.
+  // dV_j^T += dO_i^T P (into dv_t, Dv x cols, leading dim ld); qr the QueryRows of the pair's
+  // query rows. Transposed, so that P is B as it lies (or as its row-major pairs, a VNNI B) and
+  // dO_i^T, made once a query block, is A: no transpose of P a pair.
   void add_value_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
-                          const QueryRows& qr, acc_t* dv_acc, Scratch& s) const {
-    add_factor_product(Factor::kP, /*transposed=*/true,
-                       {grad_out.row(b, h, q0), grad_out.row_stride}, qr.grad_out, dims.value_dim,
-                       b, q0, rows, k0, cols, dv_acc, dims.value_dim, s);
+                          const QueryRows& qr, acc_t* dv_t, int64_t ld, Scratch& s) const {
+    add_transposed_gradient(Factor::kP, {grad_out.row(b, h, q0), grad_out.row_stride},
+                            qr.grad_out_t, dims.value_dim, b, q0, rows, k0, cols, dv_t, ld, s);
   }
 
-  // dK_j += dS^T Q_i (into dk_acc, cols x D); qr as above.
+  // dK_j^T += Q_i^T dS (into dk_t, D x cols, leading dim ld); as above.
   void add_key_gradient(int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
-                        const QueryRows& qr, acc_t* dk_acc, Scratch& s) const {
-    add_factor_product(Factor::kDS, /*transposed=*/true, {q.row(b, h, q0), q.row_stride}, qr.q,
-                       dims.head_dim, b, q0, rows, k0, cols, dk_acc, dims.head_dim, s);
+                        const QueryRows& qr, acc_t* dk_t, int64_t ld, Scratch& s) const {
+    add_transposed_gradient(Factor::kDS, {q.row(b, h, q0), q.row_stride}, qr.q_t, dims.head_dim, b,
+                            q0, rows, k0, cols, dk_t, ld, s);
   }
 
-  // acc (rows x D) += dS K_j (dS in s.ds): the dQ product.
+  // acc (rows x D) += dS K_j (dS in s.ds): the dQ product. Through the non-finite guard;
+  // kFactorPairs multiplies dS's pairs by K_j's value pairs, else dS by K_j widened.
   void add_query_product(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
-    add_factor_product(Factor::kDS, /*transposed=*/false, {k.row(b, h_kv, k0), k.row_stride},
-                       /*prepared_b=*/{nullptr, 0}, dims.head_dim, b, q0, rows, k0, cols, acc,
-                       ld_acc, s);
+    const int64_t D = dims.head_dim;
+    const Operand<factor_t> ds = factor_operand(Factor::kDS, /*as_a=*/true, cols, s);
+    s.guard.multiply_add_by(
+        dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), rows, D, cols,
+        masked_factor(s.ds, cols, /*transposed=*/false, s),
+        Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
+        [&](Operand<scalar_t> source) {
+          Operand<factor_t> keys;
+          if constexpr (kFactorPairs) {
+            keys = Pack::b_value_pairs(source.data, cols, D, source.ld, s.packed_rows.data());
+          } else {
+            keys = GradientPack::b(source.data, cols, D, source.ld, s.packed_rows.data());
+          }
+          multiply(rows, D, kPerValue * cols, ds, keys, acc, ld_acc, /*accumulate=*/true);
+        },
+        acc, ld_acc);
+  }
+
+  // The n values c[i * ld]: a key's row of dK or dV from their transposed accumulators.
+  static const acc_t* column(const acc_t* c, int64_t ld, int64_t n, Scratch& s) {
+    for (int64_t i = 0; i < n; ++i) {
+      s.column[i] = c[i * ld];
+    }
+    return s.column.data();
   }
 
   const AttentionDims dims;
@@ -377,55 +407,49 @@ class BlockPairGradients {
             s.keep_factors.data()};
   }
 
-  // acc += A B with A the pair's P or dS (rows x cols): transposed, acc (cols x width) += A^T B_i
-  // with B_i the query rows `rows_of_b` (rows x width); else acc (rows x width) += A B_j with B_j
-  // the key rows (cols x width). Through the non-finite guard; kFactorPairs multiplies A's pairs
-  // by B's value pairs, else A in float32 by B widened. B is `prepared_b` where given (a
-  // QueryRows operand) and the guard left the rows as they are, else packed here.
-  void add_factor_product(Factor which, bool transposed, Operand<scalar_t> rows_of_b,
-                          Operand<gemm_t> prepared_b, int64_t width, int64_t b, int64_t q0,
-                          int64_t rows, int64_t k0, int64_t cols, acc_t* acc, int64_t ld_acc,
-                          Scratch& s) const {
-    const auto prepared = [&](Operand<scalar_t> source) {
-      return prepared_b.data != nullptr && source.data == rows_of_b.data;
-    };
-    const acc_t* values = which == Factor::kP ? s.p : s.ds;
-    const int64_t m = transposed ? cols : rows, reduction = transposed ? rows : cols;
-    const bool has_masked_entries = dims.has_masked_entries(b, q0, rows, k0, cols, s.masks);
-    const MaskedFactor<acc_t> factor = masked_factor(values, cols, transposed, s);
+  // The pair's P or dS (rows x cols) as the gradient products take them: its (hi, lo) pairs
+  // row by row where kFactorPairs, else itself. As A (dQ's dS) the pairs are rows of 2 cols
+  // values; as B (dV's P, dK's dS) a VNNI operand of 2 rows reduction rows by cols, whose
+  // leading dim counts pairs.
+  static Operand<factor_t> factor_operand(Factor which, bool as_a, int64_t cols, Scratch& s) {
     if constexpr (kFactorPairs) {
-      const gemm_t* pairs = s.pairs(which);
-      const Operand<gemm_t> a =
-          transposed
-              ? Pack::a_transposed_pairs(pairs, rows, cols, s.pairs(Factor::kTransposedFactor))
-              : Operand<gemm_t>{pairs, 2 * cols};
-      s.guard.multiply_add_by(
-          has_masked_entries, m, width, reduction, factor, rows_of_b,
-          [&](Operand<scalar_t> source) {
-            multiply(m, width, 2 * reduction, a,
-                     prepared(source) ? prepared_b
-                                      : Pack::b_value_pairs(source.data, reduction, width,
-                                                            source.ld, s.b_pairs.data()),
-                     acc, ld_acc, /*accumulate=*/true);
-          },
-          acc, ld_acc);
+      return {s.pairs(which), as_a ? 2 * cols : cols};
     } else {
-      acc_t* tile = which == Factor::kP ? s.p_tile.data() : s.ds_tile.data();
-      const Operand<acc_t> a = transposed
-                                   ? GradientPack::a_transposed(values, rows, cols, cols, tile)
-                                   : GradientPack::a(values, rows, cols, cols, tile);
-      s.guard.multiply_add(
-          has_masked_entries, m, width, reduction, a, factor, rows_of_b,
-          [&](Operand<scalar_t> source) {
-            if constexpr (std::is_same_v<gemm_t, acc_t>) {
-              if (prepared(source)) {
-                return prepared_b;
-              }
-            }
-            return GradientPack::b(source.data, reduction, width, source.ld, s.b_rows.data());
-          },
-          acc, ld_acc);
+      return {which == Factor::kP ? s.p : s.ds, cols};
     }
+  }
+
+  // `rows` (n x width, the inputs) transposed: width x n, as value pairs where kFactorPairs
+  // (width x 2n), else widened.
+  Operand<factor_t> rows_transposed(Operand<scalar_t> rows, int64_t n, int64_t width,
+                                    factor_t* scratch, Scratch& s) const {
+    if constexpr (kFactorPairs) {
+      const Operand<gemm_t> pairs =
+          Pack::b_value_pairs(rows.data, n, width, rows.ld, s.words.data());
+      return Pack::a_transposed_words(pairs.data, n, width, scratch);
+    } else {
+      return GradientPack::a_transposed(rows.data, n, width, rows.ld, scratch);
+    }
+  }
+
+  // acc (width x cols, leading dim ld) += rows_i^T F, F the pair's P or dS (rows x cols) and
+  // rows_i the query rows `rows_of` (rows x width), as `rows_t` holds them transposed (QueryRows)
+  // unless the guard cleaned them. kFactorPairs multiplies by F's pairs, else by F in float32.
+  void add_transposed_gradient(Factor which, Operand<scalar_t> rows_of, Operand<factor_t> rows_t,
+                               int64_t width, int64_t b, int64_t q0, int64_t rows, int64_t k0,
+                               int64_t cols, acc_t* acc, int64_t ld, Scratch& s) const {
+    const Operand<factor_t> factor = factor_operand(which, /*as_a=*/false, cols, s);
+    s.guard.multiply_add_by(
+        dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), width, cols, rows,
+        masked_factor(which == Factor::kP ? s.p : s.ds, cols, /*transposed=*/true, s), rows_of,
+        [&](Operand<scalar_t> source) {
+          const Operand<factor_t> a =
+              source.data == rows_of.data
+                  ? rows_t
+                  : rows_transposed(source, rows, width, s.packed_rows.data(), s);
+          multiply(width, cols, kPerValue * rows, a, factor, acc, ld, /*accumulate=*/true);
+        },
+        acc, ld);
   }
 };
 

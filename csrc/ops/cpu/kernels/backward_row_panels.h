@@ -67,14 +67,13 @@ class RowPanelGradients {
     typename Pair::Scratch pair;
     // The panel of one query block: P, dP' and (under a softcap) its factors, part after part.
     std::vector<acc_t> p, dp, softcap_grad;
-    std::vector<acc_t> dk, dv, dq;  // dK and dV of every key of the task, dQ of a query block
+    std::vector<acc_t> dq;  // dQ of a query block
     std::vector<PairPart> parts;
+    // dK^T and dV^T of every key of the task: the pair's key tile of all the key blocks.
     Scratch(const AttentionDims& d, const BlockSizes& blocks)
-        : pair(d, blocks, /*tile=*/1),
+        : pair(d, blocks, /*tile=*/ceil_div(d.len_k, blocks.keys)),
           p(blocks.query_rows * d.len_k),
           dp(p.size()),
-          dk(d.len_k * d.head_dim),
-          dv(d.len_k * d.value_dim),
           dq(blocks.query_rows * d.head_dim) {}
   };
 
@@ -82,8 +81,8 @@ class RowPanelGradients {
   void key_value_head(int64_t bh_kv, Scratch& s) const {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
     const int64_t keys = dims_.rows_k(b), D = dims_.head_dim, Dv = dims_.value_dim;
-    std::fill_n(s.dk.data(), keys * D, acc_t(0));
-    std::fill_n(s.dv.data(), keys * Dv, acc_t(0));
+    std::fill(s.pair.grad_a.begin(), s.pair.grad_a.end(), acc_t(0));
+    std::fill(s.pair.grad_b.begin(), s.pair.grad_b.end(), acc_t(0));
     if (pair_.modifiers.has_softcap() && s.softcap_grad.empty()) {
       s.softcap_grad.resize(s.p.size());
     }
@@ -93,8 +92,11 @@ class RowPanelGradients {
       }
     }
     for (int64_t c = 0; c < keys; ++c) {
-      dk_.store(s.dk.data() + c * D, D, pair_.scale, b, h_kv, c);
-      dv_.store(s.dv.data() + c * Dv, Dv, acc_t(1), b, h_kv, c);
+      const int64_t ld = s.pair.gradient_ld();
+      dk_.store(Pair::column(s.pair.key_gradient_column(c, dims_), ld, D, s.pair), D, pair_.scale,
+                b, h_kv, c);
+      dv_.store(Pair::column(s.pair.value_gradient_column(c, dims_), ld, Dv, s.pair), Dv, acc_t(1),
+                b, h_kv, c);
     }
   }
 
@@ -126,9 +128,10 @@ class RowPanelGradients {
       pair_.gradients_from_panel(bh, panel_slot(offset, s), part_q0, part_rows, k0, cols, s.pair);
       const auto part_rows_of = Pair::rows_from(qr, part_q0 - q0);
       pair_.add_value_gradient(b, h, part_q0, part_rows, k0, cols, part_rows_of,
-                               s.dv.data() + k0 * dims_.value_dim, s.pair);
+                               s.pair.value_gradient_column(k0, dims_), s.pair.gradient_ld(),
+                               s.pair);
       pair_.add_key_gradient(b, h, part_q0, part_rows, k0, cols, part_rows_of,
-                             s.dk.data() + k0 * dims_.head_dim, s.pair);
+                             s.pair.key_gradient_column(k0, dims_), s.pair.gradient_ld(), s.pair);
       pair_.add_query_product(b, h_kv, part_q0, part_rows, k0, cols,
                               s.dq.data() + (part_q0 - q0) * dims_.head_dim, dims_.head_dim,
                               s.pair);

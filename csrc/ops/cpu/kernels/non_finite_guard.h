@@ -23,9 +23,10 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // The A operand of a guarded product as the kernel holds it, untransposed: values[r * ld + c],
 // where row r sees columns [first[r], visible[r]), less the columns c with kept[c] false where
 // `kept` (the key mask of the block) is not null and those that row r's attn_mask hides where
-// `mask_rows` (one per row) is not null. With `transposed`, the product multiplies by
-// its transpose, so B's rows are indexed by r (dV += P^T dO, dK += dS^T Q); else by c
-// (O += P V, dQ += dS K).
+// `mask_rows` (one per row) is not null. With `transposed`, the guarded rows meet the rows r
+// of `values` and the product is c (width x cols) += rows^T values, a row's contribution landing
+// in the columns of c (dV^T += dO^T P, dK^T += Q^T dS); else they meet its columns c and the
+// product is c (rows x width) += values rows (O += P V, dQ += dS K).
 template <typename acc_t>
 struct MaskedFactor {
   const acc_t* values;
@@ -94,7 +95,8 @@ class NonFiniteRowGuard {
   void multiply_add_by(bool has_masked_entries, int64_t M, int64_t N, int64_t K,
                        const MaskedFactor<acc_t>& factor, Operand<scalar_t> b_rows,
                        const MultiplyBy& multiply_by, acc_t* c, int64_t ldc) {
-    multiply_by(prepare(has_masked_entries, b_rows, K, N));
+    // The guarded rows are K rows of c's width: N, or M where c is transposed (factor).
+    multiply_by(prepare(has_masked_entries, b_rows, K, factor.transposed ? M : N));
     add_back(M, N, factor, b_rows, c, ldc);
   }
 
@@ -106,10 +108,13 @@ class NonFiniteRowGuard {
     for (int64_t i : bad_rows_) {
       const scalar_t* bad = b_rows.data + i * b_rows.ld;
       if (factor.transposed) {
-        // Row i of B meets column i of A^T: row i of `values`, on the keys it sees.
+        // Guarded row i (M values) meets row i of `values`, on the keys it sees: column j of c.
         for (int64_t j = factor.first[i]; j < factor.visible[i]; ++j) {
           if (factor.sees(i, j)) {
-            axpy(factor.values[i * factor.ld + j], bad, N, c + j * ldc);
+            const acc_t alpha = factor.values[i * factor.ld + j];
+            for (int64_t d = 0; d < M; ++d) {
+              c[d * ldc + j] += alpha * static_cast<acc_t>(bad[d]);
+            }
           }
         }
       } else {

@@ -157,13 +157,14 @@ struct Packing {
     return {scratch, n};
   }
 
-  // A = the transpose of `rows` x `cols` (hi, lo) pairs (split_into_pairs, leading dim 2 cols):
-  // cols rows of `rows` pairs, to multiply value pairs of B (dV += P^T dO, dK += dS^T Q).
-  static Operand<gemm_t> a_transposed_pairs(const gemm_t* pairs, int64_t rows, int64_t cols,
+  // A = the transpose of n x width 32-bit words (pairs of values, leading dim 2 width): width
+  // rows of n pairs. With the value pairs of n rows (b_value_pairs), the A of rows^T F against
+  // the (hi, lo) pairs of F held as a VNNI B (dV^T += dO^T P, dK^T += Q^T dS).
+  static Operand<gemm_t> a_transposed_words(const gemm_t* words, int64_t n, int64_t width,
                                             gemm_t* scratch) {
     static_assert(kVnni, "value pairs are VNNI operands");
-    transpose_pairs(pairs, rows, cols, 2 * cols, scratch, rows);
-    return {scratch, 2 * rows};
+    transpose_pairs(words, n, width, 2 * width, scratch, n);
+    return {scratch, 2 * n};
   }
 
   // B = src^T, where src is (n x k) with leading dim ld: K_j^T from the rows of K. The operand
