@@ -2,6 +2,7 @@
 // [k0, k0 + cols) of its KV head), shared by its schedules (row panels, one pass, two passes):
 //   S = Q_i K_j^T;  P = exp(x(S) - lse);  dP = dO_i V_j^T;  dS = P o (dP - delta) o x'(S)
 //   dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dQ_i += dS K_j
+// (dV_j and dK_j summed transposed, dV_j^T += dO_i^T P and dK_j^T += Q_i^T dS: add_value_gradient),
 // with x the modified scores of score_modifiers.h (x' / scale = 1 - tanh^2 under softcap, else 1)
 // and, under dropout, P and dP masked and scaled by 1 / (1 - p) (the factor `scale` of dK and dQ
 // is applied once, when they are stored). P is recomputed from the saved lse, never stored.
