@@ -33,9 +33,10 @@ the accuracy rule of the reduced-precision tests), with every product at the inp
 (P and dS rounded, outside that rule), and with P and dS each split into (hi, lo) pairs of the
 input dtype (float32-grade: a product of twice the reduction for each float32 one, which pays
 only where the input dtype multiplies more than twice as fast; what bfloat16 takes where its
-products are native). Against our float32 call: its products' floor over this call's (the gain at equal efficiency: the rest of both calls, the softmax pass
-above all, is the same float32 work), and its measured time over this call's floor (the gain if
-this call did nothing but its products at their best rate while float32 stayed as it is).
+products are native). Against our float32 call: its products' floor over this call's (the gain
+at equal efficiency: the rest of both calls, the softmax pass above all, is the same float32
+work), and its measured time over this call's floor (the gain if this call did nothing but its
+products at their best rate while float32 stayed as it is).
 """
 
 import argparse

@@ -29,10 +29,10 @@ void block_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* A, int64_t lda
 
 // How bfloat16/float16 inputs are multiplied. The algorithm is the same on every CPU: the
 // products of two inputs (S = Q K^T, dP = dO V^T) take them in their own dtype; every product
-// with P or dS takes those in float32 and the input widened to float32 (kernels/
-// backward_block_pair.h says why), except the bfloat16 forward's O += P V, which takes P as
-// (hi, lo) bfloat16 pairs (kernels/operands.h: one bfloat16 product where native, P = hi + lo
-// in float32 where widened). Only the products of two inputs follow the CPU:
+// with P or dS takes those at float32 grade (kernels/backward_block_pair.h says why): bfloat16 as
+// (hi, lo) bfloat16 pairs (kernels/operands.h: one bfloat16 product where native, hi + lo in
+// float32 where widened; paged and 8-bit caches keep the forward's P in float32), float16 in
+// float32 with the input widened to float32. Only the products of two inputs follow the CPU:
 //   - native: the overloads above, oneDNN's bf16/f16 dot products (AVX-512 BF16, AMX,
 //     AVX512-FP16);
 //   - widened: the inputs converted to float32 tiles and multiplied by the float32 product

@@ -174,12 +174,11 @@ class BackwardKernel {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
     const int64_t tile_end = std::min(dims_.rows_k(b), k0 + tile * blocks_.keys);
     std::array<typename Pair::KeyOperands, kMaxKeyTileBlocks> ko;
-    for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
-      const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
-      ko[t] = pair_.key_operands(b, h_kv, kj);
-      std::fill_n(s.key_gradient(t, dims_), s.gradient_ld() * dims_.head_dim, acc_t(0));
-      std::fill_n(s.value_gradient(t, dims_), s.gradient_ld() * dims_.value_dim, acc_t(0));
+    const int64_t tile_blocks = ceil_div(tile_end - k0, blocks_.keys);
+    for (int64_t t = 0; t < tile_blocks; ++t) {
+      ko[t] = pair_.key_operands(b, h_kv, k0 + t * blocks_.keys);
     }
+    s.zero_key_gradients(tile_blocks, dims_);
     // The query blocks with a row that sees a key of the tile.
     const int64_t first_q0 =
         dims_.first_row_seeing(b, k0) / blocks_.query_rows * blocks_.query_rows;
@@ -210,15 +209,7 @@ class BackwardKernel {
         }
       }
     }
-    for (int64_t t = 0; k0 + t * blocks_.keys < tile_end; ++t) {
-      const int64_t kj = k0 + t * blocks_.keys, cols = std::min(blocks_.keys, tile_end - kj);
-      for (int64_t c = 0; c < cols; ++c) {
-        dk_.store(Pair::column(s.key_gradient(t, dims_) + c, s.gradient_ld(), dims_.head_dim, s),
-                  dims_.head_dim, pair_.scale, b, h_kv, kj + c);
-        dv_.store(Pair::column(s.value_gradient(t, dims_) + c, s.gradient_ld(), dims_.value_dim, s),
-                  dims_.value_dim, acc_t(1), b, h_kv, kj + c);
-      }
-    }
+    s.store_key_gradients(dk_, dv_, pair_.scale, dims_, b, h_kv, k0, tile_end - k0);
   }
 
   // One block pair (its part): dV_j^T and dK_j^T into the transposed accumulators of its keys

@@ -69,7 +69,6 @@ class BlockPairGradients {
     // kFactorPairs, `words` holds their value pairs before they are transposed).
     std::vector<factor_t> q_t, do_t, packed_rows, words;
     std::vector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
-    std::vector<acc_t> column;  // a column of the transposed dK or dV accumulators
     // The current pair's P and dS (rows x cols): p_block and ds_block, or a panel slot's.
     acc_t* p = nullptr;
     acc_t* ds = nullptr;
@@ -99,7 +98,7 @@ class BlockPairGradients {
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           mask_rows(blocks.query_rows),
-          column(std::max(d.head_dim, d.value_dim)),
+          column_values(std::max(d.head_dim, d.value_dim)),
           keys_per_block(blocks.keys) {}
 
     // The dK_j^T and dV_j^T accumulators of block t of a key tile (D x cols and Dv x cols,
@@ -118,6 +117,23 @@ class BlockPairGradients {
     acc_t* value_gradient_column(int64_t key, const AttentionDims& d) {
       return value_gradient(key / keys_per_block, d) + key % keys_per_block;
     }
+    // Zeros the accumulators of the tile's first `tile_blocks` blocks.
+    void zero_key_gradients(int64_t tile_blocks, const AttentionDims& d) {
+      std::fill_n(grad_a.data(), tile_blocks * keys_per_block * d.head_dim, acc_t(0));
+      std::fill_n(grad_b.data(), tile_blocks * keys_per_block * d.value_dim, acc_t(0));
+    }
+    // Stores the tile's keys [0, count): scale dK_j and dV_j as rows first_key + i of KV head
+    // h_kv of batch item b (a column of the accumulators each).
+    template <typename Rows>
+    void store_key_gradients(const Rows& dk, const Rows& dv, acc_t scale, const AttentionDims& d,
+                             int64_t b, int64_t h_kv, int64_t first_key, int64_t count) {
+      for (int64_t c = 0; c < count; ++c) {
+        dk.store(column(key_gradient_column(c, d), d.head_dim), d.head_dim, scale, b, h_kv,
+                 first_key + c);
+        dv.store(column(value_gradient_column(c, d), d.value_dim), d.value_dim, acc_t(1), b, h_kv,
+                 first_key + c);
+      }
+    }
     // kFactorPairs: the (hi, lo) pairs of P or of dS (rows x cols pairs: a VNNI B of 2 rows
     // reduction rows, leading dim cols).
     gemm_t* pairs(Factor which) {
@@ -125,6 +141,14 @@ class BlockPairGradients {
     }
 
    private:
+    // The n values from `top` down a column of the transposed accumulators, as one row.
+    const acc_t* column(const acc_t* top, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        column_values[i] = top[i * keys_per_block];
+      }
+      return column_values.data();
+    }
+    std::vector<acc_t> column_values;  // column()'s
     int64_t keys_per_block;
   };
 
@@ -312,14 +336,6 @@ class BlockPairGradients {
           multiply(rows, D, kPerValue * cols, ds, keys, acc, ld_acc, /*accumulate=*/true);
         },
         acc, ld_acc);
-  }
-
-  // The n values c[i * ld]: a key's row of dK or dV from their transposed accumulators.
-  static const acc_t* column(const acc_t* c, int64_t ld, int64_t n, Scratch& s) {
-    for (int64_t i = 0; i < n; ++i) {
-      s.column[i] = c[i * ld];
-    }
-    return s.column.data();
   }
 
   const AttentionDims dims;

@@ -80,9 +80,8 @@ class RowPanelGradients {
   // Every gradient of one (batch, KV head).
   void key_value_head(int64_t bh_kv, Scratch& s) const {
     const int64_t b = bh_kv / dims_.heads_kv, h_kv = bh_kv % dims_.heads_kv;
-    const int64_t keys = dims_.rows_k(b), D = dims_.head_dim, Dv = dims_.value_dim;
-    std::fill(s.pair.grad_a.begin(), s.pair.grad_a.end(), acc_t(0));
-    std::fill(s.pair.grad_b.begin(), s.pair.grad_b.end(), acc_t(0));
+    const int64_t keys = dims_.rows_k(b);
+    s.pair.zero_key_gradients(ceil_div(keys, blocks_.keys), dims_);
     if (pair_.modifiers.has_softcap() && s.softcap_grad.empty()) {
       s.softcap_grad.resize(s.p.size());
     }
@@ -91,13 +90,7 @@ class RowPanelGradients {
         query_block(b, h, q0, s);
       }
     }
-    for (int64_t c = 0; c < keys; ++c) {
-      const int64_t ld = s.pair.gradient_ld();
-      dk_.store(Pair::column(s.pair.key_gradient_column(c, dims_), ld, D, s.pair), D, pair_.scale,
-                b, h_kv, c);
-      dv_.store(Pair::column(s.pair.value_gradient_column(c, dims_), ld, Dv, s.pair), Dv, acc_t(1),
-                b, h_kv, c);
-    }
+    s.pair.store_key_gradients(dk_, dv_, pair_.scale, dims_, b, h_kv, 0, keys);
   }
 
   // Query block q0 of head h: its statistics, then its gradients, from one panel.
