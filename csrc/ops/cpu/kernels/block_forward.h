@@ -96,7 +96,7 @@ class BlockForward {
   struct Scratch {
     std::vector<gemm_t> q_tile;
     std::vector<acc_t> v_tile, scores;  // v_tile: a block the guard cleaned (not kValuePairs)
-    std::vector<acc_t> partial;         // one chain's scores (multiply_in_chains)
+    std::vector<acc_t> partial;  // the last chain of the scores (multiply_in_chains_but_last)
     // P as (hi, lo) pairs (kValuePairs; at::empty, as a vector's zeros cost a short call a tenth
     // of its time), and the value pairs of a block the guard cleaned (sized when one is).
     at::Tensor probability_pairs;
@@ -173,19 +173,26 @@ class BlockForward {
   void key_block(int64_t b, int64_t h, Operand<gemm_t> q_block, int64_t q0, int64_t first_state_row,
                  int64_t rows, int64_t k0, int64_t cols, const Packed& packed, Scratch& s) const {
     const int64_t h_kv = h / dims_.group();
-    // S = Q_i K_j^T
-    multiply_in_chains(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0),
-                       s.scores.data(), cols, score_chain(dims_), s.partial.data());
+    // S = Q_i K_j^T, its last chain of the head dim added row by row below
+    const bool last_chain_left =
+        multiply_in_chains_but_last(rows, cols, dims_.head_dim, q_block, packed.keys_t(b, h_kv, k0),
+                                    s.scores.data(), cols, score_chain(dims_), s.partial.data());
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
-    // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
+    // l = e^(m-m') l + rowsum(P); O = e^(m-m') O. Each row is finished while it is in L1: its
+    // last chain added as the fold reads it, its P split into (hi, lo) pairs last (kValuePairs).
     const BlockMasks masks = dims_.block_masks(b, h, q0, rows, k0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       const KeyRange range = dims_.visible_in_block(b, q0 + r, k0, cols);
       s.first_visible[r] = range.begin;
       s.visible[r] = range.end;
+      acc_t* row = s.scores.data() + r * cols;
       const RowScoring<acc_t> scoring = modifiers_.row(dims_, b, h, q0 + r, k0, masks);
       s.mask_rows[r] = scoring.mask;
-      s.state.fold_row(s.scores.data() + r * cols, first_state_row + r, range, cols, scoring);
+      s.state.fold_row(row, first_state_row + r, range, cols, scoring,
+                       last_chain_left ? s.partial.data() + r * cols : nullptr);
+      if constexpr (kValuePairs) {
+        split_into_pairs(row, cols, s.probability_pairs.template data_ptr<gemm_t>() + r * 2 * cols);
+      }
     }
     // O += P V_j
     accumulate_values(b, h_kv, q0, rows, k0, cols, masks, packed,
@@ -204,9 +211,7 @@ class BlockForward {
         s.visible.data(),
         /*transposed=*/false, masks.kept, masks.attn_mask ? s.mask_rows.data() : nullptr};
     if constexpr (kValuePairs) {
-      gemm_t* pairs = s.probability_pairs.template data_ptr<gemm_t>();
-      split_into_pairs(s.scores.data(), rows * cols, pairs);
-      const Operand<gemm_t> p_pairs{pairs, 2 * cols};
+      const Operand<gemm_t> p_pairs{s.probability_pairs.template data_ptr<gemm_t>(), 2 * cols};
       const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
       s.v_guard.multiply_add_by(
           has_masked_entries, rows, dims_.value_dim, cols, factor, v_rows,

@@ -26,28 +26,55 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // scale = 1e10 and float32 the two differ by up to half an ulp of 1e11 (4096), and exp(+-4096)
 // overflows or vanishes, turning rows into NaN or zeros.
 
-// row[c] *= scale for c in [begin, end), returning their max (NaN if one is NaN, -inf if
-// none), in one pass: the plain scores' fast path. The last partial vector is loaded and stored
-// under a mask: a diagonal block's rows end anywhere, and a scalar loop over their tails (a NaN
-// test a column) was a large part of a short row's fold (with zero_columns and the first block's
-// skipped rescaling, a tenth fewer of the fold's samples at L = 64 on an AMX Xeon).
-template <typename acc_t>
-inline acc_t scale_and_max(acc_t* row, int64_t begin, int64_t end, acc_t scale) {
+// row[c] = (row[c] + rest[c]) * scale (without rest where it is null: kAddsRest) for c in
+// [begin, end), returning their max (NaN if one is NaN, -inf if none), in one pass: the plain
+// scores' fast path. rest is the last chain of the scores' products (multiply_in_chains_but_last),
+// added as the row is read. The max is taken in four chains of vectors, combined at the end (a
+// max is exact, so the order changes nothing): one chain's NaN-keeping maximum is 8 cycles of
+// latency a vector, which bound the loop (a sixth of a bfloat16 forward's samples at L 2048, D
+// 128 on an AMX Xeon). The last partial vector is loaded and stored under a mask: a diagonal
+// block's rows end anywhere, and a scalar loop over their tails (a NaN test a column) was a large
+// part of a short row's fold (with zero_columns and the first block's skipped rescaling, a tenth
+// fewer of the fold's samples at L = 64 on an AMX Xeon).
+template <bool kAddsRest, typename acc_t>
+inline acc_t scale_and_max(acc_t* row, const acc_t* rest, int64_t begin, int64_t end, acc_t scale) {
   using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t N = Vec::size(), kChains = 4;
   const Vec scale_vec(scale), lowest(-std::numeric_limits<acc_t>::infinity());
-  Vec max_vec = lowest;
+  const auto scaled = [&](int64_t c) {
+    if constexpr (kAddsRest) {
+      return (Vec::loadu(row + c) + Vec::loadu(rest + c)) * scale_vec;
+    } else {
+      return Vec::loadu(row + c) * scale_vec;
+    }
+  };
+  Vec max_vecs[kChains] = {lowest, lowest, lowest, lowest};
   int64_t c = begin;
-  for (; c + Vec::size() <= end; c += Vec::size()) {
-    const Vec x = Vec::loadu(row + c) * scale_vec;
+  for (; c + kChains * N <= end; c += kChains * N) {
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kChains; ++i) {
+      const Vec x = scaled(c + i * N);
+      x.store(row + c + i * N);
+      max_vecs[i] = at::vec::maximum(max_vecs[i], x);
+    }
+  }
+  for (; c + N <= end; c += N) {
+    const Vec x = scaled(c);
     x.store(row + c);
-    max_vec = at::vec::maximum(max_vec, x);
+    max_vecs[0] = at::vec::maximum(max_vecs[0], x);
   }
   if (c < end) {
     const int64_t tail = end - c;
-    const Vec x = Vec::loadu(row + c, tail) * scale_vec;
+    Vec x = Vec::loadu(row + c, tail);
+    if constexpr (kAddsRest) {
+      x = x + Vec::loadu(rest + c, tail);
+    }
+    x = x * scale_vec;
     x.store(row + c, tail);
-    max_vec = at::vec::maximum(max_vec, Vec::set(lowest, x, tail));
+    max_vecs[0] = at::vec::maximum(max_vecs[0], Vec::set(lowest, x, tail));
   }
+  const Vec max_vec = at::vec::maximum(at::vec::maximum(max_vecs[0], max_vecs[1]),
+                                       at::vec::maximum(max_vecs[2], max_vecs[3]));
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
                                         max_vec);
 }
@@ -67,34 +94,62 @@ inline void zero_columns(acc_t* row, int64_t begin, int64_t end) {
   }
 }
 
-// The scores x of row[begin, end) (score_modifiers.h), returning their max.
+// The scores x of row[begin, end) (score_modifiers.h), with the last chain of the scores'
+// products added first where `rest` holds it, returning their max.
 template <typename acc_t>
 inline acc_t score_row(const RowScoring<acc_t>& scoring, acc_t* row, int64_t begin, int64_t end,
-                       acc_t* softcap_grad = nullptr) {
-  return scoring.plain() ? scale_and_max(row, begin, end, scoring.scale)
-                         : scoring.apply(row, begin, end, softcap_grad);
+                       acc_t* softcap_grad = nullptr, const acc_t* rest = nullptr) {
+  if (scoring.plain()) {
+    return rest ? scale_and_max<true>(row, rest, begin, end, scoring.scale)
+                : scale_and_max<false>(row, rest, begin, end, scoring.scale);
+  }
+  if (rest) {
+    add_row(row + begin, rest + begin, end - begin);
+  }
+  return scoring.apply(row, begin, end, softcap_grad);
 }
+
+// What exp_and_sum may assume of its arguments row[c] - shift.
+enum class ExpArguments {
+  // Anything: shift is the backward's lse, which may sit below a score that the backward
+  // recomputes in another summation order than the forward did, or be NaN (a poisoned row).
+  kAny,
+  // Never NaN and never above 0: shift is the forward's finite row max of these very x (x <= max
+  // gives x - max <= 0 exactly), and no x is NaN (its max would be NaN). The exponential then
+  // needs neither the clamp nor the NaN select: 8 of a vector's ~28 instructions in the fold's
+  // hottest loop (AVX-512), the results bitwise the same.
+  kNotAboveShift,
+};
 
 // row[c] = exp(min(row[c] - shift, 0)) for c in [begin, end), 0 for the other c < cols; returns
 // the sum of the exponentials. shift = the row max in the forward, lse in the backward, so the
 // argument is never positive in exact arithmetic. The backward may recompute a score in another
 // summation order than the forward did (the decode path's dot products against the block
 // products): at an absurd scale (scale * |q.k| above ~1e9 in float32) that rounding difference
-// alone exceeds exp's range, and the clamp keeps P a probability instead of inf.
-template <typename acc_t>
+// alone exceeds exp's range, and the clamp keeps P a probability instead of inf. The clamp is
+// clamp_max, not minimum: one instruction that keeps a NaN argument as minimum does (against 0,
+// never NaN itself), where minimum tests for NaN apart.
+template <ExpArguments kArguments, typename acc_t>
 inline acc_t exp_and_sum(acc_t* row, int64_t begin, int64_t end, int64_t cols, acc_t shift) {
   using Vec = at::vec::Vectorized<acc_t>;
   const Vec shift_vec(shift), zero(acc_t(0));
+  const auto exponential = [&](Vec x) {
+    if constexpr (kArguments == ExpArguments::kNotAboveShift) {
+      return vec_exp_of_number(x - shift_vec);
+    } else {
+      return vec_exp(at::vec::clamp_max(x - shift_vec, zero));
+    }
+  };
   Vec sum_vec(acc_t(0));
   int64_t c = begin;
   for (; c + Vec::size() <= end; c += Vec::size()) {
-    const Vec p = vec_exp(at::vec::minimum(Vec::loadu(row + c) - shift_vec, zero));
+    const Vec p = exponential(Vec::loadu(row + c));
     p.store(row + c);
     sum_vec = sum_vec + p;
   }
   if (c < end) {
     const int64_t tail = end - c;
-    const Vec p = vec_exp(at::vec::minimum(Vec::loadu(row + c, tail) - shift_vec, zero));
+    const Vec p = exponential(Vec::loadu(row + c, tail));
     p.store(row + c, tail);
     sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);
   }
@@ -119,13 +174,15 @@ struct RowState {
   }
 
   // Folds one block of raw scores q.k of row r (keys [range.begin, range.end) of `cols`
-  // visible, less those the key mask hides) into its state, and leaves the block's
+  // visible, less those the key mask hides; last_chain, where given, the last chain of the
+  // products of q.k, added first) into its state, and leaves the block's
   // probabilities (relative to the new max, zero where dropout drops them) in `scores`:
   //   m' = max(m, rowmax(x)); P = exp(x - m'); l = e^(m - m') l + rowsum(P);
   //   O = e^(m - m') O  (the caller then adds P V; finish_row applies 1 / (1 - p)).
   void fold_row(acc_t* scores, int64_t r, KeyRange range, int64_t cols,
-                const RowScoring<acc_t>& scoring) {
-    const acc_t block_max = score_row(scoring, scores, range.begin, range.end);
+                const RowScoring<acc_t>& scoring, const acc_t* last_chain = nullptr) {
+    const acc_t block_max = score_row<acc_t>(scoring, scores, range.begin, range.end,
+                                             /*softcap_grad=*/nullptr, last_chain);
     const acc_t old_max = max[r];
     const acc_t new_max = std::isnan(block_max) ? block_max : std::max(old_max, block_max);
     if (new_max == -std::numeric_limits<acc_t>::infinity() || std::isnan(new_max)) {
@@ -141,7 +198,9 @@ struct RowState {
     const bool first_visible_block = old_max == -std::numeric_limits<acc_t>::infinity();
     const acc_t correction =
         new_max == old_max || first_visible_block ? acc_t(1) : std::exp(old_max - new_max);
-    sum[r] = sum[r] * correction + exp_and_sum(scores, range.begin, range.end, cols, new_max);
+    // One expression, the call last: the product is rounded before the exponentials are summed
+    // (with the sum computed first, GCC fused the two into one multiply-add, an ulp apart).
+    sum[r] = sum[r] * correction + probabilities(scores, range, cols, new_max);
     max[r] = new_max;
     if (scoring.dropout) {
       scoring.drop(scores, range.begin, range.end, acc_t(1));
@@ -149,6 +208,16 @@ struct RowState {
     if (correction != acc_t(1)) {
       scale_row(out.data() + r * value_dim, value_dim, correction);
     }
+  }
+
+ private:
+  // P = exp(x - max) over the row's keys of the block (exp_and_sum), max its new finite or +inf
+  // max; returns their sum.
+  static acc_t probabilities(acc_t* scores, KeyRange range, int64_t cols, acc_t max) {
+    if (max == std::numeric_limits<acc_t>::infinity()) {  // inf - inf: NaN probabilities
+      return exp_and_sum<ExpArguments::kAny>(scores, range.begin, range.end, cols, max);
+    }
+    return exp_and_sum<ExpArguments::kNotAboveShift>(scores, range.begin, range.end, cols, max);
   }
 };
 
@@ -203,7 +272,7 @@ inline RecomputedRow<acc_t> probabilities_row(acc_t* p, acc_t* dp, KeyRange rang
   }
   const int64_t begin = range.begin, end = range.end;
   score_row(scoring, p, begin, end, scratch.softcap_grad);
-  const acc_t mass = exp_and_sum(p, begin, end, cols, lse);
+  const acc_t mass = exp_and_sum<ExpArguments::kAny>(p, begin, end, cols, lse);
   if (scoring.dropout) {
     // The mask once, for dP here and for P in finish_gradient_row.
     scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "../block_gemm.h"
+#include "row_ops.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -302,24 +303,41 @@ inline void multiply(int64_t M, int64_t N, int64_t K, Operand<gemm_t> a, Operand
 }
 
 // C[M, N] = A[M, K] * B[K, N] summed in chains of at most `chain` (even) k, each chain a product
-// of its own (into `partial`, M x N) added to C in order. The micro-kernel sums along K in one
-// chain of fused multiply-adds, whose rounding error grows with its length: with K = 128 its
-// scores measured twice the error of a blocked GEMM's, which a peaked softmax turns into twice
-// the error of its P, and so of every gradient. Row-major and VNNI B alike hold k0 (even) at
-// row k0 * ld.
+// of its own (into `partial`, M x N) added to C in order, but for the last one: that is left in
+// `partial` where the return says so (K longer than one chain), for the caller to add to each row
+// of C as it next reads it. The forward's fold adds it a row at a time while the row is in L1:
+// a pass of its own over a block of C and partial came from L2 (128 x 256 scores on AMX) and
+// took 7 % of a bfloat16 forward (L 2048, D 128). The micro-kernel sums along K in one chain of
+// fused multiply-adds, whose rounding error grows with its length: with K = 128 its scores
+// measured twice the error of a blocked GEMM's, which a peaked softmax turns into twice the error
+// of its P, and so of every gradient. Row-major and VNNI B alike hold k0 (even) at row k0 * ld.
 template <typename gemm_t, typename acc_t>
-inline void multiply_in_chains(int64_t M, int64_t N, int64_t K, Operand<gemm_t> a,
-                               Operand<gemm_t> b, acc_t* c, int64_t ldc, int64_t chain,
-                               acc_t* partial) {
+inline bool multiply_in_chains_but_last(int64_t M, int64_t N, int64_t K, Operand<gemm_t> a,
+                                        Operand<gemm_t> b, acc_t* c, int64_t ldc, int64_t chain,
+                                        acc_t* partial) {
   const int64_t padded = Packing<gemm_t>::padded_k(K);
   block_gemm(M, N, std::min(padded, chain), a.data, a.ld, b.data, b.ld, c, ldc,
              /*accumulate=*/false);
   for (int64_t k0 = chain; k0 < padded; k0 += chain) {
+    if (k0 > chain) {  // the chain before this one
+      for (int64_t i = 0; i < M; ++i) {
+        add_row(c + i * ldc, partial + i * N, N);
+      }
+    }
     block_gemm(M, N, std::min(chain, padded - k0), a.data + k0, a.ld, b.data + k0 * b.ld, b.ld,
                partial, N, /*accumulate=*/false);
+  }
+  return padded > chain;
+}
+
+// C[M, N] = A[M, K] * B[K, N] summed in chains, every chain added (multiply_in_chains_but_last).
+template <typename gemm_t, typename acc_t>
+inline void multiply_in_chains(int64_t M, int64_t N, int64_t K, Operand<gemm_t> a,
+                               Operand<gemm_t> b, acc_t* c, int64_t ldc, int64_t chain,
+                               acc_t* partial) {
+  if (multiply_in_chains_but_last(M, N, K, a, b, c, ldc, chain, partial)) {
     for (int64_t i = 0; i < M; ++i) {
-      at::vec::map2<acc_t>([](auto x, auto y) { return x + y; }, c + i * ldc, c + i * ldc,
-                           partial + i * N, N);
+      add_row(c + i * ldc, partial + i * N, N);
     }
   }
 }

@@ -11,13 +11,23 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
+// exp of an x that is never NaN: for float exp_u20, the accuracy torch's own CPU flash attention
+// uses (exp(-inf) = 0).
+template <typename acc_t>
+inline at::vec::Vectorized<acc_t> vec_exp_of_number(const at::vec::Vectorized<acc_t>& x) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
 // exp that keeps NaN (exp_u20 clamps its input first, which would turn a NaN score into a
 // finite probability and hide a poisoned row).
 template <typename acc_t>
 inline at::vec::Vectorized<acc_t> vec_exp(const at::vec::Vectorized<acc_t>& x) {
   if constexpr (std::is_same_v<acc_t, float>) {
-    // exp_u20: the accuracy torch's own CPU flash attention uses.
-    return at::vec::Vectorized<float>::blendv(x.exp_u20(), x, x.isnan());
+    return at::vec::Vectorized<float>::blendv(vec_exp_of_number(x), x, x.isnan());
   } else {
     return x.exp();
   }
@@ -36,6 +46,13 @@ template <typename acc_t>
 inline void multiply_row(acc_t* row, const acc_t* factors, int64_t n) {
   using Vec = at::vec::Vectorized<acc_t>;
   at::vec::map2<acc_t>([](Vec x, Vec f) { return x * f; }, row, row, factors, n);
+}
+
+// row[c] += other[c].
+template <typename acc_t>
+inline void add_row(acc_t* row, const acc_t* other, int64_t n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  at::vec::map2<acc_t>([](Vec x, Vec y) { return x + y; }, row, row, other, n);
 }
 
 // row[c] += factor * other[c].
