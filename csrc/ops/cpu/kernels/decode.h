@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
@@ -128,8 +129,10 @@ class DecodeForward {
     std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
-    // The runs of K and V rows of the current block and the next (block_runs)
+    // The runs of K and V rows of the current block and the next (block_runs), and the first key
+    // of the next (-1: none found yet in this item), whose runs become the current ones there.
     std::vector<RowRun<kv_t>> key_runs, value_runs, next_key_runs, next_value_runs;
+    int64_t next_runs_key = -1;
     std::vector<int64_t> run_first, run_visible;  // first_visible, visible relative to a run
     std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
@@ -212,6 +215,7 @@ class DecodeForward {
         }
       }
       s.state.reset(t.rows);
+      s.next_runs_key = -1;
     }
     const auto [key_begin, key_end] = task_keys(first, split, splits);
     for (int64_t k0 = key_begin, cols; k0 < key_end; k0 += cols) {
@@ -438,13 +442,21 @@ class DecodeForward {
       s.mask_rows[r] = modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks).mask;
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
-    // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches)
-    block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
+    // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches,
+    // found once: the previous block found this one's, unless the key mask skipped a block)
+    if (s.next_runs_key == k0) {
+      std::swap(s.key_runs, s.next_key_runs);
+      std::swap(s.value_runs, s.next_value_runs);
+    } else {
+      block_runs(b, h_kv, k0, cols, s.key_runs, s.value_runs);
+    }
     s.next_key_runs.clear();
     s.next_value_runs.clear();
+    s.next_runs_key = -1;
     if (k0 + cols < key_end) {  // a row past key_end may lie on no page
       block_runs(b, h_kv, k0 + cols, block_keys(k0 + cols, key_end), s.next_key_runs,
                  s.next_value_runs);
+      s.next_runs_key = k0 + cols;
     }
     if (multiplies_blocks(rows)) {
       block_scores(rows, cols, s);
