@@ -317,19 +317,22 @@ class BlockPairGradients {
   }
 
   // acc (rows x D) += dS K_j (dS in s.ds): the dQ product. Through the non-finite guard;
-  // kFactorPairs multiplies dS's pairs by K_j's value pairs, else dS by K_j widened.
+  // kFactorPairs multiplies dS's pairs by K_j's value pairs (packed once a call, or from the rows
+  // the guard cleaned), else dS by K_j widened.
   void add_query_product(int64_t b, int64_t h_kv, int64_t q0, int64_t rows, int64_t k0,
                          int64_t cols, acc_t* acc, int64_t ld_acc, Scratch& s) const {
     const int64_t D = dims.head_dim;
     const Operand<factor_t> ds = factor_operand(Factor::kDS, /*as_a=*/true, cols, s);
+    const Operand<scalar_t> key_rows{k.row(b, h_kv, k0), k.row_stride};
     s.guard.multiply_add_by(
         dims.has_masked_entries(b, q0, rows, k0, cols, s.masks), rows, D, cols,
-        masked_factor(s.ds, cols, /*transposed=*/false, s),
-        Operand<scalar_t>{k.row(b, h_kv, k0), k.row_stride},
+        masked_factor(s.ds, cols, /*transposed=*/false, s), key_rows,
         [&](Operand<scalar_t> source) {
           Operand<factor_t> keys;
           if constexpr (kFactorPairs) {
-            keys = Pack::b_value_pairs(source.data, cols, D, source.ld, s.packed_rows.data());
+            keys = source.data == key_rows.data
+                       ? packed.key_pairs(b, h_kv, k0)
+                       : Pack::b_value_pairs(source.data, cols, D, source.ld, s.packed_rows.data());
           } else {
             keys = GradientPack::b(source.data, cols, D, source.ld, s.packed_rows.data());
           }

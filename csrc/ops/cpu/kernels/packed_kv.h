@@ -4,8 +4,11 @@
 // backward_block_pair.h says why; kPairs: bfloat16 rows as the value pairs that multiply P's
 // (hi, lo) pairs, operands.h) or as the backward does (kTransposed: V_j^T, the B operand of
 // dP = dO_i V_j^T, as gemm_t). Every query block and every query head of the GQA group then
-// reuses the block packed for its (batch, KV head), instead of repacking it per pair. The copy
-// has the size of K and V, O(L) memory, and is freed with the call. K and V rows come from
+// reuses the block packed for its (batch, KV head), instead of repacking it per pair. The
+// backward of bfloat16 with native products also gets K_j as value pairs (kKeyPairs: the B
+// operand of dQ += dS K_j with dS as (hi, lo) pairs), packed once here where it was packed once a
+// block pair. The copies have a few times the size of K and V, O(L) memory, and are freed with
+// the call. K and V rows come from
 // KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows), whose blocks are packed run by
 // run (a page's rows after the other) into one operand, V then always copied; or an 8-bit
 // cache's (QuantizedPagedRows), whose blocks are widened with their scales first.
@@ -40,6 +43,9 @@ class PackedKeyValues {
                                  KeyRows::kOneRun && !KeyRows::kWidens),
                 "value pairs are packed from a tensor's own bfloat16/float16 rows");
   using value_t = std::conditional_t<kTransposedValues || kValuePairs, gemm_t, acc_t>;
+  // The backward's K_j value pairs (backward_block_pair.h's kFactorPairs: bfloat16 natively).
+  static constexpr bool kKeyPairs = kTransposedValues && std::is_same_v<scalar_t, c10::BFloat16> &&
+                                    std::is_same_v<gemm_t, scalar_t>;
 
  public:
   // Value rows are read in place only where they need no conversion and lie at one stride.
@@ -59,6 +65,7 @@ class PackedKeyValues {
                     : kTransposedValues ? Pack::padded_k(d.value_dim) * key_block
                     : kValuePairs       ? key_block * d.value_dim * 2
                                         : key_block * d.value_dim),
+        key_pair_slot_(kKeyPairs ? key_block * d.head_dim * 2 : 0),
         first_block_(d.batch + 1, 0) {
     for (int64_t b = 0; b < d.batch; ++b) {
       first_block_[b + 1] = first_block_[b] + blocks_of(b);
@@ -66,8 +73,10 @@ class PackedKeyValues {
     const int64_t slots = d.heads_kv * first_block_[d.batch];
     keys_ = at::empty({slots * key_slot_}, c10::CppTypeToScalarType<gemm_t>::value);
     values_ = at::empty({slots * value_slot_}, c10::CppTypeToScalarType<value_t>::value);
+    key_pairs_ = at::empty({slots * key_pair_slot_}, c10::CppTypeToScalarType<gemm_t>::value);
     gemm_t* keys = keys_.data_ptr<gemm_t>();
     value_t* values = values_.data_ptr<value_t>();
+    gemm_t* key_pairs = key_pairs_.data_ptr<gemm_t>();
     at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
       WideRows wide(KeyRows::kWidens ? key_block : 0, d.head_dim);
       for (int64_t slot = begin; slot < end; ++slot) {
@@ -86,6 +95,10 @@ class PackedKeyValues {
           v.widen(b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_, d.value_dim);
         } else {
           pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + slot * key_slot_);
+          if constexpr (kKeyPairs) {
+            Pack::b_value_pairs(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
+                                key_pairs + slot * key_pair_slot_);
+          }
           if constexpr (kTransposedValues) {
             pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_);
           } else if constexpr (kValuePairs) {
@@ -123,10 +136,14 @@ class PackedKeyValues {
   // P as (hi, lo) pairs.
   Operand<gemm_t> value_pairs(int64_t b, int64_t h_kv, int64_t k0) const {
     static_assert(kValuePairs, "value_pairs() is the operand of split probabilities");
-    const int64_t start = block_start(k0);
-    return {values_.data_ptr<gemm_t>() + slot(b, h_kv, start) * value_slot_ +
-                (k0 - start) * dims_.value_dim * 2,
-            dims_.value_dim};
+    return pairs_from(values_, value_slot_, dims_.value_dim, b, h_kv, k0);
+  }
+
+  // The value pairs of K_j from key k0 of its block (kKeyPairs), the B operand of dQ += dS K_j
+  // with dS as (hi, lo) pairs.
+  Operand<gemm_t> key_pairs(int64_t b, int64_t h_kv, int64_t k0) const {
+    static_assert(kKeyPairs, "key_pairs() is the operand of the backward's split dS");
+    return pairs_from(key_pairs_, key_pair_slot_, dims_.head_dim, b, h_kv, k0);
   }
 
   // The rows of V_j from key k0 of its block as the B operand of O += P V_j (kRows): packed, or
@@ -179,6 +196,16 @@ class PackedKeyValues {
     }
   }
 
+  // The value pairs of rows `width` wide from key k0 of its block, in `storage` of slot_size
+  // elements a block.
+  Operand<gemm_t> pairs_from(const at::Tensor& storage, int64_t slot_size, int64_t width, int64_t b,
+                             int64_t h_kv, int64_t k0) const {
+    const int64_t start = block_start(k0);
+    return {
+        storage.data_ptr<gemm_t>() + slot(b, h_kv, start) * slot_size + (k0 - start) * width * 2,
+        width};
+  }
+
   // The key blocks of batch item b that its last query row reaches.
   int64_t blocks_of(int64_t b) const {
     return dims_.rows_q(b) == 0 ? 0 : ceil_div(dims_.key_end(b, dims_.rows_q(b) - 1), key_block_);
@@ -195,9 +222,9 @@ class PackedKeyValues {
 
   const AttentionDims dims_;
   const KeyRows v_;
-  const int64_t key_block_, key_slot_, value_slot_;
+  const int64_t key_block_, key_slot_, value_slot_, key_pair_slot_;
   std::vector<int64_t> first_block_;  // (batch + 1): blocks per KV head before each item
-  at::Tensor keys_, values_;
+  at::Tensor keys_, values_, key_pairs_;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
