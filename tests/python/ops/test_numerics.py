@@ -237,6 +237,34 @@ def test_non_finite_key_does_not_leak_into_rows_that_cannot_see_it(
         assert torch.equal(ours[..., blind, :], expected[..., blind, :]), name
 
 
+# --- an infinite score in the rows that see it ---------------------------------------------
+
+
+@pytest.mark.parametrize("heads,dtype", heads_dtype_params())
+@pytest.mark.parametrize(
+    "lq,lk,key", [(130, 130, 64), (3, 300, 200)], ids=["block-path", "decode"]
+)
+def test_an_infinite_score_gives_nan_rows_exactly_where_the_reference_does(
+    heads, dtype, lq, lk, key
+):
+    """An inf key element makes the score of every row that sees the key +inf, -inf or NaN by
+    the sign of the row's query element. A +inf score is inf - inf in the softmax: those rows are
+    NaN, as in the float64 reference (and SDPA); a -inf score weighs the key zero, and every other
+    row stays finite. (The forward's fold takes its NaN-keeping exponentials only for a row max of
+    +inf: online_softmax.h, ExpArguments.)"""
+    q, k, v, _ = _inputs(lq, lk, 16, dtype, heads)
+    k[:, :, key, 3] = math.inf
+    out = causal_attention.attention(q, k, v)
+    expected = float64_reference(q, k, v, 1 / math.sqrt(16)).out
+    nan_rows = expected.isnan().any(-1)
+    sees = visible_keys(lq, lk)[:, key]
+    positive = (q[..., 3] > 0) & sees
+    assert positive.any() and (~nan_rows).any()
+    assert torch.equal(nan_rows, expected.isnan().all(-1))  # whole rows
+    assert torch.equal(out.isnan().all(-1), nan_rows)
+    assert torch.isfinite(out[~nan_rows]).all()
+
+
 # --- rows without keys ---------------------------------------------------------------------
 
 
