@@ -294,12 +294,14 @@ def test_a_slot_no_sequence_reads_may_hold_any_scale():
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (40, 0)])
-@pytest.mark.parametrize("len_q", [1, 3])
+@pytest.mark.parametrize("len_q", [1, 3, 5])
 def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window):
     """The decode's products read e4m3 rows without setting NaN's byte apart, and each key block
     sets it apart itself (decode.h): a NaN in a key must give NaN to exactly the rows that see that
     key, a NaN in a value to the columns of the rows that see its row, as a float64 reference on
-    the dequantized cache does, with every other output as close as without NaN."""
+    the dequantized cache does, with every other output as close as without NaN. A KV head's task
+    has 4 query heads x len_q rows: the scores' tiles of few rows (1, 3) and the transposed scores
+    of 16 rows or more, over a widened copy of the keys (5: 20 rows)."""
     torch.manual_seed(3)
     batch, hkv, hq, d, page = 3, 2, 8, 64, 16
     lengths = [300, 250, 120]
