@@ -293,17 +293,20 @@ def test_a_slot_no_sequence_reads_may_hold_any_scale():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("d", [64, 80])
 @pytest.mark.parametrize("window", [(-1, 0), (40, 0)])
 @pytest.mark.parametrize("len_q", [1, 3, 5])
-def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window):
+def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d):
     """The decode's products read e4m3 rows without setting NaN's byte apart, and each key block
     sets it apart itself (decode.h): a NaN in a key must give NaN to exactly the rows that see that
     key, a NaN in a value to the columns of the rows that see its row, as a float64 reference on
     the dequantized cache does, with every other output as close as without NaN. A KV head's task
     has 4 query heads x len_q rows: the scores' tiles of few rows (1, 3) and the transposed scores
-    of 16 rows or more, over a widened copy of the keys (5: 20 rows)."""
+    of 16 rows or more, over a widened copy of the keys (5: 20 rows). A block's rows are tested
+    all at once, by vectors of 64 (AVX-512) or 32 (AVX2) bytes and the rest of a row apart: two
+    of the NaN bytes lie in the last column, past the last whole vector with D = 80."""
     torch.manual_seed(3)
-    batch, hkv, hq, d, page = 3, 2, 8, 64, 16
+    batch, hkv, hq, page = 3, 2, 8, 16
     lengths = [300, 250, 120]
     table_width = (max(lengths) + page - 1) // page
     pages = batch * table_width
@@ -312,9 +315,9 @@ def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window):
     # (page, row, KV head, column): far from the last query rows (the window hides them) and
     # near them (it does not)
     k.view(torch.uint8)[5, 3, 1, 7] = 0x7F  # key 83 of sequence 0
-    k.view(torch.uint8)[18, 2, 0, 1] = 0xFF  # key 290 of sequence 0
+    k.view(torch.uint8)[18, 2, 0, d - 1] = 0xFF  # key 290 of sequence 0
     v.view(torch.uint8)[20, 2, 0, 9] = 0xFF  # key 18 of sequence 1
-    v.view(torch.uint8)[34, 0, 1, 5] = 0x7F  # key 240 of sequence 1
+    v.view(torch.uint8)[34, 0, 1, d - 1] = 0x7F  # key 240 of sequence 1
     v.view(torch.uint8)[40, 0, 1, 0] = 0x7F  # key 32 of sequence 2
     k.view(torch.uint8)[44, 4, 1, 3] = 0x7F  # key 100 of sequence 2
     table = torch.arange(pages, dtype=torch.int32).view(batch, table_width)

@@ -325,12 +325,17 @@ class DecodeForward {
   static constexpr bool kSetsNaNApart = std::is_same_v<kv_t, E4M3Over256>;
 
   // Marks the block's keys whose K row holds a NaN byte with NaN scores; returns whether a value
-  // row of the block holds one.
+  // row of the block holds one. Each run's rows are tested at once; a K run with a NaN byte is
+  // then searched row by row (rare: a NaN in a cache is a fault upstream).
   bool set_nan_apart(const Scratch& s, int64_t rows, int64_t cols, acc_t* scores) const {
+    static_assert(sizeof(kv_t) == 1);  // strides in rows are strides in bytes
     const auto bytes = [](const kv_t* row) { return reinterpret_cast<const uint8_t*>(row); };
     for (const RowRun<kv_t>& run : s.key_runs) {
+      if (!any_e4m3_nan(bytes(run.first), run.count, k_.row_stride, dims_.head_dim)) {
+        continue;
+      }
       for (int64_t j = 0; j < run.count; ++j) {
-        if (any_e4m3_nan(bytes(run.first + j * k_.row_stride), dims_.head_dim)) {
+        if (any_e4m3_nan(bytes(run.first + j * k_.row_stride), 1, 0, dims_.head_dim)) {
           for (int64_t r = 0; r < rows; ++r) {
             scores[r * cols + run.offset + j] = std::numeric_limits<acc_t>::quiet_NaN();
           }
@@ -339,9 +344,8 @@ class DecodeForward {
     }
     bool nan_values = false;
     for (const RowRun<kv_t>& run : s.value_runs) {
-      for (int64_t j = 0; j < run.count && !nan_values; ++j) {
-        nan_values = any_e4m3_nan(bytes(run.first + j * v_.row_stride), dims_.value_dim);
-      }
+      nan_values =
+          nan_values || any_e4m3_nan(bytes(run.first), run.count, v_.row_stride, dims_.value_dim);
     }
     return nan_values;
   }

@@ -47,24 +47,55 @@ inline constexpr bool is_eight_bit_v =
     std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2> ||
     std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3Over256>;
 
-// Whether any of the n e4m3 bytes from row is NaN's (S.1111.111).
-inline bool any_e4m3_nan(const uint8_t* row, int64_t n) {
-  int64_t i = 0;
+// Whether any of the n e4m3 bytes of `rows` rows from `first`, `stride` bytes apart, is NaN's
+// (S.1111.111). Only NaN's magnitude (the byte less its sign) is 0x7F: the largest magnitude of
+// all the rows is taken, without a branch, and compared once. (A test and a branch a vector of
+// each row were 10 % of an in-cache e4m3 decode's samples on an AMX Xeon, a fifth of its kernel
+// time, and the AVX2 build tested byte by byte: the decode now takes 0.92-0.95 of its time there,
+// the AVX2 build's 0.43.)
+inline bool any_e4m3_nan(const uint8_t* first, int64_t rows, int64_t stride, int64_t n) {
+  constexpr uint8_t kMagnitude = 0x7F;
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512i magnitude = _mm512_set1_epi8(0x7F);
-  for (; i + 64 <= n; i += 64) {
-    const __m512i x = _mm512_loadu_si512(row + i);
-    if (_mm512_cmpeq_epi8_mask(_mm512_and_si512(x, magnitude), magnitude) != 0) {
-      return true;
+  const __m512i magnitude = _mm512_set1_epi8(char(kMagnitude));
+  const __mmask64 tail = n % 64 == 0 ? 0 : (__mmask64(1) << (n % 64)) - 1;
+  __m512i largest = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = first + r * stride;
+    int64_t c = 0;
+    for (; c + 64 <= n; c += 64) {
+      largest = _mm512_max_epu8(largest, _mm512_and_si512(_mm512_loadu_si512(row + c), magnitude));
     }
+    if (tail != 0) {
+      largest = _mm512_max_epu8(
+          largest, _mm512_and_si512(_mm512_maskz_loadu_epi8(tail, row + c), magnitude));
+    }
+  }
+  return _mm512_cmpeq_epi8_mask(largest, magnitude) != 0;
+#else
+  int64_t vectorized = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  vectorized = n / 32 * 32;
+  const __m256i magnitude = _mm256_set1_epi8(char(kMagnitude));
+  __m256i largest = _mm256_setzero_si256();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = first + r * stride;
+    for (int64_t c = 0; c < vectorized; c += 32) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+      largest = _mm256_max_epu8(largest, _mm256_and_si256(bytes, magnitude));
+    }
+  }
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(largest, magnitude)) != 0) {
+    return true;
   }
 #endif
-  for (; i < n; ++i) {
-    if ((row[i] & 0x7F) == 0x7F) {
-      return true;
+  uint8_t largest_tail = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = vectorized; c < n; ++c) {
+      largest_tail = std::max<uint8_t>(largest_tail, first[r * stride + c] & kMagnitude);
     }
   }
-  return false;
+  return largest_tail == kMagnitude;
+#endif
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
