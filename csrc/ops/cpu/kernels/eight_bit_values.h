@@ -154,6 +154,50 @@ inline at::vec::Vectorized<float> load_eight_bit(const T* src) {
 #endif
 }
 
+// Whether load_eight_bit_pair widens T's bytes through one register of float16 of twice the
+// lanes, halved for the conversions to float32: 8 instructions for 32 e4m3 values (7 for e5m2)
+// where two vectors' load_eight_bit take 10 (8). int8 widens in one instruction from memory.
+template <typename T>
+inline constexpr bool kWidensInPairs =
+    std::is_same_v<T, E4M3Over256> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// 2 * Vectorized<float>::size() values from src as float32, the first half in `low`: bit for bit
+// two calls of load_eight_bit.
+template <typename T>
+inline void load_eight_bit_pair(const T* src, at::vec::Vectorized<float>& low,
+                                at::vec::Vectorized<float>& high) {
+  static_assert(is_eight_bit_v<T>);
+  if constexpr (kWidensInPairs<T>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    __m512i half;
+    if constexpr (std::is_same_v<T, E4M3Over256>) {  // e4m3_as_half's bits, of 32 bytes
+      half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                              _mm512_set1_epi16(int16_t(0xBFFF)));
+    } else {
+      half = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
+    }
+    low = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+    high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    return;
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    __m256i half;
+    if constexpr (std::is_same_v<T, E4M3Over256>) {  // e4m3_as_half's bits, of 16 bytes
+      half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                              _mm256_set1_epi16(int16_t(0xBFFF)));
+    } else {
+      half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    }
+    low = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    high = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+    return;
+#endif
+  }
+  low = load_eight_bit(src);
+  high = load_eight_bit(src + at::vec::Vectorized<float>::size());
+}
+
 // The first `count` (< Vectorized<float>::size()) values from src as float32, the other lanes
 // zero.
 template <typename T>

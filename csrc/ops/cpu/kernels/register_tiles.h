@@ -100,6 +100,24 @@ inline at::vec::Vectorized<acc_t> load_as(const src_t* src) {
   }
 }
 
+// kVecs consecutive vectors of elements from src as acc_t: 8-bit ones that widen in pairs
+// (kWidensInPairs) two vectors at a time.
+template <int64_t kVecs, typename acc_t, typename src_t>
+C10_ALWAYS_INLINE void load_vectors_as(const src_t* src, at::vec::Vectorized<acc_t> (&out)[kVecs]) {
+  constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+  int64_t x = 0;
+  if constexpr (std::is_same_v<acc_t, float> && kWidensInPairs<src_t>) {
+#pragma GCC unroll 8
+    for (; x + 2 <= kVecs; x += 2) {
+      load_eight_bit_pair(src + x * N, out[x], out[x + 1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (; x < kVecs; ++x) {
+    out[x] = load_as<acc_t>(src + x * N);
+  }
+}
+
 // The first `count` (< Vec::size()) elements of src as acc_t, the other lanes zero.
 template <typename acc_t, typename src_t>
 inline at::vec::Vectorized<acc_t> load_as(const src_t* src, int64_t count) {
@@ -207,10 +225,7 @@ inline void rank_one_steps(at::vec::Vectorized<acc_t> (&acc)[kRows][kVecs], cons
   using Vec = at::vec::Vectorized<acc_t>;
   for (int64_t t = 0; t < steps; ++t) {
     Vec columns[kVecs];
-#pragma GCC unroll 16
-    for (int64_t x = 0; x < kVecs; ++x) {
-      columns[x] = load_as<acc_t>(b + t * ldb + x * Vec::size());
-    }
+    load_vectors_as<kVecs>(b + t * ldb, columns);
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kRows; ++i) {
       const Vec scalar(static_cast<acc_t>(a[i * lda + t]));

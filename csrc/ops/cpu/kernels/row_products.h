@@ -61,29 +61,45 @@ C10_ALWAYS_INLINE void query_key_tile(const acc_t* q, int64_t ld_q, const src_t*
   for (int64_t i = 0; i < N; ++i) {
     acc[i] = Vec(acc_t(0));
   }
-  const auto step = [&](int64_t d, int64_t width) {
-    Vec keys[kKeys];
+  // kParts vectors of the head dim from d, or a last `width` < N elements (kParts = 1). Key rows
+  // that widen in pairs (kWidensInPairs) take two vectors a step; each sum adds the same
+  // products in the same order either way.
+  const auto step = [&](auto parts, int64_t d, int64_t width) {
+    constexpr int64_t kParts = decltype(parts)::value;
+    Vec keys[kKeys][kParts];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < kKeys; ++c) {
-      keys[c] =
-          width == N ? load_as<acc_t>(k + c * ld_k + d) : load_as<acc_t>(k + c * ld_k + d, width);
+      if (width == kParts * N) {
+        load_vectors_as<kParts>(k + c * ld_k + d, keys[c]);
+      } else {
+        keys[c][0] = load_as<acc_t>(k + c * ld_k + d, width);
+      }
     }
 #pragma GCC unroll 4
     for (int64_t i = 0; i < kRows; ++i) {
-      const Vec qv =
-          width == N ? Vec::loadu(q + i * ld_q + d) : Vec::loadu(q + i * ld_q + d, width);
+#pragma GCC unroll 2
+      for (int64_t part = 0; part < kParts; ++part) {
+        const acc_t* q_part = q + i * ld_q + d + part * N;
+        const Vec qv = width == kParts * N ? Vec::loadu(q_part) : Vec::loadu(q_part, width);
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < kKeys; ++c) {
-        acc[i * kKeys + c] = at::vec::fmadd(keys[c], qv, acc[i * kKeys + c]);
+        for (int64_t c = 0; c < kKeys; ++c) {
+          acc[i * kKeys + c] = at::vec::fmadd(keys[c][part], qv, acc[i * kKeys + c]);
+        }
       }
     }
   };
+  using One = std::integral_constant<int64_t, 1>;
+  using Step = std::integral_constant<int64_t, kWidensInPairs<src_t> ? 2 : 1>;
   const int64_t full_dim = dim / N * N;
-  for (int64_t d = 0; d < full_dim; d += N) {
-    step(d, N);
+  int64_t d = 0;
+  for (; d + Step::value * N <= full_dim; d += Step::value * N) {
+    step(Step{}, d, Step::value * N);
+  }
+  for (; d < full_dim; d += N) {
+    step(One{}, d, N);
   }
   if (full_dim < dim) {
-    step(full_dim, dim - full_dim);
+    step(One{}, full_dim, dim - full_dim);
   }
   __at_align__ acc_t sums[N];
   lane_sums(acc).store(sums);
