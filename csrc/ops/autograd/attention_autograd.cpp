@@ -9,6 +9,7 @@
 
 #include <c10/util/TypeTraits.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace causal_attention {
@@ -168,16 +169,38 @@ class AttentionForwardFunction : public torch::autograd::Function<AttentionForwa
 };
 static_assert(arguments_after_context<AttentionForwardFunction>() == kForwardArguments);
 
+// Whether the forward goes through its Function: a gradient may be asked of one of the inputs
+// it differentiates, or one carries a forward-mode tangent (which the Function refuses, saying
+// so). Else (inference, no_grad) the forward runs below autograd at once, as the Function's own
+// forward would, without the context it fills for a backward that will not come (its saved call
+// was a tenth of a short decode's time).
+bool takes_function(const ForwardCall& call) {
+  return torch::autograd::compute_requires_grad(call.q, call.k, call.v, call.options.sinks,
+                                                call.attn_mask) ||
+         torch::autograd::isFwGradDefined(call.q) || torch::autograd::isFwGradDefined(call.k) ||
+         torch::autograd::isFwGradDefined(call.v) ||
+         torch::autograd::isFwGradDefined(call.options.sinks) ||
+         torch::autograd::isFwGradDefined(call.attn_mask);
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_autograd(const ForwardCall& call) {
+  if (!takes_function(call)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return detail::call_attention_forward(call);
+  }
+  const variable_list out_lse = AttentionForwardFunction::apply_to(call);
+  return {out_lse[0], out_lse[1]};
+}
+
 // attention and varlen_attention: checked and resolved before Function::apply, which cannot
 // handle an undefined input gracefully.
 at::Tensor attention_autograd(const detail::AttentionCall& call) {
-  return AttentionForwardFunction::apply_to(detail::resolve_attention_call(call))[0];
+  return std::get<0>(forward_autograd(detail::resolve_attention_call(call)));
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(const ForwardCall& call) {
   detail::check_forward_call(call);
-  const variable_list out_lse = AttentionForwardFunction::apply_to(call);
-  return {out_lse[0], out_lse[1]};
+  return forward_autograd(call);
 }
 
 // attention_gradients, and attention_backward (its results but the mask's), checked under `op`.

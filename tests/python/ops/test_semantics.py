@@ -124,6 +124,21 @@ def test_runs_without_autograd(mode):
     assert lse.shape == (1, 2, 9)
 
 
+def test_a_call_no_gradient_can_reach_skips_autograd_and_a_tangent_is_still_refused():
+    """With grad enabled but no input requiring it, the forward runs below autograd at once (no
+    Function, no saved call): the same output, bitwise, and no graph. A forward-mode tangent
+    still reaches the Function, which refuses it rather than dropping it."""
+    q, k, v = Case(9, 9, 8, hq=2, hkv=1).inputs(torch.float32)
+    expected = causal_attention.attention(*(t.clone().requires_grad_() for t in (q, k, v)))
+    out = causal_attention.attention(q, k, v)
+    assert not out.requires_grad and out.grad_fn is None
+    assert expected.grad_fn is not None and torch.equal(out, expected.detach())
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
+        with pytest.raises(RuntimeError, match="jvp"):
+            causal_attention.attention(dual, k, v)
+
+
 # --- Meta tensors --------------------------------------------------------------------------
 
 
