@@ -132,6 +132,10 @@ class DecodeForward {
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
     // of the next (-1: none found yet in this item), whose runs become the current ones there.
     std::vector<RowRun<kv_t>> key_runs, value_runs, next_key_runs, next_value_runs;
+    // The current block's prefetches, one a run (register_scores), and whether they leave the
+    // next block's value rows to the values' pass (StreamAhead::values_apart).
+    std::vector<StreamAhead> streams;
+    bool values_apart = false;
     int64_t next_runs_key = -1;
     std::vector<int64_t> run_first, run_visible;  // first_visible, visible relative to a run
     std::vector<MaskRow<acc_t>> run_mask_rows;
@@ -243,7 +247,8 @@ class DecodeForward {
     size_t next = 0;
     for (size_t i = 0; i < s.key_runs.size(); ++i) {
       const RowRun<kv_t>& run = s.key_runs[i];
-      const StreamAhead stream = run_stream(s, i, next);
+      StreamAhead& stream = s.streams.emplace_back(run_stream(s, i, next));
+      stream.values_apart = s.values_apart;
       if (padded(rows) > 0) {
         const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
                                                       s.keys.data() + run.offset * D);
@@ -257,6 +262,24 @@ class DecodeForward {
     }
     if (padded(rows) > 0) {
       transpose_block(s.scores_t.data(), cols, rows, padded(rows), s.scores.data(), cols);
+    }
+  }
+
+  // Whether the next block's value rows are requested by the values' pass (values_apart): where
+  // its register tiles read them in place (fewer rows than a vector holds, a tile's at least) and
+  // they are narrower than float32's.
+  bool requests_values_apart(int64_t rows) const {
+    return sizeof(kv_t) < sizeof(float) && padded(rows) == 0 && rows >= kValueTileRows &&
+           dims_.value_dim >= at::vec::Vectorized<acc_t>::size();
+  }
+
+  // The next block's value rows requested at once, where the values' pass was to request them
+  // but does not read every row of the block through its tiles.
+  static void request_values(const Scratch& s) {
+    if (s.values_apart) {
+      for (const StreamAhead& stream : s.streams) {
+        stream.at_values(0, stream.keys);
+      }
     }
   }
 
@@ -462,6 +485,8 @@ class DecodeForward {
                  s.next_value_runs);
       s.next_runs_key = k0 + cols;
     }
+    s.streams.clear();
+    s.values_apart = requests_values_apart(rows);  // never with multiplies_blocks' many rows
     if (multiplies_blocks(rows)) {
       block_scores(rows, cols, s);
     } else {
@@ -508,12 +533,18 @@ class DecodeForward {
           return;
         }
       }
-      const RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
+      RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
+      if (every_row_sees_all(rows, cols, s)) {
+        values.streams = s.values_apart ? s.streams.data() : nullptr;
+      } else {
+        request_values(s);
+      }
       accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),
                                  s.visible.data(), values, Dv, s.state.out.data(), Dv);
       return;
     }
     // Else run by run: the guard leaves a run's non-finite rows out of its products.
+    request_values(s);
     for (const RowRun<kv_t>& run : s.value_runs) {
       for (int64_t r = 0; r < rows; ++r) {
         s.run_first[r] = std::clamp<int64_t>(s.first_visible[r] - run.offset, 0, run.count);

@@ -274,6 +274,9 @@ inline void accumulate_one_row(const acc_t* p, int64_t begin, int64_t end, const
   accumulate_tail_columns(p, begin, end, v, c, dim_v, out);
 }
 
+// The rows of accumulate_weighted_values' register tiles.
+inline constexpr int64_t kValueTileRows = 4;
+
 // out[r * ld_out + c] += sum over j in [first[r], visible[r]) of p[r * ld_p + j] * v_j[c], for
 // r < rows and c < dim_v, v_j value row j of `v`'s runs (rows no run holds are left out). A row
 // reads only the value rows it sees, so a non-finite value row never reaches a query row the
@@ -288,12 +291,16 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
   // 7-10 % faster in every dtype on Zen 4: docs/benchmarks, "8-bit KV caches"). Four by two with 16
   // registers (AVX2): eight accumulators, six loads per eight FMAs (measured faster there than one
   // by eight, two by four and three by four).
+  constexpr int64_t kRows = kValueTileRows;
 #if defined(CPU_CAPABILITY_AVX512)
-  constexpr int64_t kRows = 4, kVecs = 4;
+  constexpr int64_t kVecs = 4;
 #else
-  constexpr int64_t kRows = 4, kVecs = 2;
+  constexpr int64_t kVecs = 2;
 #endif
   constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
+  // v's streams (the next block's value rows) are requested by the first tile's pass alone.
+  RunRows<src_t> quiet = v;
+  quiet.streams = nullptr;
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
     // The keys every row of the tile sees go through the tile; the rest row by row.
@@ -304,23 +311,24 @@ void accumulate_weighted_values(const acc_t* p, int64_t ld_p, int64_t rows, cons
     acc_t* out_rows = out + r * ld_out;
     int64_t c = 0;
     for (; c + kVecs * N <= dim_v; c += kVecs * N) {
-      rank_one_tile_on_runs<kRows, kVecs>(weights, ld_p, v, c, shared_begin, shared_end,
-                                          out_rows + c, ld_out);
+      rank_one_tile_on_runs<kRows, kVecs>(weights, ld_p, r == 0 && c == 0 ? v : quiet, c,
+                                          shared_begin, shared_end, out_rows + c, ld_out);
     }
     for (; c + N <= dim_v; c += N) {
-      rank_one_tile_on_runs<kRows, 1>(weights, ld_p, v, c, shared_begin, shared_end, out_rows + c,
-                                      ld_out);
+      rank_one_tile_on_runs<kRows, 1>(weights, ld_p, r == 0 && c == 0 ? v : quiet, c, shared_begin,
+                                      shared_end, out_rows + c, ld_out);
     }
     for (int64_t i = r; i < r + kRows; ++i) {
       const acc_t* row_p = p + i * ld_p;
       acc_t* row_out = out + i * ld_out;
-      accumulate_tail_columns(row_p, shared_begin, shared_end, v, c, dim_v, row_out);
-      accumulate_one_row(row_p, first[i], std::min(shared_begin, visible[i]), v, dim_v, row_out);
-      accumulate_one_row(row_p, std::max(shared_end, first[i]), visible[i], v, dim_v, row_out);
+      accumulate_tail_columns(row_p, shared_begin, shared_end, quiet, c, dim_v, row_out);
+      accumulate_one_row(row_p, first[i], std::min(shared_begin, visible[i]), quiet, dim_v,
+                         row_out);
+      accumulate_one_row(row_p, std::max(shared_end, first[i]), visible[i], quiet, dim_v, row_out);
     }
   }
   for (; r < rows; ++r) {
-    accumulate_one_row(p + r * ld_p, first[r], visible[r], v, dim_v, out + r * ld_out);
+    accumulate_one_row(p + r * ld_p, first[r], visible[r], quiet, dim_v, out + r * ld_out);
   }
 }
 
