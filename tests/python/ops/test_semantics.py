@@ -126,8 +126,9 @@ def test_runs_without_autograd(mode):
 
 def test_a_call_no_gradient_can_reach_skips_autograd_and_a_tangent_is_still_refused():
     """With grad enabled but no input requiring it, the forward runs below autograd at once (no
-    Function, no saved call): the same output, bitwise, and no graph. A forward-mode tangent
-    still reaches the Function, which refuses it rather than dropping it."""
+    Function, no saved call), which must change nothing a caller sees: the same output, bitwise,
+    as a call that builds a graph, and no graph of its own. A forward-mode tangent must still
+    reach the Function, which refuses it: a forward run below autograd would drop it silently."""
     q, k, v = Case(9, 9, 8, hq=2, hkv=1).inputs(torch.float32)
     expected = causal_attention.attention(*(t.clone().requires_grad_() for t in (q, k, v)))
     out = causal_attention.attention(q, k, v)
