@@ -28,9 +28,9 @@
 #include "row_sources.h"
 #include "schedule.h"
 #include "score_modifiers.h"
+#include "scratch_vector.h"
 
 #include <ATen/OpMathType.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -62,11 +62,8 @@ class BlockPairGradients {
   struct Scratch {
     std::vector<gemm_t> q_tile, do_tile;
     std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
-    // kFactorPairs: the pair's P and dS as (hi, lo) pairs row by row (at::empty: a vector's
-    // zeros would cost every task a pass over them; its data pointer read once, not a checked
-    // data_ptr() a row).
-    at::Tensor factor_pairs_storage;
-    gemm_t* factor_pairs;
+    // kFactorPairs: the pair's P and dS as (hi, lo) pairs row by row.
+    ScratchVector<gemm_t> factor_pairs;
     // A query block's QueryRows; K_j packed for dQ, or rows the guard cleaned, packed (with
     // kFactorPairs, `words` holds their value pairs before they are transposed).
     std::vector<factor_t> q_t, do_t, packed_rows, words;
@@ -84,10 +81,7 @@ class BlockPairGradients {
         : q_tile(Pack::scratch_size(blocks.query_rows, d.head_dim)),
           do_tile(Pack::scratch_size(blocks.query_rows, d.value_dim)),
           partial(blocks.query_rows * blocks.keys),
-          factor_pairs_storage(
-              at::empty({kFactorPairs ? 2 * 2 * blocks.query_rows * blocks.keys : 0},
-                        c10::CppTypeToScalarType<gemm_t>::value)),
-          factor_pairs(factor_pairs_storage.template data_ptr<gemm_t>()),
+          factor_pairs(kFactorPairs ? 2 * 2 * blocks.query_rows * blocks.keys : 0),
           q_t(kPerValue * blocks.query_rows * d.head_dim),
           do_t(kPerValue * blocks.query_rows * d.value_dim),
           packed_rows(kPerValue * std::max(blocks.query_rows, blocks.keys) *
@@ -140,7 +134,7 @@ class BlockPairGradients {
     }
     // kFactorPairs: the (hi, lo) pairs of P or of dS (rows x cols pairs: a VNNI B of 2 rows
     // reduction rows, leading dim cols).
-    gemm_t* pairs(Factor which) { return factor_pairs + which * factor_pairs_storage.numel() / 2; }
+    gemm_t* pairs(Factor which) { return factor_pairs.data() + which * factor_pairs.size() / 2; }
 
    private:
     // The n values from `top` down a column of the transposed accumulators, as one row.

@@ -15,10 +15,10 @@
 #include "packed_kv.h"
 #include "row_sources.h"
 #include "schedule.h"
+#include "scratch_vector.h"
 #include "split_combine.h"
 
 #include <ATen/OpMathType.h>
-#include <ATen/ops/empty.h>
 
 #include <type_traits>
 #include <vector>
@@ -94,15 +94,12 @@ class BlockForward {
 
  private:
   struct Scratch {
-    std::vector<gemm_t> q_tile;
-    std::vector<acc_t> v_tile, scores;  // v_tile: a block the guard cleaned (not kValuePairs)
-    std::vector<acc_t> partial;  // the last chain of the scores (multiply_in_chains_but_last)
-    // P as (hi, lo) pairs (kValuePairs; at::empty, as a vector's zeros cost a short call a tenth
-    // of its time; its data pointer read once, not a checked data_ptr() a row), and the value
-    // pairs of a block the guard cleaned (sized when one is).
-    at::Tensor probability_pairs_storage;
-    gemm_t* probability_pairs;
-    std::vector<gemm_t> value_pairs;
+    ScratchVector<gemm_t> q_tile;
+    ScratchVector<acc_t> v_tile, scores;  // v_tile: a block the guard cleaned (not kValuePairs)
+    ScratchVector<acc_t> partial;  // the last chain of the scores (multiply_in_chains_but_last)
+    // P as (hi, lo) pairs (kValuePairs), and the value pairs of a block the guard cleaned (sized
+    // when one is).
+    ScratchVector<gemm_t> probability_pairs, value_pairs;
     // The keys of the current block each row of a query block sees: [first_visible, visible).
     std::vector<int64_t> first_visible, visible;
     std::vector<MaskRow<acc_t>> mask_rows;  // and the attn_mask row of each, where it is read
@@ -113,10 +110,7 @@ class BlockForward {
           v_tile(kValuePairs ? 0 : blocks.keys * d.value_dim),
           scores(blocks.query_rows * blocks.keys),
           partial(blocks.query_rows * blocks.keys),
-          probability_pairs_storage(
-              at::empty({kValuePairs ? blocks.query_rows * blocks.keys * 2 : 0},
-                        c10::CppTypeToScalarType<gemm_t>::value)),
-          probability_pairs(probability_pairs_storage.template data_ptr<gemm_t>()),
+          probability_pairs(kValuePairs ? blocks.query_rows * blocks.keys * 2 : 0),
           first_visible(blocks.query_rows),
           visible(blocks.query_rows),
           mask_rows(blocks.query_rows),
@@ -195,7 +189,7 @@ class BlockForward {
       s.state.fold_row(row, first_state_row + r, range, cols, scoring,
                        last_chain_left ? s.partial.data() + r * cols : nullptr);
       if constexpr (kValuePairs) {
-        split_into_pairs(row, cols, s.probability_pairs + r * 2 * cols);
+        split_into_pairs(row, cols, s.probability_pairs.data() + r * 2 * cols);
       }
     }
     // O += P V_j
@@ -215,7 +209,7 @@ class BlockForward {
         s.visible.data(),
         /*transposed=*/false, masks.kept, masks.attn_mask ? s.mask_rows.data() : nullptr};
     if constexpr (kValuePairs) {
-      const Operand<gemm_t> p_pairs{s.probability_pairs, 2 * cols};
+      const Operand<gemm_t> p_pairs{s.probability_pairs.data(), 2 * cols};
       const Operand<scalar_t> v_rows{v_.row(b, h_kv, k0), v_.row_stride};
       s.v_guard.multiply_add_by(
           has_masked_entries, rows, dims_.value_dim, cols, factor, v_rows,

@@ -7,6 +7,7 @@
 #include "geometry.h"
 #include "row_ops.h"
 #include "score_modifiers.h"
+#include "scratch_vector.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -16,7 +17,6 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -161,7 +161,7 @@ inline acc_t exp_and_sum(acc_t* row, int64_t begin, int64_t end, int64_t cols, a
 // The online-softmax state of a set of query rows: row max, row sum and unnormalized output.
 template <typename acc_t>
 struct RowState {
-  std::vector<acc_t> max, sum, out;
+  ScratchVector<acc_t> max, sum, out;  // filled for a tile's rows by reset
   int64_t value_dim;
 
   RowState(int64_t rows, int64_t value_dim)
