@@ -60,14 +60,14 @@ class BlockPairGradients {
 
   // Per-task scratch: operand tiles, the P and dS tiles, and the gradient accumulators.
   struct Scratch {
-    std::vector<gemm_t> q_tile, do_tile;
-    std::vector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
+    ScratchVector<gemm_t> q_tile, do_tile;
+    ScratchVector<acc_t> partial;  // one chain's S or dP (multiply_in_chains)
     // kFactorPairs: the pair's P and dS as (hi, lo) pairs row by row.
     ScratchVector<gemm_t> factor_pairs;
     // A query block's QueryRows; K_j packed for dQ, or rows the guard cleaned, packed (with
     // kFactorPairs, `words` holds their value pairs before they are transposed).
-    std::vector<factor_t> q_t, do_t, packed_rows, words;
-    std::vector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
+    ScratchVector<factor_t> q_t, do_t, packed_rows, words;
+    ScratchVector<acc_t> p_block, ds_block, grad_a, grad_b, softcap_grad, keep_factors;
     // The current pair's P and dS (rows x cols): p_block and ds_block, or a panel slot's.
     acc_t* p = nullptr;
     acc_t* ds = nullptr;

@@ -23,6 +23,7 @@
 #include "geometry.h"
 #include "gradient_rows.h"
 #include "schedule.h"
+#include "scratch_vector.h"
 
 #include <ATen/OpMathType.h>
 
@@ -66,8 +67,8 @@ class RowPanelGradients {
   struct Scratch {
     typename Pair::Scratch pair;
     // The panel of one query block: P, dP' and (under a softcap) its factors, part after part.
-    std::vector<acc_t> p, dp, softcap_grad;
-    std::vector<acc_t> dq;  // dQ of a query block
+    ScratchVector<acc_t> p, dp, softcap_grad;
+    ScratchVector<acc_t> dq;  // dQ of a query block
     std::vector<PairPart> parts;
     // dK^T and dV^T of every key of the task: the pair's key tile of all the key blocks.
     Scratch(const AttentionDims& d, const BlockSizes& blocks)

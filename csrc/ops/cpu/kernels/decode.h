@@ -21,6 +21,7 @@
 #include "row_products.h"
 #include "row_sources.h"
 #include "schedule.h"
+#include "scratch_vector.h"
 #include "split_combine.h"
 
 #include <ATen/OpMathType.h>
@@ -126,7 +127,7 @@ class DecodeForward {
   }
 
   struct Scratch {
-    std::vector<acc_t> queries, queries_t, keys, scores, scores_t;
+    ScratchVector<acc_t> queries, queries_t, keys, scores, scores_t;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
@@ -141,14 +142,15 @@ class DecodeForward {
     std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
     NonFiniteRowGuard<kv_t> guard;
-    std::vector<acc_t> key_scales, value_scales;  // the block's row scales, where KeyRows has them
-    std::vector<acc_t> wide_values;  // the block's value rows widened once, for many query rows
+    ScratchVector<acc_t> key_scales,
+        value_scales;                  // the block's row scales, where KeyRows has them
+    ScratchVector<acc_t> wide_values;  // the block's value rows widened once, for many query rows
     // The block products' operands (multiplies_blocks): the task's query rows and K_j^T, and one
     // chain's scores (multiply_in_chains). A scratch that has them keeps the register products'
     // too: an item's task may have fewer rows than the largest (a group's last chunk, a sequence
     // with fewer new tokens) and take the register products.
-    std::vector<gemm_t> query_operand, keys_t;
-    std::vector<acc_t> partial;
+    ScratchVector<gemm_t> query_operand, keys_t;
+    ScratchVector<acc_t> partial;
     TaskRows task{};  // the rows this scratch serves in the current item
     Scratch(const AttentionDims& d, bool block_products)
         : queries(Tasks::task_rows(d) * d.head_dim),
@@ -214,8 +216,12 @@ class DecodeForward {
         for (int64_t r = 0; r < t.rows; ++r) {
           convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
         }
-        if (padded(t.rows) > 0) {
-          transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), padded(t.rows));
+        if (const int64_t ld = padded(t.rows); ld > 0) {
+          transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), ld);
+          for (int64_t d = 0; d < D; ++d) {  // the padding rows, whose scores are discarded
+            std::fill(s.queries_t.data() + d * ld + t.rows, s.queries_t.data() + (d + 1) * ld,
+                      acc_t(0));
+          }
         }
       }
       s.state.reset(t.rows);
