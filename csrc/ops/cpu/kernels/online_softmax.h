@@ -236,8 +236,11 @@ inline void finish_row(acc_t max, acc_t sum, const acc_t* acc, int64_t value_dim
     std::fill(out, out + value_dim, scalar_t(0));
     *lse = -std::numeric_limits<acc_t>::infinity();
   } else {
-    const acc_t rows_share = std::exp(max - shift);
-    const acc_t total = sum * rows_share + std::exp(sink - shift);
+    // Without a sink (-inf) the row's share is e^0 = 1 and the sink's e^-inf = 0, exactly: the
+    // two scalar exponentials (a call of libm's each, a row) are left out.
+    const bool has_sink = sink != -std::numeric_limits<acc_t>::infinity();
+    const acc_t rows_share = has_sink ? std::exp(max - shift) : acc_t(1);
+    const acc_t total = has_sink ? sum * rows_share + std::exp(sink - shift) : sum;
     store_scaled_row(acc, value_dim, acc_t(1) / total * rows_share * keep, out);
     *lse = shift + std::log(total);
   }
