@@ -6,6 +6,7 @@
 // samples on an AMX Xeon.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <new>
 #include <type_traits>
@@ -15,9 +16,12 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
 // std::allocator, but for constructing an element with no arguments: default-initialization,
-// which leaves a trivially constructible element unwritten (value-initialization zeroes it).
+// which leaves a trivially constructible element unwritten (value-initialization zeroes it); and
+// each buffer on a cache line of its own, as at::empty's are: the block products' operand rows
+// (P's pairs as A of AMX tile loads) then start on a line.
 template <typename T>
 struct DefaultInitAllocator : std::allocator<T> {
+  static constexpr std::align_val_t kAlignment{64};
   template <typename U>
   struct rebind {
     using other = DefaultInitAllocator<U>;
@@ -25,6 +29,9 @@ struct DefaultInitAllocator : std::allocator<T> {
   DefaultInitAllocator() = default;
   template <typename U>
   DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  void deallocate(T* p, size_t) noexcept { ::operator delete(p, kAlignment); }
 
   template <typename U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
