@@ -142,9 +142,9 @@ class DecodeForward {
     std::vector<MaskRow<acc_t>> run_mask_rows;
     RowState<acc_t> state;
     NonFiniteRowGuard<kv_t> guard;
-    ScratchVector<acc_t> key_scales,
-        value_scales;                  // the block's row scales, where KeyRows has them
-    ScratchVector<acc_t> wide_values;  // the block's value rows widened once, for many query rows
+    // The block's row scales, where KeyRows has them, and its value rows widened once, for many
+    // query rows.
+    ScratchVector<acc_t> key_scales, value_scales, wide_values;
     // The block products' operands (multiplies_blocks): the task's query rows and K_j^T, and one
     // chain's scores (multiply_in_chains). A scratch that has them keeps the register products'
     // too: an item's task may have fewer rows than the largest (a group's last chunk, a sequence

@@ -17,8 +17,9 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 
 // std::allocator, but for constructing an element with no arguments: default-initialization,
 // which leaves a trivially constructible element unwritten (value-initialization zeroes it); and
-// each buffer on a cache line of its own, as at::empty's are: the block products' operand rows
-// (P's pairs as A of AMX tile loads) then start on a line.
+// each buffer on a cache line of its own, as at::empty's are, so that the block products' operand
+// rows start on a line (on std::allocator's 16-byte boundaries, a bfloat16 forward+backward took
+// 1.1x as long on an AMX Xeon).
 template <typename T>
 struct DefaultInitAllocator : std::allocator<T> {
   static constexpr std::align_val_t kAlignment{64};
@@ -30,8 +31,8 @@ struct DefaultInitAllocator : std::allocator<T> {
   template <typename U>
   DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
 
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
-  void deallocate(T* p, size_t) noexcept { ::operator delete(p, kAlignment); }
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlignment); }
 
   template <typename U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
