@@ -1,0 +1,126 @@
+"""Two builds of the library timed at once, one process a core, then with the cores swapped: an
+A/B that a drifting shared machine cannot tilt (both builds see the same stretch of its time and
+each core in turn). Each side is a single-threaded process importing causal_attention from its
+own folder (a built package, e.g. a copy of another checkout's causal_attention/ beside nothing
+else); each line printed is one such pair of runs.
+
+    python -m benchmarks.paired <folder A> <folder B> short           # bf16 forward, L 64-512
+    python -m benchmarks.paired <folder A> <folder B> fb               # bf16 forward+backward
+    python -m benchmarks.paired <folder A> <folder B> decode e4m3_token  # 8-bit decode, B 8
+
+short: B 1, H 8, D 64, L 64/128/256/512, the minimum over 21 rounds of one call, in us.
+fb: B 1, H 8, (L, D) = (512, 64), (1024, 128), (256, 64), the minimum of 9 calls, in ms.
+decode: a benchmarks.paged_precisions cache (float32, bfloat16, e4m3_token, ...), B 8, 32768
+tokens, one query row each: in cache and from memory, the median of 15 calls, in ms.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def short():
+    import causal_attention as ca
+    import torch
+    times = []
+    for length in (64, 128, 256, 512):
+        q, k, v = (torch.randn(1, 8, length, 64, dtype=torch.bfloat16) for _ in range(3))
+        calls = max(20, 100000 // length)
+        with torch.no_grad():
+            for _ in range(20):
+                ca.attention(q, k, v)
+            rounds = []
+            for _ in range(21):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    ca.attention(q, k, v)
+                rounds.append((time.perf_counter() - start) / calls * 1e6)
+        times.append(min(rounds))
+    return times
+
+
+def forward_backward():
+    import causal_attention as ca
+    import torch
+    times = []
+    for length, dim in ((512, 64), (1024, 128), (256, 64)):
+        q, k, v, grad = (torch.randn(1, 8, length, dim, dtype=torch.bfloat16) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+
+        def call():
+            torch.autograd.grad(ca.attention(q, k, v), (q, k, v), grad)
+
+        for _ in range(3):
+            call()
+        rounds = []
+        for _ in range(9):
+            start = time.perf_counter()
+            call()
+            rounds.append(time.perf_counter() - start)
+        times.append(min(rounds) * 1e3)
+    return times
+
+
+def decode(cache):
+    import torch
+    from benchmarks.paged_precisions import calls_for
+    calls, _ = calls_for(cache, 8, 32768, [1] * 8, torch.Generator().manual_seed(0), in_cache=True)
+    times = []
+    for kind in ("in_cache", "paged"):
+        call = calls[f"{cache}/{kind}"]
+        for _ in range(3):
+            call()
+        rounds = []
+        for _ in range(15):
+            start = time.perf_counter()
+            call()
+            rounds.append(time.perf_counter() - start)
+        times.append(statistics.median(rounds) * 1e3)
+    return times
+
+
+def child(case, cache):
+    import torch
+    torch.set_num_threads(1)
+    times = {"short": short, "fb": forward_backward}.get(case, lambda: decode(cache))()
+    print(" ".join(f"{t:9.2f}" for t in times))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", type=Path, help="folder holding build A's causal_attention package")
+    parser.add_argument("b", type=Path, help="folder holding build B's causal_attention package")
+    parser.add_argument("case", choices=("short", "fb", "decode"))
+    parser.add_argument("cache", nargs="?", default="e4m3_token", help="decode's cache")
+    parser.add_argument("--pairs", type=int, default=2, help="pairs of runs (each swapped once)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.case, args.cache)
+        return
+    command = [sys.executable, "-m", "benchmarks.paired", str(args.a), str(args.b), args.case,
+               args.cache, "--child"]
+
+    def start(folder, core):
+        env = dict(os.environ, PYTHONPATH=f"{folder.resolve()}{os.pathsep}{CHECKOUT}")
+        # From another folder, so that the checkout's own package is not the one imported.
+        return subprocess.Popen(["taskset", "-c", str(core)] + command, env=env, cwd="/",
+                                stdout=subprocess.PIPE, text=True)
+
+    for _ in range(args.pairs):
+        for core_a, core_b in ((0, 1), (1, 0)):
+            a, b = start(args.a, core_a), start(args.b, core_b)
+            print(f"A (core {core_a}) {a.communicate()[0].strip()}   |   "
+                  f"B (core {core_b}) {b.communicate()[0].strip()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
