@@ -25,6 +25,18 @@ from pathlib import Path
 CHECKOUT = Path(__file__).resolve().parent.parent
 
 
+def seconds_of(call, rounds, warmup=3):
+    """The seconds of `rounds` calls of `call`, each timed alone, after `warmup` untimed."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def short():
     import causal_attention as ca
     import torch
@@ -57,14 +69,7 @@ def forward_backward():
         def call():
             torch.autograd.grad(ca.attention(q, k, v), (q, k, v), grad)
 
-        for _ in range(3):
-            call()
-        rounds = []
-        for _ in range(9):
-            start = time.perf_counter()
-            call()
-            rounds.append(time.perf_counter() - start)
-        times.append(min(rounds) * 1e3)
+        times.append(min(seconds_of(call, rounds=9)) * 1e3)
     return times
 
 
@@ -74,15 +79,7 @@ def decode(cache):
     calls, _ = calls_for(cache, 8, 32768, [1] * 8, torch.Generator().manual_seed(0), in_cache=True)
     times = []
     for kind in ("in_cache", "paged"):
-        call = calls[f"{cache}/{kind}"]
-        for _ in range(3):
-            call()
-        rounds = []
-        for _ in range(15):
-            start = time.perf_counter()
-            call()
-            rounds.append(time.perf_counter() - start)
-        times.append(statistics.median(rounds) * 1e3)
+        times.append(statistics.median(seconds_of(calls[f"{cache}/{kind}"], rounds=15)) * 1e3)
     return times
 
 
