@@ -197,6 +197,17 @@ for dtype in (torch.bfloat16, torch.float16):
         out = causal_attention.attention(q, k, v, **kwargs)
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
         results[f"{dtype}-{name}"] = (out.detach(),) + grads
+# bfloat16 decode rows against 8-bit pages (GQA 4:1), whose scores the AVX-512 BF16 chips take
+# as bfloat16 dot products where the products are native
+for cache_dtype in (torch.int8, torch.float8_e4m3fn):
+    stored = torch.randint(-100, 101, (2, 48, 16, 2, 64), dtype=torch.int8).to(cache_dtype)
+    table = torch.arange(48, dtype=torch.int32).view(2, 24)
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    out = causal_attention.paged_attention(
+        q, stored[0], stored[1], table, torch.tensor([380, 301], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
+        k_scale=0.01, v_scale=0.02)
+    results[f"torch.bfloat16-paged-{cache_dtype}"] = (out,)
 torch.save(results, sys.argv[1])
 """
 

@@ -58,7 +58,9 @@ class DecodeForward {
         output_(output),
         modifiers_(modifiers),
         native_products_(kReducedRows &&
-                         native_products_now(c10::CppTypeToScalarType<scalar_t>::value)) {}
+                         native_products_now(c10::CppTypeToScalarType<scalar_t>::value)),
+        pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && cpu_has_pair_dots() &&
+                   pair_dots_fit(d.head_dim)) {}
 
   void run() const {
     const int64_t items =
@@ -111,6 +113,12 @@ class DecodeForward {
   static constexpr bool kReducedRows =
       std::is_same_v<kv_t, scalar_t> &&
       (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>);
+  // Whether bfloat16 query rows may score K rows by bfloat16 dot products (query_key_scores'
+  // q_pairs): K rows whose values bfloat16 holds exactly, where the block products of bfloat16
+  // are native (so CAUSAL_ATTENTION_REDUCED_PRODUCTS=widened and ONEDNN_MAX_CPU_ISA, which the
+  // tests use to run the other chips' path, turn them off too).
+  static constexpr bool kBFloat16PairDots =
+      std::is_same_v<scalar_t, c10::BFloat16> && kPairDots<acc_t, kv_t>;
   // Whether a task of `rows` rows takes the block products: only where this call's products of
   // two inputs are native (block_gemm.h). Widened, they were slower than the register products
   // in a trial build (MLA's 16 heads, a verify step), which compute the same sums of exact
@@ -128,6 +136,7 @@ class DecodeForward {
 
   struct Scratch {
     ScratchVector<acc_t> queries, queries_t, keys, scores, scores_t;
+    ScratchVector<scalar_t> query_pairs;          // the query rows as they are, for pair_dots_
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
@@ -158,6 +167,7 @@ class DecodeForward {
           keys(kKeyBlock * d.head_dim),
           scores(Tasks::task_rows(d) * kKeyBlock),
           scores_t(padded(Tasks::task_rows(d)) * kKeyBlock),
+          query_pairs(kBFloat16PairDots ? Tasks::task_rows(d) * d.head_dim : 0),
           first_visible(Tasks::task_rows(d)),
           visible(Tasks::task_rows(d)),
           mask_rows(Tasks::task_rows(d)),
@@ -214,7 +224,11 @@ class DecodeForward {
         }
       } else {
         for (int64_t r = 0; r < t.rows; ++r) {
-          convert_row(q_.row(t.b, t.head(r, dims_), t.query_row(r)), s.queries.data() + r * D, D);
+          const scalar_t* query = q_.row(t.b, t.head(r, dims_), t.query_row(r));
+          convert_row(query, s.queries.data() + r * D, D);
+          if (pair_dots_) {
+            std::copy_n(query, D, s.query_pairs.data() + r * D);
+          }
         }
         if (const int64_t ld = padded(t.rows); ld > 0) {
           transpose_block(s.queries.data(), t.rows, D, D, s.queries_t.data(), ld);
@@ -262,8 +276,12 @@ class DecodeForward {
                          run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
                          stream);
       } else {
-        query_key_scores(s.queries.data(), D, rows, run.first, k_.row_stride, run.count, D,
-                         s.scores.data() + run.offset, cols, stream);
+        const c10::BFloat16* query_pairs = nullptr;
+        if constexpr (kBFloat16PairDots) {
+          query_pairs = pair_dots_ ? s.query_pairs.data() : nullptr;
+        }
+        query_key_scores(s.queries.data(), query_pairs, D, rows, run.first, k_.row_stride,
+                         run.count, D, s.scores.data() + run.offset, cols, stream);
       }
     }
     if (padded(rows) > 0) {
@@ -584,6 +602,7 @@ class DecodeForward {
   const OutputRows<scalar_t, acc_t> output_;
   const ScoreModifiers<acc_t> modifiers_;
   const bool native_products_;  // read once a call (multiplies_blocks)
+  const bool pair_dots_;        // and these (kBFloat16PairDots)
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

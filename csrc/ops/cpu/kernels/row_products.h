@@ -8,7 +8,8 @@
 // faster than the code below at 8 or 16 rows). Here:
 // - scores of fewer rows than a vector holds come from dot products, up to four rows by a few
 //   keys at a time (each key vector loaded once for the four), their horizontal sums done
-//   together (lane_sums);
+//   together (lane_sums); bfloat16 query rows against key rows bfloat16 holds exactly take
+//   AVX-512 BF16's dot products of pairs where the CPU has them (query_key_pair_band);
 // - scores of more rows are computed transposed, vectors of query rows against broadcast key
 //   elements (Q given transposed, packed once per task), with no horizontal sums;
 // - values are accumulated four query rows at a time, so each value vector loaded serves four
@@ -24,6 +25,7 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -44,6 +46,22 @@ inline acc_t dot(const acc_t* q, const src_t* k, int64_t dim) {
     sum = at::vec::fmadd(Vec::loadu(q + d, dim - d), load_as<acc_t>(k + d, dim - d), sum);
   }
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
+
+// A tile's sums into scores (row i, key c at scores[i * ld_scores + c]): its accumulators
+// acc[i * kKeys + c] reduced together by lane_sums.
+template <int64_t kRows, int64_t kKeys, typename acc_t>
+C10_ALWAYS_INLINE void store_tile_sums(const at::vec::Vectorized<acc_t>* acc, acc_t* scores,
+                                       int64_t ld_scores) {
+  __at_align__ acc_t sums[at::vec::Vectorized<acc_t>::size()];
+  lane_sums(acc).store(sums);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kKeys; ++c) {
+      scores[i * ld_scores + c] = sums[i * kKeys + c];
+    }
+  }
 }
 
 // One tile of query_key_scores: rows [0, kRows) against keys [0, kKeys) into scores, one
@@ -101,26 +119,125 @@ C10_ALWAYS_INLINE void query_key_tile(const acc_t* q, int64_t ld_q, const src_t*
   if (full_dim < dim) {
     step(One{}, full_dim, dim - full_dim);
   }
-  __at_align__ acc_t sums[N];
-  lane_sums(acc).store(sums);
-#pragma GCC unroll 4
-  for (int64_t i = 0; i < kRows; ++i) {
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < kKeys; ++c) {
-      scores[i * ld_scores + c] = sums[i * kKeys + c];
-    }
-  }
+  store_tile_sums<kRows, kKeys>(acc, scores, ld_scores);
 }
 
-// query_key_scores for kRows rows (at most four), kKeys keys a tile: as many as leaves no
+// The keys a tile of a band of query_key_scores takes for kRows rows: as many as leaves no
 // accumulator of the tile empty where kRows is a power of two (for three rows, those of four).
-// With `stream`, told of each tile's keys.
+template <typename acc_t>
+constexpr int64_t band_tile_keys(int64_t rows) {
+  return std::max<int64_t>(1, at::vec::Vectorized<acc_t>::size() / (rows == 3 ? 4 : rows));
+}
+
+// Whether query_key_scores may score bfloat16 query rows against key rows of src_t with
+// AVX-512 BF16's dot products of pairs (query_key_pair_band): key rows whose values bfloat16
+// holds exactly (its own and the 8-bit ones), in the AVX-512 build, which asks the CPU at run
+// time (cpu_has_pair_dots).
+template <typename acc_t, typename src_t>
+inline constexpr bool kPairDots =
+#if defined(CPU_CAPABILITY_AVX512)
+    std::is_same_v<acc_t, float> && (std::is_same_v<src_t, c10::BFloat16> || is_eight_bit_v<src_t>);
+#else
+    false;
+#endif
+
+// Whether this CPU has AVX-512 BF16's dot products, asked once.
+inline bool cpu_has_pair_dots() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// The head dims query_key_pair_band takes: whole steps of its 32-element pairs of vectors.
+inline bool pair_dots_fit(int64_t dim) {
+  return dim % 32 == 0;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+// query_key_tile for query rows in bfloat16 (q, ld_q apart) and a head dim of whole steps of 32
+// (pair_dots_fit): each step by AVX-512 BF16's dot products of pairs, half the instructions of
+// float32's multiply-adds, the key vector converted to bfloat16 exactly (its values are
+// bfloat16's, kPairDots). Each product is exact and each pair's two are added to the float32 sum
+// one after the other, as two multiply-adds would, in another order than query_key_tile's (and
+// bfloat16 subnormals taken as zero, as the native block products take them).
+template <int64_t kRows, int64_t kKeys, typename src_t>
+C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q, const src_t* k,
+                                           int64_t ld_k, int64_t dim, float* scores,
+                                           int64_t ld_scores) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t N = Vec::size();
+  static_assert(kRows * kKeys <= N);
+  __m512 acc[N];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < N; ++i) {
+    acc[i] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < dim; d += 2 * N) {
+    __m512bh keys[kKeys];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kKeys; ++c) {
+      if constexpr (std::is_same_v<src_t, c10::BFloat16>) {
+        keys[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * ld_k + d));
+      } else {
+        Vec halves[2];
+        load_vectors_as<2>(k + c * ld_k + d, halves);
+        keys[c] = _mm512_cvtne2ps_pbh(halves[1], halves[0]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * ld_q + d));
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kKeys; ++c) {
+        acc[i * kKeys + c] = _mm512_dpbf16_ps(acc[i * kKeys + c], qv, keys[c]);
+      }
+    }
+  }
+  Vec sums[N];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < N; ++i) {
+    sums[i] = acc[i];
+  }
+  store_tile_sums<kRows, kKeys>(sums, scores, ld_scores);
+}
+
+// query_key_band by query_key_pair_tile, the keys past the last whole tile one at a time. (Its
+// loop is query_key_band's: a helper taking the tiles as lambdas would call them out of line,
+// as GCC inlines no function of this target into one without it.)
+template <int64_t kRows, typename src_t>
+void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, int64_t ld_k,
+                         int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
+                         const StreamAhead* stream) {
+  constexpr int64_t kKeys = band_tile_keys<float>(kRows);
+  int64_t j = 0;
+  for (; j + kKeys <= cols; j += kKeys) {
+    if (stream != nullptr) {
+      stream->at_keys(j, kKeys);
+    }
+    query_key_pair_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores);
+  }
+  if (stream != nullptr) {
+    stream->at_keys(j, cols - j);
+  }
+  for (; j < cols; ++j) {
+    query_key_pair_tile<kRows, 1>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores);
+  }
+}
+#pragma GCC pop_options
+#endif
+
+// query_key_scores for kRows rows (at most four), band_tile_keys keys a tile; with `stream`,
+// told of each tile's keys.
 template <int64_t kRows, typename acc_t, typename src_t>
 inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t ld_k, int64_t cols,
                            int64_t dim, acc_t* scores, int64_t ld_scores,
                            const StreamAhead* stream) {
-  constexpr int64_t N = at::vec::Vectorized<acc_t>::size();
-  constexpr int64_t kKeys = std::max<int64_t>(1, N / (kRows == 3 ? 4 : kRows));
+  constexpr int64_t kKeys = band_tile_keys<acc_t>(kRows);
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
     if (stream != nullptr) {
@@ -143,27 +260,40 @@ inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t
 // serves so few rows that K is read in its own dtype, with no converted copy, in tiles of four
 // rows (fewer for the last) by a few keys, so that each key vector is loaded (and widened, for
 // a reduced dtype) once for four rows, and the tile's sums reduced together. The first band
-// tells the stream.
+// tells the stream. Where q_pairs holds the same rows in bfloat16 (given only where kPairDots,
+// cpu_has_pair_dots and pair_dots_fit(dim)), the bands are query_key_pair_band's.
 template <typename acc_t, typename src_t>
-void query_key_scores(const acc_t* q, int64_t ld_q, int64_t rows, const src_t* k, int64_t ld_k,
-                      int64_t cols, int64_t dim, acc_t* scores, int64_t ld_scores,
-                      const StreamAhead& stream) {
+void query_key_scores(const acc_t* q, const c10::BFloat16* q_pairs, int64_t ld_q, int64_t rows,
+                      const src_t* k, int64_t ld_k, int64_t cols, int64_t dim, acc_t* scores,
+                      int64_t ld_scores, const StreamAhead& stream) {
   for (int64_t r = 0; r < rows; r += 4) {
     const StreamAhead* told = r == 0 ? &stream : nullptr;
-    const acc_t* q_rows = q + r * ld_q;
     acc_t* score_rows = scores + r * ld_scores;
+    const auto band = [&](auto band_rows) {
+      constexpr int64_t kRows = decltype(band_rows)::value;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (kPairDots<acc_t, src_t>) {
+        if (q_pairs != nullptr) {
+          query_key_pair_band<kRows>(q_pairs + r * ld_q, ld_q, k, ld_k, cols, dim, score_rows,
+                                     ld_scores, told);
+          return;
+        }
+      }
+#endif
+      query_key_band<kRows>(q + r * ld_q, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+    };
     switch (std::min<int64_t>(4, rows - r)) {
       case 4:
-        query_key_band<4>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        band(std::integral_constant<int64_t, 4>{});
         break;
       case 3:
-        query_key_band<3>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        band(std::integral_constant<int64_t, 3>{});
         break;
       case 2:
-        query_key_band<2>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        band(std::integral_constant<int64_t, 2>{});
         break;
       default:
-        query_key_band<1>(q_rows, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
+        band(std::integral_constant<int64_t, 1>{});
     }
   }
 }
