@@ -60,7 +60,7 @@ class DecodeForward {
         native_products_(kReducedRows &&
                          native_products_now(c10::CppTypeToScalarType<scalar_t>::value)),
         pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && cpu_has_pair_dots() &&
-                   pair_dots_fit(d.head_dim)) {}
+                   pair_dots_fit<kv_t>(d.head_dim)) {}
 
   void run() const {
     const int64_t items =
@@ -226,8 +226,10 @@ class DecodeForward {
         for (int64_t r = 0; r < t.rows; ++r) {
           const scalar_t* query = q_.row(t.b, t.head(r, dims_), t.query_row(r));
           convert_row(query, s.queries.data() + r * D, D);
-          if (pair_dots_) {
-            std::copy_n(query, D, s.query_pairs.data() + r * D);
+          if constexpr (kBFloat16PairDots) {
+            if (pair_dots_) {
+              order_query_pairs<kv_t>(query, D, s.query_pairs.data() + r * D);
+            }
           }
         }
         if (const int64_t ld = padded(t.rows); ld > 0) {

@@ -9,7 +9,8 @@
 // - scores of fewer rows than a vector holds come from dot products, up to four rows by a few
 //   keys at a time (each key vector loaded once for the four), their horizontal sums done
 //   together (lane_sums); bfloat16 query rows against key rows bfloat16 holds exactly take
-//   AVX-512 BF16's dot products of pairs where the CPU has them (query_key_pair_band);
+//   AVX-512 BF16's dot products of pairs where the CPU has them (query_key_pair_band), e4m3 rows
+//   converted by byte tables;
 // - scores of more rows are computed transposed, vectors of query rows against broadcast key
 //   elements (Q given transposed, packed once per task), with no horizontal sums;
 // - values are accumulated four query rows at a time, so each value vector loaded serves four
@@ -141,51 +142,142 @@ inline constexpr bool kPairDots =
     false;
 #endif
 
-// Whether this CPU has AVX-512 BF16's dot products, asked once.
+// Whether this CPU has AVX-512 BF16's dot products and AVX-512 VBMI's byte permutes (the e4m3
+// tables), asked once: every chip seen with the first has the second.
 inline bool cpu_has_pair_dots() {
 #if defined(CPU_CAPABILITY_AVX512)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
+  static const bool has =
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
   return has;
 #else
   return false;
 #endif
 }
 
-// The head dims query_key_pair_band takes: whole steps of its 32-element pairs of vectors.
+// Whether query_key_pair_tile widens src_t's key rows to bfloat16 by byte tables, 64 values a
+// step, in the order e4m3_pairs leaves them (order_query_pairs): e4m3's, whose widening through
+// float16 and then float32 takes 16 instructions a 64 values where the tables take 5.
+template <typename src_t>
+inline constexpr bool kTablePairs = std::is_same_v<src_t, E4M3Over256>;
+
+// The head dim query_key_pair_tile takes a step.
+template <typename src_t>
+inline constexpr int64_t kPairStep = kTablePairs<src_t> ? 64 : 32;
+
+// The head dims query_key_pair_band takes: whole steps.
+template <typename src_t>
 inline bool pair_dots_fit(int64_t dim) {
-  return dim % 32 == 0;
+  return dim % kPairStep<src_t> == 0;
+}
+
+// A bfloat16 query row of `dim` elements in the order query_key_pair_tile's key vectors hold the
+// head dim for src_t: as it is, or for kTablePairs each step of 64 as e4m3_pairs leaves it (the
+// first vector the elements 0-7, 16-23, 32-39 and 48-55 of the step, the second the others).
+template <typename src_t>
+void order_query_pairs(const c10::BFloat16* q, int64_t dim, c10::BFloat16* out) {
+  if constexpr (kTablePairs<src_t>) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+      for (int64_t half = 0; half < 2; ++half) {
+        for (int64_t lane = 0; lane < 4; ++lane) {
+          std::copy_n(q + d0 + lane * 16 + half * 8, 8, out + d0 + half * 32 + lane * 8);
+        }
+      }
+    }
+  } else {
+    std::copy_n(q, dim, out);
+  }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
 #pragma GCC push_options
-#pragma GCC target("avx512bf16")
-// query_key_tile for query rows in bfloat16 (q, ld_q apart) and a head dim of whole steps of 32
-// (pair_dots_fit): each step by AVX-512 BF16's dot products of pairs, half the instructions of
-// float32's multiply-adds, the key vector converted to bfloat16 exactly (its values are
-// bfloat16's, kPairDots). Each product is exact and each pair's two are added to the float32 sum
-// one after the other, as two multiply-adds would, in another order than query_key_tile's (and
-// bfloat16 subnormals taken as zero, as the native block products take them).
+#pragma GCC target("avx512bf16,avx512vbmi")
+// The bfloat16 bits of E4M3Over256's values by the byte's magnitude (its low 7 bits): the high
+// bytes (sign clear) in hi[0..1], the low bytes in lo[0..1], 64 magnitudes a vector; e4m3's NaN
+// magnitude gives bfloat16's NaN.
+struct E4M3PairTables {
+  __m512i hi[2], lo[2];
+  static E4M3PairTables get() {
+    static const E4M3PairTables tables = [] {
+      alignas(64) uint8_t hi_bytes[128], lo_bytes[128];
+      for (int m = 0; m < 128; ++m) {
+        const uint16_t bits = c10::BFloat16(float(E4M3Over256(m))).x;  // exact: 4 significant bits
+        hi_bytes[m] = uint8_t(bits >> 8);
+        lo_bytes[m] = uint8_t(bits & 0xFF);
+      }
+      E4M3PairTables t;
+      for (int i = 0; i < 2; ++i) {
+        t.hi[i] = _mm512_load_si512(hi_bytes + 64 * i);
+        t.lo[i] = _mm512_load_si512(lo_bytes + 64 * i);
+      }
+      return t;
+    }();
+    return tables;
+  }
+};
+
+// 64 e4m3 bytes from src as two vectors of bfloat16 (E4M3Over256's values, exactly), in
+// order_query_pairs' order: each byte's magnitude looked up in the tables, its sign put back,
+// the low and high bytes interleaved.
+C10_ALWAYS_INLINE void e4m3_pairs(const E4M3Over256* src, const E4M3PairTables& t,
+                                  __m512bh (&out)[2]) {
+  const __m512i bytes = _mm512_loadu_si512(src);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], bytes, t.lo[1]);
+  // hi | (bytes & 0x80): the sign back on the high byte
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], bytes, t.hi[1]),
+                                               bytes, _mm512_set1_epi8(char(0x80)), 0xF8);
+  out[0] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, hi));
+  out[1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
+}
+
+// query_key_tile for query rows in bfloat16 (q, ld_q apart, in order_query_pairs' order) and a
+// head dim of whole steps (pair_dots_fit): each step by AVX-512 BF16's dot products of pairs, half
+// the instructions of float32's multiply-adds, the key vectors converted to bfloat16 exactly (their
+// values are bfloat16's, kPairDots): by tables (kTablePairs), else widened and converted. Each
+// product is exact and each pair's two are added to the float32 sum one after the other, as two
+// multiply-adds would, in another order than query_key_tile's (and bfloat16 subnormals taken as
+// zero, as the native block products take them).
 template <int64_t kRows, int64_t kKeys, typename src_t>
 C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q, const src_t* k,
                                            int64_t ld_k, int64_t dim, float* scores,
-                                           int64_t ld_scores) {
+                                           int64_t ld_scores, const E4M3PairTables& tables) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t N = Vec::size();
+  constexpr int64_t kParts = kPairStep<src_t> / (2 * N);
   static_assert(kRows * kKeys <= N);
   __m512 acc[N];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < N; ++i) {
     acc[i] = _mm512_setzero_ps();
   }
-  for (int64_t d = 0; d < dim; d += 2 * N) {
+  for (int64_t d = 0; d < dim; d += kPairStep<src_t>) {
+    if constexpr (kTablePairs<src_t>) {
+      // key by key, each key's two vectors serving the rows at once (the tables' and the
+      // accumulators' registers leave no room for every key's)
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kKeys; ++c) {
+        __m512bh key[kParts];
+        e4m3_pairs(k + c * ld_k + d, tables, key);
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 2
+          for (int64_t part = 0; part < kParts; ++part) {
+            const __m512bh qv =
+                reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * ld_q + d + part * 2 * N));
+            acc[i * kKeys + c] = _mm512_dpbf16_ps(acc[i * kKeys + c], qv, key[part]);
+          }
+        }
+      }
+      continue;
+    }
     __m512bh keys[kKeys];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < kKeys; ++c) {
+      const src_t* key = k + c * ld_k + d;
       if constexpr (std::is_same_v<src_t, c10::BFloat16>) {
-        keys[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * ld_k + d));
+        keys[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(key));
       } else {
         Vec halves[2];
-        load_vectors_as<2>(k + c * ld_k + d, halves);
+        load_vectors_as<2>(key, halves);
         keys[c] = _mm512_cvtne2ps_pbh(halves[1], halves[0]);
       }
     }
@@ -214,18 +306,23 @@ void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, i
                          int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
                          const StreamAhead* stream) {
   constexpr int64_t kKeys = band_tile_keys<float>(kRows);
+  E4M3PairTables tables;  // in registers for the band (kTablePairs)
+  if constexpr (kTablePairs<src_t>) {
+    tables = E4M3PairTables::get();
+  }
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
     if (stream != nullptr) {
       stream->at_keys(j, kKeys);
     }
-    query_key_pair_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores);
+    query_key_pair_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores,
+                                      tables);
   }
   if (stream != nullptr) {
     stream->at_keys(j, cols - j);
   }
   for (; j < cols; ++j) {
-    query_key_pair_tile<kRows, 1>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores);
+    query_key_pair_tile<kRows, 1>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores, tables);
   }
 }
 #pragma GCC pop_options
