@@ -136,7 +136,7 @@ class DecodeForward {
 
   struct Scratch {
     ScratchVector<acc_t> queries, queries_t, keys, scores, scores_t;
-    ScratchVector<scalar_t> query_pairs;          // the query rows as they are, for pair_dots_
+    ScratchVector<scalar_t> query_pairs;  // the query rows for pair_dots_ (order_query_pairs)
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs), and the first key

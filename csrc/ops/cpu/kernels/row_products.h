@@ -244,10 +244,10 @@ C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q,
   constexpr int64_t N = Vec::size();
   constexpr int64_t kParts = kPairStep<src_t> / (2 * N);
   static_assert(kRows * kKeys <= N);
-  __m512 acc[N];
+  Vec acc[N];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < N; ++i) {
-    acc[i] = _mm512_setzero_ps();
+    acc[i] = Vec(0.0f);
   }
   for (int64_t d = 0; d < dim; d += kPairStep<src_t>) {
     if constexpr (kTablePairs<src_t>) {
@@ -290,12 +290,7 @@ C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q,
       }
     }
   }
-  Vec sums[N];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < N; ++i) {
-    sums[i] = acc[i];
-  }
-  store_tile_sums<kRows, kKeys>(sums, scores, ld_scores);
+  store_tile_sums<kRows, kKeys>(acc, scores, ld_scores);
 }
 
 // query_key_band by query_key_pair_tile, the keys past the last whole tile one at a time. (Its
