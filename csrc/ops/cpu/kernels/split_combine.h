@@ -70,12 +70,12 @@ class KeySplits {
   void emit(const RowState<acc_t>& state, int64_t r, int64_t bh, int64_t q_row, int64_t split) {
     const acc_t* acc = state.out.data() + r * dims_.value_dim;
     if (num_splits_ == 1) {
-      output_.finish(bh, q_row, state.max[r], state.sum[r], acc);
+      output_.finish(bh, q_row, state.max[r], state.row_sum(r), acc);
       return;
     }
     const int64_t at_row = (bh * num_splits_ + split) * dims_.len_q + q_row;
     max_.data_ptr<acc_t>()[at_row] = state.max[r];
-    sum_.data_ptr<acc_t>()[at_row] = state.sum[r];
+    sum_.data_ptr<acc_t>()[at_row] = state.row_sum(r);
     std::copy_n(acc, dims_.value_dim, out_.data_ptr<acc_t>() + at_row * dims_.value_dim);
   }
 
