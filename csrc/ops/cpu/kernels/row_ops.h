@@ -6,8 +6,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#include <c10/util/bit_cast.h>
-
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
@@ -26,9 +24,8 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // vector instructions where exp_u20 takes 19, which made the forward's exponential loop a third
 // faster on a Zen 5: no clamp at either end (x <= 0 never overflows), and 2^n from the rounding's
 // own bits (x log2 e + 1.5 * 2^23 + 127 leaves n + 127 in the low bits) instead of two
-// conversions. The AVX-512, AVX2 and baseline builds compute the same operations in the same
-// order (fused multiply-adds included). NaN gives 0: callers that may pass one
-// (exp_non_positive_keeping_nan) put it back. float64 keeps Sleef's exp.
+// conversions. NaN gives 0: callers that may pass one (exp_non_positive_keeping_nan) put it back.
+// float64 keeps Sleef's exp.
 namespace exp_constants {
 inline constexpr float kLog2E = 1.44269504088896341f;
 inline constexpr float kRounding = 12582912.0f + 127.0f;  // 1.5 * 2^23, plus the exponent's bias
@@ -46,47 +43,24 @@ inline at::vec::Vectorized<acc_t> exp_non_positive(const at::vec::Vectorized<acc
     return x.exp();
   } else {
     using namespace exp_constants;
+    using Vec = at::vec::Vectorized<float>;
+    using Bits = at::vec::Vectorized<int32_t>;
+    const Vec t = at::vec::fmadd(x, Vec(kLog2E), Vec(kRounding));
+    const Vec n = t - Vec(kRounding);
+    const Vec f = at::vec::fnmadd(n, Vec(kLn2Low), at::vec::fnmadd(n, Vec(kLn2High), x));
+    Vec p(kPolynomial[0]);
+    for (int i = 1; i < 6; ++i) {
+      p = at::vec::fmadd(p, f, Vec(kPolynomial[i]));
+    }
+    const Vec two_to_n = at::vec::cast<float>(at::vec::cast<int32_t>(t) << Bits(23));
 #if defined(CPU_CAPABILITY_AVX512)
+    // The product under the compare's mask register: one instruction where the vector of a mask
+    // takes three.
     const __m512 v = x;
-    const __m512 t = _mm512_fmadd_ps(v, _mm512_set1_ps(kLog2E), _mm512_set1_ps(kRounding));
-    const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(kRounding));
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), v);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), f);
-    __m512 p = _mm512_set1_ps(kPolynomial[0]);
-    for (int i = 1; i < 6; ++i) {
-      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPolynomial[i]));
-    }
-    const __m512 two_to_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
-    const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kLowest), _CMP_GE_OQ);
-    return _mm512_maskz_mul_ps(normal, p, two_to_n);
-#elif defined(CPU_CAPABILITY_AVX2)
-    const __m256 v = x;
-    const __m256 t = _mm256_fmadd_ps(v, _mm256_set1_ps(kLog2E), _mm256_set1_ps(kRounding));
-    const __m256 n = _mm256_sub_ps(t, _mm256_set1_ps(kRounding));
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), v);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), f);
-    __m256 p = _mm256_set1_ps(kPolynomial[0]);
-    for (int i = 1; i < 6; ++i) {
-      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPolynomial[i]));
-    }
-    const __m256 two_to_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
-    const __m256 normal = _mm256_cmp_ps(v, _mm256_set1_ps(kLowest), _CMP_GE_OQ);
-    return _mm256_and_ps(_mm256_mul_ps(p, two_to_n), normal);
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(kLowest), _CMP_GE_OQ), p,
+                               two_to_n);
 #else
-    __at_align__ float lanes[at::vec::Vectorized<float>::size()];
-    x.store(lanes);
-    for (float& lane : lanes) {
-      const float t = std::fma(lane, kLog2E, kRounding);
-      const float n = t - kRounding;
-      const float f = std::fma(-n, kLn2Low, std::fma(-n, kLn2High, lane));
-      float p = kPolynomial[0];
-      for (int i = 1; i < 6; ++i) {
-        p = std::fma(p, f, kPolynomial[i]);
-      }
-      const uint32_t two_to_n_bits = c10::bit_cast<uint32_t>(t) << 23;
-      lane = lane >= kLowest ? p * c10::bit_cast<float>(two_to_n_bits) : 0.0f;
-    }
-    return at::vec::Vectorized<float>::loadu(lanes);
+    return (p * two_to_n) & (x >= Vec(kLowest));
 #endif
   }
 }
