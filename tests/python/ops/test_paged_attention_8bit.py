@@ -302,10 +302,11 @@ def test_a_slot_no_sequence_reads_may_hold_any_scale():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d", [64, 80])
 @pytest.mark.parametrize("window", [(-1, 0), (40, 0)])
 @pytest.mark.parametrize("len_q", [1, 3, 5])
-def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d):
+def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d, q_dtype):
     """The decode's products read e4m3 rows without setting NaN's byte apart, and each key block
     sets it apart itself (decode.h): a NaN in a key must give NaN to exactly the rows that see that
     key, a NaN in a value to the columns of the rows that see its row, as a float64 reference on
@@ -313,7 +314,9 @@ def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d):
     has 4 query heads x len_q rows: the scores' tiles of few rows (1, 3) and the transposed scores
     of 16 rows or more, over a widened copy of the keys (5: 20 rows). A block's rows are tested
     all at once, by vectors of 64 (AVX-512) or 32 (AVX2) bytes and the rest of a row apart: two
-    of the NaN bytes lie in the last column, past the last whole vector with D = 80."""
+    of the NaN bytes lie in the last column, past the last whole vector with D = 80. bfloat16
+    rows at D = 64 and fewer than 16 rows a task (len_q 1 and 3) take the pair dot products on
+    AVX-512 BF16 chips, whose byte tables carry a key's NaN into its scores themselves."""
     torch.manual_seed(3)
     batch, hkv, hq, page = 3, 2, 8, 16
     lengths = [300, 250, 120]
@@ -331,7 +334,7 @@ def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d):
     k.view(torch.uint8)[44, 4, 1, 3] = 0x7F  # key 100 of sequence 2
     table = torch.arange(pages, dtype=torch.int32).view(batch, table_width)
     k_scale, v_scale, scale = 0.01, 0.02, d ** -0.5
-    q = torch.randn(batch, len_q, hq, d)
+    q = torch.randn(batch, len_q, hq, d).to(q_dtype)
     out = paged_attention(q, k, v, table, torch.tensor(lengths, dtype=torch.int32),
                           k_scale=k_scale, v_scale=v_scale, window=window)
     expected = torch.zeros(batch, len_q, hq, d, dtype=torch.float64)
@@ -348,5 +351,4 @@ def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d):
     nan = expected.isnan()
     assert nan.any() and (~nan).any()
     assert torch.equal(out.isnan(), nan)
-    torch.testing.assert_close(out[~nan].double(), expected[~nan], atol=TOLERANCE[torch.float32],
-                               rtol=0)
+    torch.testing.assert_close(out[~nan].double(), expected[~nan], atol=TOLERANCE[q_dtype], rtol=0)
