@@ -386,8 +386,9 @@ class DecodeForward {
   bool set_nan_apart(const Scratch& s, int64_t rows, int64_t cols, acc_t* scores) const {
     static_assert(sizeof(kv_t) == 1);  // strides in rows are strides in bytes
     const auto bytes = [](const kv_t* row) { return reinterpret_cast<const uint8_t*>(row); };
+    const bool tests_keys = !scores_keep_nan(rows);
     for (const RowRun<kv_t>& run : s.key_runs) {
-      if (scores_keep_nan(rows) ||
+      if (!tests_keys ||
           !any_e4m3_nan(bytes(run.first), run.count, k_.row_stride, dims_.head_dim)) {
         continue;
       }
