@@ -28,6 +28,9 @@ Sections (--only):
   precisions  decode and a prefill chunk from float32, bfloat16 and 8-bit caches
            (float8_e4m3fn, float8_e5m2, int8 with their scales) at the serving sizes, each
            against a bare read of its own pages (paged_precisions.py)
+  overlap  the bfloat16 decode's pages read with 0-32 multiply-adds on each vector, against
+           the same arithmetic in cache: whether the chip streams pages while the core computes
+           on them (read_overlap.py)
 
 Every time is the median over --rounds rounds of torch.utils.benchmark's blocked_autorange at
 --threads threads, each round timing every compared call of a section in turn (so that a drift
@@ -47,12 +50,12 @@ import torch.nn.functional as F
 
 import causal_attention as ca
 
-from . import paged_precisions
+from . import paged_precisions, read_overlap
 from .limits import block_product_gflops, page_reads
 from .proc import cpu_name, status_kib, write_report
 from .timing import interleaved_median, timer
 
-SECTIONS = ("decode", "mixed", "memory", "verify", "latent", "precisions")
+SECTIONS = ("decode", "mixed", "memory", "verify", "latent", "precisions", "overlap")
 
 
 def parse_args(argv=None):
@@ -333,6 +336,10 @@ def section_latent(args) -> list:
 
 def section_precisions(args) -> dict:
     return paged_precisions.section_precisions(args, seconds)
+
+
+def section_overlap(args) -> list:
+    return read_overlap.section_overlap(args, seconds)
 
 
 def main(argv=None) -> dict:

@@ -265,8 +265,9 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
     ways, a draft-verifying step with and without its tree mask, MLA's decode from a latent read
     once and from two caches with the bound the chip puts on their ratio, the decode and a
     prefill chunk from float32, bfloat16 and 8-bit caches beside bare reads of their pages and
-    beside the same decode on pages that stay in cache) and measures a call's memory on a float32
-    and an int8 cache; the paged output is the contiguous op's."""
+    beside the same decode on pages that stay in cache, the pages read with arithmetic on them
+    beside that arithmetic in cache) and measures a call's memory on a float32 and an int8 cache;
+    the paged output is the contiguous op's."""
     report = quick_report("paged", tmp_path)
     (decode,) = report["decode"]
     assert decode["max_abs_error"] < 1e-5
@@ -296,6 +297,13 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
         assert row["prefetched_read_ms"] > 0, row
         assert row["prefetched_read_over_decode"] == pytest.approx(
             row["prefetched_read_ms"] / row["decode_ms"]), row
+    overlap = report["overlap"]
+    assert [row["multiply_adds_per_vector"] for row in overlap] == [0, 4, 8, 16, 32]
+    for row in overlap:  # hidden: the share of the shorter of read and arithmetic that vanished
+        assert row["bare_read_ms"] > 0 and row["in_cache_ms"] > 0, row
+        assert row["hidden"] == pytest.approx(
+            (row["bare_read_ms"] + row["in_cache_ms"] - row["read_computing_ms"])
+            / min(row["bare_read_ms"], row["in_cache_ms"])), row
 
 
 def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_path):
