@@ -13,6 +13,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -40,8 +41,10 @@ double sum_page(const float* page, int64_t numel) {
 
 // The sum of page[0, numel) with `multiply_adds` multiply-adds on each vector as it is loaded
 // (the arithmetic a decode does on the rows it streams in), in as many independent chains as a
-// core keeps busy. AVX2 and FMA, which every x86 chip seen has (this library is compiled for
-// none in particular, where at::vec would be scalar code); the call checks for them.
+// core keeps busy; a tail of fewer than 16 words is added times kMultiplyAdds (the factors pair
+// up to 2), so that the result is the page's sum times kMultiplyAdds either way. AVX2 and FMA,
+// which every x86 chip seen has (this library is compiled for none in particular, where at::vec
+// would be scalar code); the call checks for them.
 template <int kMultiplyAdds>
 __attribute__((target("avx2,fma"))) double compute_on_page(const float* page, int64_t numel) {
   constexpr int64_t N = 8, kChains = 8;
@@ -68,17 +71,21 @@ __attribute__((target("avx2,fma"))) double compute_on_page(const float* page, in
   _mm256_storeu_ps(lanes, total);
   double sum = std::accumulate(lanes, lanes + N, 0.0);
   for (; e < numel; ++e) {
-    sum += page[e];
+    sum += double(page[e]) * kMultiplyAdds;  // the factors pair up to 2
   }
   return sum;
 }
 
-// Checks the arguments of the probes and runs read_page(page, numel, next page or null) on every
-// page the table lists, in its order, the entries split evenly among the threads; returns the
-// sum of what it returned.
-template <typename ReadPage>
-double for_each_page(const char* name, const at::Tensor& cache, const at::Tensor& block_table,
-                     const ReadPage& read_page) {
+// The pages a probe reads: the float32 words of `cache`'s pages that `block_table` lists.
+struct ListedPages {
+  const float* data;
+  const int32_t* table;
+  int64_t page_numel, entries;
+  const float* page(int64_t i) const { return data + table[i] * page_numel; }
+};
+
+ListedPages checked_pages(const char* name, const at::Tensor& cache,
+                          const at::Tensor& block_table) {
   TORCH_CHECK_TYPE(cache.scalar_type() == at::kFloat && block_table.scalar_type() == at::kInt, name,
                    ": cache must be float32 and block_table int32, got ", cache.scalar_type(),
                    " and ", block_table.scalar_type());
@@ -92,49 +99,91 @@ double for_each_page(const char* name, const at::Tensor& cache, const at::Tensor
   TORCH_CHECK_VALUE(least.item<int32_t>() >= 0 && most.item<int32_t>() < cache.size(0), name,
                     ": block_table's pages must lie in [0, ", cache.size(0), "), got ",
                     least.item<int32_t>(), " to ", most.item<int32_t>());
-  const float* data = cache.data_ptr<float>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t page_numel = cache.numel() / cache.size(0), entries = block_table.numel();
+  return {cache.data_ptr<float>(), block_table.data_ptr<int32_t>(), cache.numel() / cache.size(0),
+          block_table.numel()};
+}
+
+// The sum of read_entries(first, last) over the threads, the table's entries split evenly
+// among them.
+template <typename ReadEntries>
+double split_among_threads(int64_t entries, const ReadEntries& read_entries) {
   const int64_t threads = at::get_num_threads();
   std::vector<double> sums(threads, 0.0);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = entries * t / threads, last = entries * (t + 1) / threads;
-      for (int64_t i = first; i < last; ++i) {
-        const float* next = i + 1 < last ? data + table[i + 1] * page_numel : nullptr;
-        sums[t] += read_page(data + table[i] * page_numel, page_numel, next);
-      }
+      sums[t] = read_entries(entries * t / threads, entries * (t + 1) / threads);
     }
   });
-  double total = 0.0;
-  for (double s : sums) total += s;
-  return total;
+  return std::accumulate(sums.begin(), sums.end(), 0.0);
+}
+
+void request_into_l2(const float* words, int64_t numel) {
+  const char* bytes = reinterpret_cast<const char*>(words);
+  for (int64_t byte = 0; byte < numel * int64_t(sizeof(float)); byte += 64) {
+    __builtin_prefetch(bytes + byte, /*rw=*/0, /*locality=*/2);
+  }
 }
 
 double read_pages(const at::Tensor& cache, const at::Tensor& block_table, bool prefetch_next) {
-  return for_each_page(
-      "read_pages", cache, block_table, [&](const float* page, int64_t numel, const float* next) {
-        if (prefetch_next && next != nullptr) {
-          const char* bytes = reinterpret_cast<const char*>(next);
-          for (int64_t byte = 0; byte < numel * int64_t(sizeof(float)); byte += 64) {
-            __builtin_prefetch(bytes + byte, /*rw=*/0, /*locality=*/2);
+  const ListedPages pages = checked_pages("read_pages", cache, block_table);
+  return split_among_threads(pages.entries, [&](int64_t first, int64_t last) {
+    double sum = 0.0;
+    for (int64_t i = first; i < last; ++i) {
+      if (prefetch_next && i + 1 < last) {
+        request_into_l2(pages.page(i + 1), pages.page_numel);
+      }
+      sum += sum_page(pages.page(i), pages.page_numel);
+    }
+    return sum;
+  });
+}
+
+using PageFunction = double (*)(const float*, int64_t);
+
+// The decode's order over pages of `page_rows` tokens of `heads` heads' rows side by side
+// (PagedKVCache's layout): a block of kDecodeBlockPages table entries (the decode's key block of
+// 64 keys) at a time, head by head, each head's rows of the block's pages in turn (every
+// row_numel words apart by heads rows), the same row of the next block requested into L2 as each
+// is read (the decode's StreamAhead, register_tiles.h).
+constexpr int64_t kDecodeBlockPages = 4;
+double read_in_decode_order(const ListedPages& pages, int64_t first, int64_t last, int64_t heads,
+                            int64_t page_rows, PageFunction compute) {
+  const int64_t row_numel = pages.page_numel / (heads * page_rows);
+  double sum = 0.0;
+  for (int64_t block = first; block < last; block += kDecodeBlockPages) {
+    const int64_t count = std::min(kDecodeBlockPages, last - block);
+    const int64_t next_count = std::min(kDecodeBlockPages, last - block - count);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t p = 0; p < count; ++p) {
+        for (int64_t r = 0; r < page_rows; ++r) {
+          const int64_t offset = (r * heads + h) * row_numel;
+          if (p < next_count) {
+            request_into_l2(pages.page(block + count + p) + offset, row_numel);
           }
+          sum += compute(pages.page(block + p) + offset, row_numel);
         }
-        return sum_page(page, numel);
-      });
+      }
+    }
+  }
+  return sum;
 }
 
 // `causal_attention_bench::read_pages_computing`: read_pages (in order, the hardware's
 // prefetchers alone) with `multiply_adds` (0, 4, 8, 16 or 32) multiply-adds on each vector as it
-// is loaded. Timed against the same arithmetic on pages that stay in cache and against the bare
-// read, it says whether the chip's memory system streams pages while the core computes on them
-// (benchmarks/read_overlap.py).
+// is loaded; with `heads` > 0, in the decode's order instead (read_in_decode_order: pages of
+// `page_rows` tokens of `heads` rows each). Timed against the same arithmetic on pages that stay
+// in cache and against the bare read, it says whether the chip's memory system streams pages
+// while the core computes on them, in either order (benchmarks/read_overlap.py).
 double read_pages_computing(const at::Tensor& cache, const at::Tensor& block_table,
-                            int64_t multiply_adds) {
+                            int64_t multiply_adds, int64_t heads, int64_t page_rows) {
+  const ListedPages pages = checked_pages("read_pages_computing", cache, block_table);
   TORCH_CHECK(
       multiply_adds == 0 || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")),
       "read_pages_computing: multiply_adds needs AVX2 and FMA, which this CPU lacks");
-  using PageFunction = double (*)(const float*, int64_t);
+  TORCH_CHECK_VALUE(
+      heads == 0 || (heads > 0 && page_rows > 0 && pages.page_numel % (heads * page_rows) == 0),
+      "read_pages_computing: heads and page_rows must divide a page's ", pages.page_numel,
+      " words, got ", heads, " and ", page_rows);
   PageFunction compute = nullptr;
   switch (multiply_adds) {
     case 0:
@@ -157,9 +206,16 @@ double read_pages_computing(const at::Tensor& cache, const at::Tensor& block_tab
                         "read_pages_computing: multiply_adds must be 0, 4, 8, 16 or 32, got ",
                         multiply_adds);
   }
-  return for_each_page(
-      "read_pages_computing", cache, block_table,
-      [&](const float* page, int64_t numel, const float*) { return compute(page, numel); });
+  return split_among_threads(pages.entries, [&](int64_t first, int64_t last) {
+    if (heads > 0) {
+      return read_in_decode_order(pages, first, last, heads, page_rows, compute);
+    }
+    double sum = 0.0;
+    for (int64_t i = first; i < last; ++i) {
+      sum += compute(pages.page(i), pages.page_numel);
+    }
+    return sum;
+  });
 }
 
 }  // namespace
@@ -168,6 +224,8 @@ double read_pages_computing(const at::Tensor& cache, const at::Tensor& block_tab
 TORCH_LIBRARY_FRAGMENT(causal_attention_bench, m) {
   m.def("read_pages(Tensor cache, Tensor block_table, bool prefetch_next) -> float",
         causal_attention::bench::read_pages);
-  m.def("read_pages_computing(Tensor cache, Tensor block_table, int multiply_adds) -> float",
-        causal_attention::bench::read_pages_computing);
+  m.def(
+      "read_pages_computing(Tensor cache, Tensor block_table, int multiply_adds, int heads=0, "
+      "int page_rows=0) -> float",
+      causal_attention::bench::read_pages_computing);
 }

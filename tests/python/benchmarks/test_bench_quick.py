@@ -192,6 +192,27 @@ def test_the_page_read_probe_sums_the_listed_pages_in_any_order(prefetch_next):
     assert not hasattr(torch.ops.causal_attention, "read_pages")
 
 
+@pytest.mark.parametrize("order", [{}, {"heads": 2, "page_rows": 16}], ids=["pages", "decode"])
+@pytest.mark.parametrize("multiply_adds", [0, 4, 32])
+def test_the_overlap_probe_reads_every_listed_word_once_in_either_order(order, multiply_adds):
+    """read_pages_computing reads each word of the listed pages once, whole pages or in the
+    decode's order (blocks of 4 pages, head by head, the next block requested), with
+    multiply_adds multiply-adds on it by factors that pair up to 2: the sum of the pages (times
+    multiply_adds where there are any); a layout that does not divide the pages is refused."""
+    from benchmarks.limits import probe
+
+    compute = probe("read_pages_computing")
+    cache = torch.randn(40, 16, 2, 8)
+    table = torch.tensor([3, 39, 0, 7, 7, 12, 25, 1, 30], dtype=torch.int32)
+    expected = cache[table.long()].double().sum().item() * max(1, multiply_adds)
+    assert compute(cache, table, multiply_adds, **order) == pytest.approx(
+        expected, rel=1e-3, abs=1e-2 * max(1, multiply_adds))
+    with pytest.raises(ValueError, match="must divide a page's 256 words, got 3 and 16"):
+        compute(cache, table, multiply_adds, heads=3, page_rows=16)
+    with pytest.raises(ValueError, match="must be 0, 4, 8, 16 or 32, got 5"):
+        compute(cache, table, 5, **order)
+
+
 def test_breakdown_quick_reports_both_views(tmp_path):
     """`python -m benchmarks.breakdown --quick`: the products' time at their probe rate against
     the call's, what they allow against SDPA and our float32 (each bound the times it divides),
@@ -298,12 +319,16 @@ def test_paged_benchmark_quick_writes_every_section(tmp_path):
         assert row["prefetched_read_over_decode"] == pytest.approx(
             row["prefetched_read_ms"] / row["decode_ms"]), row
     overlap = report["overlap"]
-    assert [row["multiply_adds_per_vector"] for row in overlap] == [0, 4, 8, 16, 32]
+    assert [(row["order"], row["multiply_adds_per_vector"]) for row in overlap] == [
+        (order, m) for order in ("pages", "decode") for m in (0, 4, 8, 16, 32)]
+    (bare_read,) = [row["read_computing_ms"] for row in overlap
+                    if row["order"] == "pages" and row["multiply_adds_per_vector"] == 0]
     for row in overlap:  # hidden: the share of the shorter of read and arithmetic that vanished
-        assert row["bare_read_ms"] > 0 and row["in_cache_ms"] > 0, row
+        assert row["read_ms"] > 0 and row["in_cache_ms"] > 0, row
         assert row["hidden"] == pytest.approx(
-            (row["bare_read_ms"] + row["in_cache_ms"] - row["read_computing_ms"])
-            / min(row["bare_read_ms"], row["in_cache_ms"])), row
+            (row["read_ms"] + row["in_cache_ms"] - row["read_computing_ms"])
+            / min(row["read_ms"], row["in_cache_ms"])), row
+        assert row["over_bare_read"] == pytest.approx(row["read_computing_ms"] / bare_read), row
 
 
 def test_serving_benchmark_quick_tokens_match_generate_and_pages_come_back(tmp_path):
