@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace causal_attention::bench {
@@ -184,28 +185,18 @@ double read_pages_computing(const at::Tensor& cache, const at::Tensor& block_tab
       heads == 0 || (heads > 0 && page_rows > 0 && pages.page_numel % (heads * page_rows) == 0),
       "read_pages_computing: heads and page_rows must divide a page's ", pages.page_numel,
       " words, got ", heads, " and ", page_rows);
+  const std::pair<int64_t, PageFunction> functions[] = {{0, sum_page},
+                                                        {4, compute_on_page<4>},
+                                                        {8, compute_on_page<8>},
+                                                        {16, compute_on_page<16>},
+                                                        {32, compute_on_page<32>}};
   PageFunction compute = nullptr;
-  switch (multiply_adds) {
-    case 0:
-      compute = sum_page;
-      break;
-    case 4:
-      compute = compute_on_page<4>;
-      break;
-    case 8:
-      compute = compute_on_page<8>;
-      break;
-    case 16:
-      compute = compute_on_page<16>;
-      break;
-    case 32:
-      compute = compute_on_page<32>;
-      break;
-    default:
-      TORCH_CHECK_VALUE(false,
-                        "read_pages_computing: multiply_adds must be 0, 4, 8, 16 or 32, got ",
-                        multiply_adds);
+  for (const auto& [count, function] : functions) {
+    compute = count == multiply_adds ? function : compute;
   }
+  TORCH_CHECK_VALUE(compute != nullptr,
+                    "read_pages_computing: multiply_adds must be 0, 4, 8, 16 or 32, got ",
+                    multiply_adds);
   return split_among_threads(pages.entries, [&](int64_t first, int64_t last) {
     if (heads > 0) {
       return read_in_decode_order(pages, first, last, heads, page_rows, compute);
