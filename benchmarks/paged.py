@@ -28,9 +28,10 @@ Sections (--only):
   precisions  decode and a prefill chunk from float32, bfloat16 and 8-bit caches
            (float8_e4m3fn, float8_e5m2, int8 with their scales) at the serving sizes, each
            against a bare read of its own pages (paged_precisions.py)
-  overlap  the bfloat16 decode's pages read with 0-32 multiply-adds on each vector, against
-           the same arithmetic in cache: whether the chip streams pages while the core computes
-           on them (read_overlap.py)
+  overlap  the bfloat16 decode's pages read with 0-32 multiply-adds on each vector, whole in
+           address order and in the decode's order (head by head, the next block requested),
+           against the same arithmetic in cache: whether the chip streams pages while the core
+           computes on them, and what the decode's order costs (read_overlap.py)
 
 Every time is the median over --rounds rounds of torch.utils.benchmark's blocked_autorange at
 --threads threads, each round timing every compared call of a section in turn (so that a drift
