@@ -53,8 +53,8 @@ std::optional<BlockSizes> shape_from_environment() {
   return shape;
 }
 
-// Whether the chip multiplies `products` on AMX tiles: bfloat16 where it has amx_bf16 (native
-// products of bfloat16 are oneDNN's, which takes the tiles where the chip has them).
+}  // namespace
+
 bool products_on_tiles(at::ScalarType products) {
   static const bool amx_bf16 = [] {
     const auto capabilities = at::cpu::get_cpu_capabilities();
@@ -63,8 +63,6 @@ bool products_on_tiles(at::ScalarType products) {
   }();
   return products == at::kBFloat16 && amx_bf16;
 }
-
-}  // namespace
 
 // Longer key blocks amortize the softmax's per-block work (the row max, the correction of the
 // running output) over more keys, but a product slows down once its operands outgrow the cache it

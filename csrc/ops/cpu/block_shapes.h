@@ -20,6 +20,10 @@ struct BlockSizes {
 // `fallback` where it does not.
 int64_t cache_bytes(int name, int64_t fallback);
 
+// Whether the chip multiplies `products` on AMX tiles: bfloat16 where it has amx_bf16 (native
+// products of bfloat16 are oneDNN's, which takes the tiles where the chip has them). Read once.
+bool products_on_tiles(at::ScalarType products);
+
 // The block shape of a call whose products of two inputs (S = Q K^T, dP = dO V^T) take
 // `products` (the input dtype where they are native, else float32 or float64: block_gemm.h), with
 // head and value dims as given and keys up to `len_k` (the longest sequence's). The environment

@@ -12,6 +12,7 @@
 // probabilities the values are weighted by (V's), one multiply a key.
 #pragma once
 
+#include "../block_shapes.h"
 #include "attn_mask_view.h"
 #include "decode_tasks.h"
 #include "geometry.h"
@@ -60,7 +61,8 @@ class DecodeForward {
         native_products_(kReducedRows &&
                          native_products_now(c10::CppTypeToScalarType<scalar_t>::value)),
         pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && cpu_has_pair_dots() &&
-                   pair_dots_fit<kv_t>(d.head_dim)) {}
+                   pair_dots_fit<kv_t>(d.head_dim)),
+        values_apart_here_(products_on_tiles(at::kBFloat16)) {}
 
   void run() const {
     const int64_t items =
@@ -292,11 +294,12 @@ class DecodeForward {
   }
 
   // Whether the next block's value rows are requested by the values' pass (values_apart): where
-  // its register tiles read them in place (fewer rows than a vector holds, a tile's at least) and
-  // they are narrower than float32's.
+  // its register tiles read them in place (fewer rows than a vector holds, a tile's at least),
+  // they are narrower than float32's, and the chip is one where that measured faster
+  // (values_apart_here_).
   bool requests_values_apart(int64_t rows) const {
-    return sizeof(kv_t) < sizeof(float) && padded(rows) == 0 && rows >= kValueTileRows &&
-           dims_.value_dim >= at::vec::Vectorized<acc_t>::size();
+    return values_apart_here_ && sizeof(kv_t) < sizeof(float) && padded(rows) == 0 &&
+           rows >= kValueTileRows && dims_.value_dim >= at::vec::Vectorized<acc_t>::size();
   }
 
   // The next block's value rows requested at once, where the values' pass was to request them
@@ -614,6 +617,13 @@ class DecodeForward {
   const ScoreModifiers<acc_t> modifiers_;
   const bool native_products_;  // read once a call (multiplies_blocks)
   const bool pair_dots_;        // and these (kBFloat16PairDots)
+  // Whether requests_values_apart may hold: on the AMX Xeon, where the next block's value rows
+  // requested by the values' pass made a bfloat16 paged decode from memory 0.91-0.94 of its time
+  // with them requested alongside the keys (docs/benchmarks, stop 58). On a Zen 5 the values' pass
+  // then waited on its rows (69 % of its tiles' samples on the value loads, contiguous bfloat16
+  // cache): requested with the keys, a block ahead, that decode took 32.8-34.6 ms against
+  // 36.2-39.7, the paged one the same (stop 62). Which requests go when changes no arithmetic.
+  const bool values_apart_here_;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
