@@ -80,6 +80,12 @@ def scales(layout, num_pages, generator):
             for name in ("k_scale", "v_scale")}
 
 
+def in_cache_pages(page_bytes):
+    """How many K pages of page_bytes, with as many V pages, fill IN_CACHE_BYTES (at least one):
+    a table whose entries all lie on them reads pages that stay in cache."""
+    return max(1, IN_CACHE_BYTES // (2 * page_bytes))
+
+
 def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
     """{name: fn} of one cache dtype: its paged call and the bare reads of its pages (names
     prefixed by the label), with `in_cache` the same call on a pool of IN_CACHE_BYTES that every
@@ -107,8 +113,7 @@ def calls_for(label, batch, length, lengths_q, generator, in_cache=False):
     for prefetch, read in page_reads((k_cache, v_cache), table).items():
         calls[f"{label}/read_{prefetch}"] = read
     if in_cache:
-        page_bytes = k_cache[0].numel() * k_cache.element_size()
-        few = max(1, IN_CACHE_BYTES // (2 * page_bytes))
+        few = in_cache_pages(k_cache[0].numel() * k_cache.element_size())
         calls[f"{label}/in_cache"] = paged_call(few, table.remainder(few))[0]
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     scale_bytes = sum(s.numel() * 4 for s in options.values() if isinstance(s, torch.Tensor))

@@ -2,16 +2,20 @@
 A/B that a drifting shared machine cannot tilt (both builds see the same stretch of its time and
 each core in turn). Each side is a single-threaded process importing causal_attention from its
 own folder (a built package, e.g. a copy of another checkout's causal_attention/ beside nothing
-else); each line printed is one such pair of runs.
+else); each line printed is one such pair of runs. With --threads N > 1 each side takes N threads
+and every core, and the sides run one after the other instead, alternated.
 
     python -m benchmarks.paired <folder A> <folder B> short           # bf16 forward, L 64-512
     python -m benchmarks.paired <folder A> <folder B> fb               # bf16 forward+backward
     python -m benchmarks.paired <folder A> <folder B> decode e4m3_token  # 8-bit decode, B 8
+    python -m benchmarks.paired <folder A> <folder B> contiguous      # bf16 decode, KV cache
 
 short: B 1, H 8, D 64, L 64/128/256/512, the minimum over 21 rounds of one call, in us.
 fb: B 1, H 8, (L, D) = (512, 64), (1024, 128), (256, 64), the minimum of 9 calls, in ms.
 decode: a benchmarks.paged_precisions cache (float32, bfloat16, e4m3_token, ...), B 8, 32768
 tokens, one query row each: in cache and from memory, the median of 15 calls, in ms.
+contiguous: the bfloat16 decode from a contiguous (8, 8, 32768, 128) KV cache, 32 query heads of
+one row each, from memory, the median of 15 calls, in ms.
 """
 
 import argparse
@@ -83,10 +87,21 @@ def decode(cache):
     return times
 
 
-def child(case, cache):
+def contiguous():
     import torch
-    torch.set_num_threads(1)
-    times = {"short": short, "fb": forward_backward}.get(case, lambda: decode(cache))()
+
+    import causal_attention as ca
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 32, 1, 128, generator=generator).bfloat16()
+    k, v = (torch.randn(8, 8, 32768, 128, generator=generator).bfloat16() for _ in range(2))
+    return [statistics.median(seconds_of(lambda: ca.attention(q, k, v), rounds=15)) * 1e3]
+
+
+def child(case, cache, threads):
+    import torch
+    torch.set_num_threads(threads)
+    cases = {"short": short, "fb": forward_backward, "contiguous": contiguous}
+    times = cases.get(case, lambda: decode(cache))()
     print(" ".join(f"{t:9.2f}" for t in times))
 
 
@@ -95,16 +110,18 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", type=Path, help="folder holding build A's causal_attention package")
     parser.add_argument("b", type=Path, help="folder holding build B's causal_attention package")
-    parser.add_argument("case", choices=("short", "fb", "decode"))
+    parser.add_argument("case", choices=("short", "fb", "decode", "contiguous"))
     parser.add_argument("cache", nargs="?", default="e4m3_token", help="decode's cache")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of runs (each swapped once)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads a side; above 1 the sides run in turn, not at once")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.case, args.cache)
+        child(args.case, args.cache, args.threads)
         return
     command = [sys.executable, "-m", "benchmarks.paired", str(args.a), str(args.b), args.case,
-               args.cache, "--child"]
+               args.cache, "--child", "--threads", str(args.threads)]
 
     def start(folder, core):
         env = dict(os.environ, PYTHONPATH=f"{folder.resolve()}{os.pathsep}{CHECKOUT}")
@@ -112,6 +129,12 @@ def main():
         return subprocess.Popen(["taskset", "-c", str(core)] + command, env=env, cwd="/",
                                 stdout=subprocess.PIPE, text=True)
 
+    if args.threads > 1:  # every core to each side, A then B, alternated
+        for _ in range(2 * args.pairs):
+            a = start(args.a, f"0-{os.cpu_count() - 1}").communicate()[0].strip()
+            b = start(args.b, f"0-{os.cpu_count() - 1}").communicate()[0].strip()
+            print(f"A {a}   |   B {b}", flush=True)
+        return
     for _ in range(args.pairs):
         for core_a, core_b in ((0, 1), (1, 0)):
             a, b = start(args.a, core_a), start(args.b, core_b)

@@ -22,7 +22,7 @@ import json
 import torch
 
 from .limits import probe
-from .paged_precisions import IN_CACHE_BYTES, KV_HEADS, PAGE, pages
+from .paged_precisions import KV_HEADS, PAGE, in_cache_pages, pages
 
 MULTIPLY_ADDS = (0, 4, 8, 16, 32)
 ORDERS = {"pages": {}, "decode": {"heads": KV_HEADS, "page_rows": PAGE}}
@@ -36,8 +36,7 @@ def section_overlap(args, seconds) -> list:
               for _ in range(2)]
     table = torch.arange(num_pages, dtype=torch.int32)
     page_bytes = caches[0][0].numel() * 4
-    few = torch.arange(num_pages, dtype=torch.int32).remainder(
-        max(1, IN_CACHE_BYTES // (2 * page_bytes)))
+    few = table.remainder(in_cache_pages(page_bytes))
     compute = probe("read_pages_computing")
 
     def call(pool_table, multiply_adds, order):

@@ -621,8 +621,9 @@ class DecodeForward {
   // requested by the values' pass made a bfloat16 paged decode from memory 0.91-0.94 of its time
   // with them requested alongside the keys (docs/benchmarks, stop 58). On a Zen 5 the values' pass
   // then waited on its rows (69 % of its tiles' samples on the value loads, contiguous bfloat16
-  // cache): requested with the keys, a block ahead, that decode took 32.8-34.6 ms against
-  // 36.2-39.7, the paged one the same (stop 62). Which requests go when changes no arithmetic.
+  // cache): requested with the keys, a block ahead, that decode's median went from 34.6 to 32.9
+  // ms (`python -m benchmarks.paired <A> <B> contiguous --threads 2`), the paged ones unchanged
+  // (stop 62). Which requests go when changes no arithmetic.
   const bool values_apart_here_;
 };
 
