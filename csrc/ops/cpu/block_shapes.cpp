@@ -96,4 +96,20 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
   return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
 }
 
+int64_t packing_budget() {
+  static const int64_t budget = [] {
+    const char* value = std::getenv("CAUSAL_ATTENTION_PACKING_BYTES");
+    if (value == nullptr || *value == '\0') {
+      return cache_bytes(_SC_LEVEL3_CACHE_SIZE, int64_t(16) << 20) / 2;
+    }
+    char* end = nullptr;
+    const long long bytes = std::strtoll(value, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && bytes > 0,
+                      "CAUSAL_ATTENTION_PACKING_BYTES must be a positive number of bytes, got \"",
+                      value, "\"");
+    return int64_t(bytes);
+  }();
+  return budget;
+}
+
 }  // namespace causal_attention::cpu

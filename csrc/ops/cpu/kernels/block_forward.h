@@ -1,5 +1,6 @@
 // The block path of the forward, FlashAttention-2 style: K (and V where it needs packing) is
-// packed once per call (packed_kv.h); then one task owns a (batch, query head, query tile, key
+// packed once per call (packed_kv.h), a group of (batch, KV head) pairs at a time, whose query
+// tiles run while their copies are in cache; one task owns a (batch, query head, query tile, key
 // split) and walks its visible key blocks in order, each key block serving the tile's query
 // blocks one after the other while it is in cache, with an online softmax per row
 // (online_softmax.h). Nothing of size Lq x Lk is ever allocated. Few query rows against a long
@@ -61,7 +62,7 @@ class BlockForward {
     const int64_t num_tiles = ceil_div(dims_.len_q, tile_rows_);
     KeySplits<scalar_t, acc_t> splits(
         dims_, key_splits(dims_, num_heads * num_tiles, sizeof(scalar_t)), output_);
-    const Packed packed(dims_, k_, v_, blocks_.keys);
+    Packed packed(dims_, k_, v_, blocks_.keys, Packed::kDeferred);
     // An item's cost: its visible pairs (under attn_mask, those of the block pairs it
     // computes, whose tiles say what it hides), plus one per row for finishing it; zero only
     // for the items past the end of a packed sequence, which have no rows (every row is
@@ -82,13 +83,23 @@ class BlockForward {
           [&](int64_t, int64_t block_rows, int64_t, int64_t cols) { pairs += block_rows * cols; });
       return pairs;
     };
-    schedule_head_blocks(
-        dims_, num_heads, num_tiles * splits.count(), cost,
-        [this] { return Scratch(dims_, blocks_, tile_rows_); },
-        [&](int64_t bh, int64_t item, Scratch& s) {
-          query_tile(bh, item / splits.count() * tile_rows_, item % splits.count(), packed, splits,
-                     s);
-        });
+    // A group of (batch, KV head) pairs at a time: their blocks packed, then their query heads'
+    // tiles run (pair p serves query heads p * group to (p + 1) * group - 1).
+    const int64_t group = dims_.group(), items_per_head = num_tiles * splits.count();
+    for (int64_t first = 0, last; first < packed.pairs(); first = last) {
+      last = packing_group_end(first, packed.pairs(), group * items_per_head,
+                               [&](int64_t from, int64_t to) { return packed.bytes(from, to); });
+      packed.pack(first, last);
+      const int64_t head0 = first * group;
+      schedule_head_blocks(
+          dims_, (last - first) * group, items_per_head,
+          [&](int64_t head, int64_t item) { return cost(head0 + head, item); },
+          [this] { return Scratch(dims_, blocks_, tile_rows_); },
+          [&](int64_t head, int64_t item, Scratch& s) {
+            query_tile(head0 + head, item / splits.count() * tile_rows_, item % splits.count(),
+                       packed, splits, s);
+          });
+    }
     splits.merge();
   }
 

@@ -7,13 +7,16 @@
 // reuses the block packed for its (batch, KV head), instead of repacking it per pair. The
 // backward of bfloat16 with native products also gets K_j as value pairs (kKeyPairs: the B
 // operand of dQ += dS K_j with dS as (hi, lo) pairs), packed once here where it was packed once a
-// block pair. The copies have a few times the size of K and V, O(L) memory, and are freed with
-// the call. K and V rows come from
+// block pair. The backward packs every (batch, KV head) at once: copies of a few times the size
+// of K and V, O(L) memory, freed with the call. The forward packs a group of them at a time
+// (packing_group_end), each group's copies in the storage the calling thread keeps
+// (PackingStorage). K and V rows come from
 // KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows), whose blocks are packed run by
 // run (a page's rows after the other) into one operand, V then always copied; or an 8-bit
 // cache's (QuantizedPagedRows), whose blocks are widened with their scales first.
 #pragma once
 
+#include "../block_shapes.h"
 #include "geometry.h"
 #include "operands.h"
 #include "row_sources.h"
@@ -30,6 +33,77 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
 enum class ValueOperand { kRows, kPairs, kTransposed };
+
+// The storage of a PackedKeyValues: the calling thread's kept one, which it keeps from one call
+// to the next while it holds at most cpu::packing_budget() bytes, or (where a PackedKeyValues of
+// this thread still holds that) its own. A forward's packed groups fit the budget and are rewritten
+// every call; fresh storage would be faulted in afresh by the OS every call (glibc gives blocks
+// of over 32 MiB back when they are freed): at B 4, H 8, L 2048, D 128 in bfloat16 that was 15 %
+// of the forward's time on a Zen 5 (docs/benchmarks).
+class PackingStorage {
+ public:
+  // (The budget is read first: its environment variable's error is thrown before anything is
+  // held.)
+  PackingStorage() : kept_bytes_(cpu::packing_budget()), kept_(in_use() ? nullptr : &kept()) {
+    if (kept_ != nullptr) {
+      in_use() = true;
+    }
+  }
+  ~PackingStorage() {
+    if (kept_ != nullptr) {
+      if (kept_->defined() && kept_->nbytes() > size_t(kept_bytes_)) {
+        *kept_ = at::Tensor();
+      }
+      in_use() = false;
+    }
+  }
+  PackingStorage(const PackingStorage&) = delete;
+  PackingStorage& operator=(const PackingStorage&) = delete;
+
+  // At least `count` bytes from a cache line; earlier ones are given up.
+  char* bytes(int64_t count) {
+    at::Tensor& storage = kept_ != nullptr ? *kept_ : own_;
+    if (!storage.defined() || storage.nbytes() < size_t(count)) {
+      storage = at::Tensor();  // freed before the larger one is taken
+      storage = at::empty({count}, at::kByte);
+    }
+    return static_cast<char*>(storage.data_ptr());
+  }
+
+ private:
+  static at::Tensor& kept() {
+    thread_local at::Tensor storage;
+    return storage;
+  }
+  static bool& in_use() {
+    thread_local bool used = false;
+    return used;
+  }
+  const int64_t kept_bytes_;
+  at::Tensor* const kept_;
+  at::Tensor own_;
+};
+
+// The forward packs K and V for a group of (batch, KV head) pairs, then runs their query tiles,
+// then the next group's: each group's copies (K_j^T and V's pairs, 1.5 MiB a pair at L 2048, D
+// 128 in bfloat16) are read again by every tile that reaches them, from cache while the group
+// fits cpu::packing_budget(), and the storage the calling thread keeps stays that size whatever the
+// batch. Only when the packing runs changes, not a sum. A group takes pairs from `first` while
+// their bytes (bytes(first, end)) fit, and at least as many as give every thread
+// kGroupItemsPerThread of the `items_per_pair` work items each has (a group's tasks then
+// balance as a whole call's did).
+constexpr int64_t kGroupItemsPerThread = 4;
+template <typename Bytes>
+int64_t packing_group_end(int64_t first, int64_t pairs, int64_t items_per_pair,
+                          const Bytes& bytes) {
+  const int64_t min_pairs =
+      ceil_div(kGroupItemsPerThread * at::get_num_threads(), std::max<int64_t>(1, items_per_pair));
+  int64_t last = std::min(pairs, first + min_pairs);
+  while (last < pairs && bytes(first, last + 1) <= cpu::packing_budget()) {
+    ++last;
+  }
+  return last;
+}
 
 template <typename scalar_t, typename gemm_t, ValueOperand kValues = ValueOperand::kRows,
           typename KeyRows = HeadRows<const scalar_t>>
@@ -54,10 +128,21 @@ class PackedKeyValues {
                                        !KeyRows::kOneRun;
 
   // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
-  // causally (the first blocks_of(b) of them), for every (batch, KV head); blocks the key mask
-  // hides entirely are left unpacked.
+  // causally (the first blocks_of(b) of them), for every (batch, KV head) at once; blocks the key
+  // mask hides entirely are left unpacked.
   PackedKeyValues(const AttentionDims& d, const KeyRows& k, const KeyRows& v, int64_t key_block)
+      : PackedKeyValues(d, k, v, key_block, kDeferred) {
+    pack(0, pairs());
+  }
+
+  // Packs nothing until pack() is called: the forward packs a few (batch, KV head) pairs at a
+  // time and runs their query tiles while the copies are in cache.
+  struct Deferred {};
+  static constexpr Deferred kDeferred{};
+  PackedKeyValues(const AttentionDims& d, const KeyRows& k, const KeyRows& v, int64_t key_block,
+                  Deferred)
       : dims_(d),
+        k_(k),
         v_(v),
         key_block_(key_block),
         key_slot_(Pack::padded_k(d.head_dim) * key_block),
@@ -70,43 +155,72 @@ class PackedKeyValues {
     for (int64_t b = 0; b < d.batch; ++b) {
       first_block_[b + 1] = first_block_[b] + blocks_of(b);
     }
-    const int64_t slots = d.heads_kv * first_block_[d.batch];
-    keys_ = at::empty({slots * key_slot_}, c10::CppTypeToScalarType<gemm_t>::value);
-    values_ = at::empty({slots * value_slot_}, c10::CppTypeToScalarType<value_t>::value);
-    key_pairs_ = at::empty({slots * key_pair_slot_}, c10::CppTypeToScalarType<gemm_t>::value);
-    gemm_t* keys = keys_.data_ptr<gemm_t>();
-    value_t* values = values_.data_ptr<value_t>();
-    gemm_t* key_pairs = key_pairs_.data_ptr<gemm_t>();
-    at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
-      WideRows wide(KeyRows::kWidens ? key_block : 0, d.head_dim);
+  }
+
+  // The (batch, KV head) pairs, p = b * heads_kv + h_kv.
+  int64_t pairs() const { return dims_.batch * dims_.heads_kv; }
+
+  // The bytes the packed blocks of pairs [first, last) take.
+  int64_t bytes(int64_t first, int64_t last) const {
+    return (first_slot(last) - first_slot(first)) *
+           (key_slot_ * int64_t(sizeof(gemm_t)) + value_slot_ * int64_t(sizeof(value_t)) +
+            key_pair_slot_ * int64_t(sizeof(gemm_t)));
+  }
+
+  // Packs the blocks of pairs [first, last), in parallel, in place of those packed before: only
+  // theirs may be read until the next call. The storage grows to the largest range asked for
+  // and is reused.
+  void pack(int64_t first, int64_t last) {
+    slot_base_ = first_slot(first);
+    const int64_t slots = first_slot(last) - slot_base_;
+    if (slots == 0) {
+      return;
+    }
+    // keys, values and key pairs one after the other, each from a cache line
+    const int64_t key_bytes = aligned(slots * key_slot_ * int64_t(sizeof(gemm_t)));
+    const int64_t value_bytes = aligned(slots * value_slot_ * int64_t(sizeof(value_t)));
+    char* storage =
+        storage_.bytes(key_bytes + value_bytes + slots * key_pair_slot_ * int64_t(sizeof(gemm_t)));
+    keys_ = reinterpret_cast<gemm_t*>(storage);
+    values_ = reinterpret_cast<value_t*>(storage + key_bytes);
+    key_pairs_ = reinterpret_cast<gemm_t*>(storage + key_bytes + value_bytes);
+    const AttentionDims& d = dims_;
+    const KeyRows& k = k_;
+    const KeyRows& v = v_;
+    gemm_t* keys = keys_;
+    value_t* values = values_;
+    gemm_t* key_pairs = key_pairs_;
+    at::parallel_for(slot_base_, slot_base_ + slots, 1, [&](int64_t begin, int64_t end) {
+      WideRows wide(KeyRows::kWidens ? key_block_ : 0, d.head_dim);
       for (int64_t slot = begin; slot < end; ++slot) {
         const int64_t b =
             std::upper_bound(first_block_.begin(), first_block_.end(), slot / d.heads_kv) -
             first_block_.begin() - 1;
         const int64_t within = slot - first_block_[b] * d.heads_kv;
-        const int64_t h_kv = within / blocks_of(b), k0 = within % blocks_of(b) * key_block;
+        const int64_t h_kv = within / blocks_of(b), k0 = within % blocks_of(b) * key_block_;
         const int64_t cols = block_width(b, k0);
         if (d.kept_keys(b, k0, cols) == 0) {
           continue;
         }
+        const int64_t at = slot - slot_base_;
         if constexpr (KeyRows::kWidens) {
           static_assert(!kTransposedValues, "8-bit caches are read by the forward only");
-          pack_widened(k, b, h_kv, k0, cols, keys + slot * key_slot_, wide);
-          v.widen(b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_, d.value_dim);
+          pack_widened(k, b, h_kv, k0, cols, keys + at * key_slot_, wide);
+          v.widen(b, h_kv, k0, cols, d.value_dim, values + at * value_slot_, d.value_dim);
         } else {
-          pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + slot * key_slot_);
+          pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + at * key_slot_);
           if constexpr (kKeyPairs) {
             Pack::b_value_pairs(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
-                                key_pairs + slot * key_pair_slot_);
+                                key_pairs + at * key_pair_slot_);
           }
           if constexpr (kTransposedValues) {
-            pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + slot * value_slot_);
+            pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + at * value_slot_);
           } else if constexpr (kValuePairs) {
             Pack::b_value_pairs(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
-                                values + slot * value_slot_);
+                                values + at * value_slot_);
           } else if constexpr (kPacksValues) {
             for (int64_t r = 0; r < cols; ++r) {  // widened row by row, each where it lies
-              convert_row(v.row(b, h_kv, k0 + r), values + slot * value_slot_ + r * d.value_dim,
+              convert_row(v.row(b, h_kv, k0 + r), values + at * value_slot_ + r * d.value_dim,
                           d.value_dim);
             }
           }
@@ -118,9 +232,8 @@ class PackedKeyValues {
   // K_j^T from key k0 of its block (a product may use its first columns only).
   Operand<gemm_t> keys_t(int64_t b, int64_t h_kv, int64_t k0) const {
     const int64_t start = block_start(k0);
-    return Pack::b_columns_from(
-        {keys_.data_ptr<gemm_t>() + slot(b, h_kv, start) * key_slot_, block_width(b, start)},
-        k0 - start);
+    return Pack::b_columns_from({keys_ + slot(b, h_kv, start) * key_slot_, block_width(b, start)},
+                                k0 - start);
   }
 
   // V_j^T from key k0 of its block (kTransposed); a product may use its first columns only.
@@ -128,8 +241,7 @@ class PackedKeyValues {
     static_assert(kTransposedValues, "values_t() is the backward's operand");
     const int64_t start = block_start(k0);
     return Pack::b_columns_from(
-        {values_.data_ptr<gemm_t>() + slot(b, h_kv, start) * value_slot_, block_width(b, start)},
-        k0 - start);
+        {values_ + slot(b, h_kv, start) * value_slot_, block_width(b, start)}, k0 - start);
   }
 
   // The value pairs of V_j from key k0 of its block (kPairs), the B operand of O += P V_j with
@@ -152,8 +264,7 @@ class PackedKeyValues {
     static_assert(kValues == ValueOperand::kRows, "values() is the forward's operand");
     if constexpr (kPacksValues) {
       const int64_t start = block_start(k0);
-      return {values_.data_ptr<acc_t>() + slot(b, h_kv, start) * value_slot_ +
-                  (k0 - start) * dims_.value_dim,
+      return {values_ + slot(b, h_kv, start) * value_slot_ + (k0 - start) * dims_.value_dim,
               dims_.value_dim};
     } else {
       return {v_.row(b, h_kv, k0), v_.row_stride};
@@ -198,13 +309,13 @@ class PackedKeyValues {
 
   // The value pairs of rows `width` wide from key k0 of its block, in `storage` of slot_size
   // elements a block.
-  Operand<gemm_t> pairs_from(const at::Tensor& storage, int64_t slot_size, int64_t width, int64_t b,
+  Operand<gemm_t> pairs_from(const gemm_t* storage, int64_t slot_size, int64_t width, int64_t b,
                              int64_t h_kv, int64_t k0) const {
     const int64_t start = block_start(k0);
-    return {
-        storage.data_ptr<gemm_t>() + slot(b, h_kv, start) * slot_size + (k0 - start) * width * 2,
-        width};
+    return {storage + slot(b, h_kv, start) * slot_size + (k0 - start) * width * 2, width};
   }
+
+  static int64_t aligned(int64_t bytes) { return ceil_div(bytes, int64_t(64)) * 64; }
 
   // The key blocks of batch item b that its last query row reaches.
   int64_t blocks_of(int64_t b) const {
@@ -215,16 +326,27 @@ class PackedKeyValues {
   int64_t block_width(int64_t b, int64_t k0) const {
     return std::min(key_block_, dims_.rows_k(b) - k0);
   }
-  // Slots of batch item b: blocks_of(b) per KV head, after those of the items before it.
+  // Slots of batch item b: blocks_of(b) per KV head, after those of the items before it; a pair's
+  // slots follow the pair before it's. In storage from the first slot packed (slot_base_).
+  int64_t first_slot(int64_t pair) const {
+    const int64_t b = pair / dims_.heads_kv;
+    return b == dims_.batch
+               ? first_block_[b] * dims_.heads_kv
+               : first_block_[b] * dims_.heads_kv + pair % dims_.heads_kv * blocks_of(b);
+  }
   int64_t slot(int64_t b, int64_t h_kv, int64_t k0) const {
-    return first_block_[b] * dims_.heads_kv + h_kv * blocks_of(b) + k0 / key_block_;
+    return first_block_[b] * dims_.heads_kv + h_kv * blocks_of(b) + k0 / key_block_ - slot_base_;
   }
 
   const AttentionDims dims_;
-  const KeyRows v_;
+  const KeyRows k_, v_;
   const int64_t key_block_, key_slot_, value_slot_, key_pair_slot_;
   std::vector<int64_t> first_block_;  // (batch + 1): blocks per KV head before each item
-  at::Tensor keys_, values_, key_pairs_;
+  int64_t slot_base_ = 0;             // the first slot packed
+  PackingStorage storage_;
+  gemm_t* keys_ = nullptr;
+  value_t* values_ = nullptr;
+  gemm_t* key_pairs_ = nullptr;
 };
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY

@@ -1,0 +1,123 @@
+"""The forward's packing groups (csrc/ops/cpu/kernels/packed_kv.h): the block path packs K and V
+for a few (batch, KV head) pairs at a time and runs their query tiles while the copies are in
+cache. Which pairs go together changes when the packing runs, never a sum, so a call gives
+bitwise the same results under any budget (CAUSAL_ATTENTION_PACKING_BYTES, read once per
+process; by default half of L3). Every call of the other suites fits one group on a chip with a
+large L3: these run calls of every kind that packs (dense, GQA, packed sequences, a key mask,
+paged and 8-bit caches' prefill chunks) in fresh interpreters under a budget of one byte, which
+cuts them into groups of as few pairs as the threads need, and under the chip's own."""
+
+import textwrap
+
+import pytest
+import torch
+
+import causal_attention
+from attention_testing.subprocesses import run_python
+from pathlib import Path
+
+PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
+BUDGET_VARIABLE = "CAUSAL_ATTENTION_PACKING_BYTES"
+
+# The outputs of every call at 1 and 2 threads, saved at RESULTS_PATH.
+RESULTS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import causal_attention as ca
+
+    def calls():
+        g = torch.Generator().manual_seed(0)
+        def randn(*shape, dtype=torch.float32):
+            return torch.randn(*shape, generator=g).to(dtype)
+        bf16 = torch.bfloat16
+        q, k, v = (randn(3, 4, 700, 64, dtype=bf16) for _ in range(3))
+        yield "dense", lambda: ca.attention(q, k, v, window=(500, 0), softcap=30.0)
+        qg, kg, vg = randn(2, 8, 300, 32), randn(2, 2, 300, 32), randn(2, 2, 300, 48)
+        slopes = torch.rand(8, generator=g)
+        yield "gqa", lambda: ca.attention(qg, kg, vg, alibi_slopes=slopes)
+        mask = torch.rand(2, 300, generator=g) > 0.2
+        yield "key_mask", lambda: ca.attention(qg, kg, vg, key_mask=mask)
+        lengths = [100, 400, 257]
+        cu = torch.tensor([0] + lengths).cumsum(0).int()
+        qv, kv, vv = randn(sum(lengths), 4, 64, dtype=bf16), *(randn(sum(lengths), 2, 64, dtype=bf16) for _ in range(2))
+        yield "varlen", lambda: ca.varlen_attention(qv, kv, vv, cu, cu, max(lengths), max(lengths))
+        # prefill chunks of 100 rows against paged caches of 500 keys, pages of 16 shuffled
+        pages = torch.randperm(64, generator=g).int().view(2, 32)
+        seqlens = torch.tensor([500, 420], dtype=torch.int32)
+        qp = randn(2, 100, 8, 64, dtype=bf16)
+        kc, vc = randn(64, 16, 2, 64, dtype=bf16), randn(64, 16, 2, 64, dtype=bf16)
+        yield "paged", lambda: ca.paged_attention(qp, kc, vc, pages, seqlens)
+        k8, v8 = ((randn(64, 16, 2, 64) * 40).round().clamp(-127, 127).to(torch.int8) for _ in range(2))
+        ks, vs = (torch.rand(64, 16, 2, generator=g) + 0.01 for _ in range(2))
+        yield "paged_int8", lambda: ca.paged_attention(qp, k8, v8, pages, seqlens, k_scale=ks, v_scale=vs)
+
+    results = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, call in calls():
+            results[f"{name}/{threads}"] = call()
+    torch.save(results, RESULTS_PATH)
+    """
+)
+
+
+def _results_under(budget, path, monkeypatch):
+    if budget is None:
+        monkeypatch.delenv(BUDGET_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(BUDGET_VARIABLE, budget)
+    result = run_python(RESULTS_SCRIPT.replace("RESULTS_PATH", repr(str(path))), PACKAGE_PARENT,
+                        timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(path)
+
+
+def test_packing_groups_change_no_result(tmp_path, monkeypatch):
+    chip = _results_under(None, tmp_path / "chip.pt", monkeypatch)
+    grouped = _results_under("1", tmp_path / "grouped.pt", monkeypatch)
+    assert chip.keys() == grouped.keys() and len(chip) == 12
+    for name, out in chip.items():
+        assert torch.equal(out, grouped[name]), name
+        assert torch.equal(out, chip[name.split("/")[0] + "/1"]), name
+        assert out.isfinite().all() and out.abs().sum() > 0, name
+
+
+def test_grouped_calls_match_sdpa(monkeypatch):
+    """A call cut into groups of one pair (as many heads as the threads need) against torch's own
+    attention: a wrong pair's copies would give another head's keys."""
+    monkeypatch.setenv(BUDGET_VARIABLE, "1")
+    result = run_python(textwrap.dedent(
+        """
+        import torch
+        import causal_attention as ca
+        torch.manual_seed(0)
+        torch.set_num_threads(2)
+        for kv_heads, dtype, tolerance in ((4, torch.float32, 2e-5), (2, torch.bfloat16, 2e-2)):
+            q = torch.randn(3, 4, 600, 64).to(dtype)
+            k, v = (torch.randn(3, kv_heads, 600, 64).to(dtype) for _ in range(2))
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+            error = (ca.attention(q, k, v).double() - want).abs().max().item()
+            assert error < tolerance, (kv_heads, dtype, error)
+        print("MATCHED")
+        """), PACKAGE_PARENT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "MATCHED" in result.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "16M", "abc"])
+def test_a_bad_budget_is_a_value_error_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv(BUDGET_VARIABLE, value)
+    result = run_python(textwrap.dedent(
+        """
+        import torch
+        import causal_attention
+        q = torch.randn(1, 1, 100, 8)
+        try:
+            causal_attention.attention(q, q, q)
+        except ValueError as error:
+            print("VALUE_ERROR", error)
+        """), PACKAGE_PARENT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VALUE_ERROR" in result.stdout and BUDGET_VARIABLE in result.stdout, result.stdout
+    assert f'got "{value}"' in result.stdout, result.stdout
