@@ -9,7 +9,7 @@ and every core, and the sides run one after the other instead, alternated.
     python -m benchmarks.paired <folder A> <folder B> fb               # bf16 forward+backward
     python -m benchmarks.paired <folder A> <folder B> decode e4m3_token  # 8-bit decode, B 8
     python -m benchmarks.paired <folder A> <folder B> contiguous      # bf16 decode, KV cache
-    python -m benchmarks.paired <folder A> <folder B> batch --threads 2  # bf16 forward, B 4
+    python -m benchmarks.paired <folder A> <folder B> batch --threads 2  # bf16, B 4
 
 short: B 1, H 8, D 64, L 64/128/256/512, the minimum over 21 rounds of one call, in us.
 fb: B 1, H 8, (L, D) = (512, 64), (1024, 128), (256, 64), the minimum of 9 calls, in ms.
@@ -17,8 +17,9 @@ decode: a benchmarks.paged_precisions cache (float32, bfloat16, e4m3_token, ...)
 tokens, one query row each: in cache and from memory, the median of 15 calls, in ms.
 contiguous: the bfloat16 decode from a contiguous (8, 8, 32768, 128) KV cache, 32 query heads of
 one row each, from memory, the median of 15 calls, in ms.
-batch: the bfloat16 forward at B 4, H 8, (L, D) = (2048, 128), (4096, 64), (1024, 64), whose
-inputs outgrow a 32 MiB L3, the median of 7 calls, in ms.
+batch: bfloat16 at B 4, H 8, whose inputs outgrow a 32 MiB L3: the forward at (L, D) = (2048,
+128), (4096, 64), the median of 7 calls, then forward+backward at (2048, 128), (1024, 64), the
+median of 5, in ms.
 """
 
 import argparse
@@ -104,11 +105,20 @@ def batch():
     import causal_attention as ca
     import torch
     times = []
-    for length, dim in ((2048, 128), (4096, 64), (1024, 64)):
+    for length, dim in ((2048, 128), (4096, 64)):
         q, k, v = (torch.randn(4, 8, length, dim, dtype=torch.bfloat16) for _ in range(3))
         with torch.no_grad():
             times.append(statistics.median(seconds_of(lambda: ca.attention(q, k, v), rounds=7))
                          * 1e3)
+    for length, dim in ((2048, 128), (1024, 64)):
+        q, k, v, grad = (torch.randn(4, 8, length, dim, dtype=torch.bfloat16) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+
+        def call():
+            torch.autograd.grad(ca.attention(q, k, v), (q, k, v), grad)
+
+        times.append(statistics.median(seconds_of(call, rounds=5)) * 1e3)
     return times
 
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <optional>
 #include <string>
 
@@ -96,11 +97,36 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
   return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
 }
 
+namespace {
+
+// The L3 that CPU 0 shares, as sysfs describes its caches ("32768K"), else as sysconf reports it
+// (16 MiB where neither does): glibc's sysconf gives the sum of a package's L3s on AMD EPYC (384
+// MiB on a Zen 5 whose cores share 32 MiB each).
+int64_t shared_l3_bytes() {
+  for (int index = 0; index < 8; ++index) {
+    const std::string cache = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+    std::ifstream level_file(cache + "/level"), size_file(cache + "/size");
+    int level = 0;
+    std::string size;
+    if (level_file >> level && level == 3 && size_file >> size) {
+      char* unit = nullptr;
+      const long long count = std::strtoll(size.c_str(), &unit, 10);
+      const int64_t scale = *unit == 'K' ? 1024 : *unit == 'M' ? 1024 * 1024 : 1;
+      if (count > 0) {
+        return int64_t(count) * scale;
+      }
+    }
+  }
+  return cache_bytes(_SC_LEVEL3_CACHE_SIZE, int64_t(16) << 20);
+}
+
+}  // namespace
+
 int64_t packing_budget() {
   static const int64_t budget = [] {
     const char* value = std::getenv("CAUSAL_ATTENTION_PACKING_BYTES");
     if (value == nullptr || *value == '\0') {
-      return cache_bytes(_SC_LEVEL3_CACHE_SIZE, int64_t(16) << 20) / 2;
+      return shared_l3_bytes() / 2;
     }
     char* end = nullptr;
     const long long bytes = std::strtoll(value, &end, 10);

@@ -10,10 +10,10 @@
 // - One pass (enough (batch, KV head) items to share between threads, delta from the output or
 //   given): a task owns a (batch, KV head) with every query head of its GQA group and walks its
 //   key blocks once, a tile of them at a time (as many as fit half of L2): K_j^T and V_j^T
-//   (packed once per call), dK_j and dV_j summed over the query blocks that see them, and each
-//   pair's dS K_j added to dQ_i, which only this task sums (in dq itself for float32/float64,
-//   else in a float32 buffer of the task's, rounded once at the end). 5 block products a pair,
-//   as in FlashAttention-2.
+//   (packed once per call, a group of items at a time), dK_j and dV_j summed over the query
+//   blocks that see them, and each pair's dS K_j added to dQ_i, which only this task sums (in dq
+//   itself for float32/float64, else in a float32 buffer of the task's, rounded once at the
+//   end). 5 block products a pair, as in FlashAttention-2.
 // - Two passes (few items): tasks own a (batch, KV head, key block) and sum dK_j, dV_j; then
 //   tasks own a (batch, query head, query block) and sum dQ_i. Pass 2 recomputes S and dP once
 //   more: 7 block products, for parallelism over blocks.
@@ -57,11 +57,24 @@ class BackwardKernel {
         blocks_(pair_.blocks) {}
 
   void run() {
-    if (statistics_.from_probabilities() && one_pass_items()) {
-      RowPanelGradients<scalar_t, gemm_t>(pair_, statistics_, dq_, dk_, dv_).run();
+    if (one_pass_items()) {
+      // A task a (batch, KV head): K and V packed a group of them at a time (packed_kv.h). The
+      // row panels sum the statistics from the probabilities as they go; the others need no
+      // packed block.
+      if (!statistics_.from_probabilities()) {
+        statistics_.compute(pair_);
+      }
+      pair_.packed.pack_in_groups(/*items_per_pair=*/1, [&](int64_t first, int64_t last) {
+        if (statistics_.from_probabilities()) {
+          RowPanelGradients<scalar_t, gemm_t>(pair_, statistics_, dq_, dk_, dv_).run(first, last);
+        } else {
+          one_pass_gradients(first, last);
+        }
+      });
     } else {
+      pair_.packed.pack(0, pair_.packed.pairs());
       statistics_.compute(pair_);
-      gradients();
+      two_pass_gradients();
     }
     if (pair_.modifiers.has_sinks()) {
       sink_gradients();
@@ -72,21 +85,21 @@ class BackwardKernel {
   // Whether there are enough (batch, KV head) items to share between threads.
   bool one_pass_items() const { return dims_.batch * dims_.heads_kv >= kMinOnePassItems; }
 
-  void gradients() {
-    if (one_pass_items()) {
-      const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
-      // A (batch, KV head) costs its visible pairs, plus its rows and keys.
-      const auto cost = [&](int64_t bh_kv, int64_t) {
-        const int64_t b = bh_kv / dims_.heads_kv;
-        return dims_.rows_q(b) + dims_.rows_k(b) +
-               dims_.visible_pairs(b, 0, dims_.rows_q(b), 0, dims_.rows_k(b));
-      };
-      schedule_head_blocks(
-          dims_, dims_.batch * dims_.heads_kv, 1, cost,
-          [&] { return Scratch(dims_, blocks_, tile); },
-          [&](int64_t bh_kv, int64_t, Scratch& s) { one_pass(bh_kv, tile, s); });
-      return;
-    }
+  // One pass over (batch, KV head) pairs [first, last), whose blocks are packed.
+  void one_pass_gradients(int64_t first, int64_t last) {
+    const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
+    // A (batch, KV head) costs its visible pairs, plus its rows and keys.
+    const auto cost = [&](int64_t pair, int64_t) {
+      const int64_t b = (first + pair) / dims_.heads_kv;
+      return dims_.rows_q(b) + dims_.rows_k(b) +
+             dims_.visible_pairs(b, 0, dims_.rows_q(b), 0, dims_.rows_k(b));
+    };
+    schedule_head_blocks(
+        dims_, last - first, 1, cost, [&] { return Scratch(dims_, blocks_, tile); },
+        [&](int64_t pair, int64_t, Scratch& s) { one_pass(first + pair, tile, s); });
+  }
+
+  void two_pass_gradients() {
     // A key block costs its visible pairs plus its keys.
     const auto key_block_cost = [&](int64_t bh_kv, int64_t block) -> int64_t {
       const int64_t b = bh_kv / dims_.heads_kv, k0 = block * blocks_.keys;
@@ -254,7 +267,7 @@ class BackwardKernel {
 
   RowStatistics<scalar_t, gemm_t> statistics_;
   const at::Tensor dsinks_;
-  const Pair pair_;
+  Pair pair_;
   const GradientRows<scalar_t, acc_t> dq_, dk_, dv_;
   const AttentionDims& dims_;
   const BlockSizes& blocks_;

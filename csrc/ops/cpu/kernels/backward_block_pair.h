@@ -177,7 +177,7 @@ class BlockPairGradients {
         normalizers(normalizers),
         scale(static_cast<acc_t>(t.scale)),
         modifiers(t),
-        packed(dims, k, v, blocks.keys),
+        packed(dims, k, v, blocks.keys, decltype(packed)::kDeferred),
         mask_grad(t.dattn_mask.defined() ? t.dattn_mask.template data_ptr<acc_t>() : nullptr) {}
 
   QueryOperands query_operands(int64_t b, int64_t h, int64_t q0, int64_t rows, Scratch& s) const {
@@ -215,7 +215,7 @@ class BlockPairGradients {
   }
 
   // K_j^T and V_j^T of the key block from k0 (or of its keys from k0), packed once per call
-  // (packed_kv.h).
+  // (packed_kv.h; of a pair whose group is packed).
   KeyOperands key_operands(int64_t b, int64_t h_kv, int64_t k0) const {
     return {packed.keys_t(b, h_kv, k0), packed.values_t(b, h_kv, k0)};
   }
@@ -345,7 +345,9 @@ class BlockPairGradients {
   const acc_t* const normalizers;  // likewise
   const acc_t scale;
   const ScoreModifiers<acc_t> modifiers;
-  const PackedKeyValues<scalar_t, gemm_t, ValueOperand::kTransposed> packed;
+  // Packed by the schedule that reads them (attention_backward_kernel.cpp), a group of (batch,
+  // KV head) pairs at a time or all at once.
+  PackedKeyValues<scalar_t, gemm_t, ValueOperand::kTransposed> packed;
   acc_t* const mask_grad;  // (batch * heads_q, len_q, len_k) where asked for, else null
 
  private:

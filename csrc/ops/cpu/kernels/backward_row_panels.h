@@ -51,16 +51,17 @@ class RowPanelGradients {
         dims_(pair.dims),
         blocks_(pair.blocks) {}
 
-  void run() {
+  // Every gradient of (batch, KV head) pairs [first, last), whose blocks are packed.
+  void run(int64_t first, int64_t last) {
     // A (batch, KV head) costs its visible pairs, plus its rows and keys.
-    const auto cost = [&](int64_t bh_kv, int64_t) {
-      const int64_t b = bh_kv / dims_.heads_kv;
+    const auto cost = [&](int64_t pair, int64_t) {
+      const int64_t b = (first + pair) / dims_.heads_kv;
       return dims_.rows_q(b) + dims_.rows_k(b) +
              dims_.visible_pairs(b, 0, dims_.rows_q(b), 0, dims_.rows_k(b));
     };
     schedule_head_blocks(
-        dims_, dims_.batch * dims_.heads_kv, 1, cost, [&] { return Scratch(dims_, blocks_); },
-        [&](int64_t bh_kv, int64_t, Scratch& s) { key_value_head(bh_kv, s); });
+        dims_, last - first, 1, cost, [&] { return Scratch(dims_, blocks_); },
+        [&](int64_t pair, int64_t, Scratch& s) { key_value_head(first + pair, s); });
   }
 
  private:

@@ -83,13 +83,9 @@ class BlockForward {
           [&](int64_t, int64_t block_rows, int64_t, int64_t cols) { pairs += block_rows * cols; });
       return pairs;
     };
-    // A group of (batch, KV head) pairs at a time: their blocks packed, then their query heads'
-    // tiles run (pair p serves query heads p * group to (p + 1) * group - 1).
+    // Pair p's blocks serve query heads p * group to (p + 1) * group - 1.
     const int64_t group = dims_.group(), items_per_head = num_tiles * splits.count();
-    for (int64_t first = 0, last; first < packed.pairs(); first = last) {
-      last = packing_group_end(first, packed.pairs(), group * items_per_head,
-                               [&](int64_t from, int64_t to) { return packed.bytes(from, to); });
-      packed.pack(first, last);
+    packed.pack_in_groups(group * items_per_head, [&](int64_t first, int64_t last) {
       const int64_t head0 = first * group;
       schedule_head_blocks(
           dims_, (last - first) * group, items_per_head,
@@ -99,7 +95,7 @@ class BlockForward {
             query_tile(head0 + head, item / splits.count() * tile_rows_, item % splits.count(),
                        packed, splits, s);
           });
-    }
+    });
     splits.merge();
   }
 

@@ -7,10 +7,9 @@
 // reuses the block packed for its (batch, KV head), instead of repacking it per pair. The
 // backward of bfloat16 with native products also gets K_j as value pairs (kKeyPairs: the B
 // operand of dQ += dS K_j with dS as (hi, lo) pairs), packed once here where it was packed once a
-// block pair. The backward packs every (batch, KV head) at once: copies of a few times the size
-// of K and V, O(L) memory, freed with the call. The forward packs a group of them at a time
-// (packing_group_end), each group's copies in the storage the calling thread keeps
-// (PackingStorage). K and V rows come from
+// block pair. The copies take a few times the size of K and V, O(L) memory; a call packs them a
+// group of (batch, KV head) pairs at a time where its tasks serve one pair each (pack_in_groups),
+// else at once, in the storage the calling thread keeps (PackingStorage). K and V rows come from
 // KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows), whose blocks are packed run by
 // run (a page's rows after the other) into one operand, V then always copied; or an 8-bit
 // cache's (QuantizedPagedRows), whose blocks are widened with their scales first.
@@ -84,27 +83,6 @@ class PackingStorage {
   at::Tensor own_;
 };
 
-// The forward packs K and V for a group of (batch, KV head) pairs, then runs their query tiles,
-// then the next group's: each group's copies (K_j^T and V's pairs, 1.5 MiB a pair at L 2048, D
-// 128 in bfloat16) are read again by every tile that reaches them, from cache while the group
-// fits cpu::packing_budget(), and the storage the calling thread keeps stays that size whatever the
-// batch. Only when the packing runs changes, not a sum. A group takes pairs from `first` while
-// their bytes (bytes(first, end)) fit, and at least as many as give every thread
-// kGroupItemsPerThread of the `items_per_pair` work items each has (a group's tasks then
-// balance as a whole call's did).
-constexpr int64_t kGroupItemsPerThread = 4;
-template <typename Bytes>
-int64_t packing_group_end(int64_t first, int64_t pairs, int64_t items_per_pair,
-                          const Bytes& bytes) {
-  const int64_t min_pairs =
-      ceil_div(kGroupItemsPerThread * at::get_num_threads(), std::max<int64_t>(1, items_per_pair));
-  int64_t last = std::min(pairs, first + min_pairs);
-  while (last < pairs && bytes(first, last + 1) <= cpu::packing_budget()) {
-    ++last;
-  }
-  return last;
-}
-
 template <typename scalar_t, typename gemm_t, ValueOperand kValues = ValueOperand::kRows,
           typename KeyRows = HeadRows<const scalar_t>>
 class PackedKeyValues {
@@ -157,6 +135,8 @@ class PackedKeyValues {
     }
   }
 
+  static constexpr int64_t kGroupItemsPerThread = 4;
+
   // The (batch, KV head) pairs, p = b * heads_kv + h_kv.
   int64_t pairs() const { return dims_.batch * dims_.heads_kv; }
 
@@ -165,6 +145,28 @@ class PackedKeyValues {
     return (first_slot(last) - first_slot(first)) *
            (key_slot_ * int64_t(sizeof(gemm_t)) + value_slot_ * int64_t(sizeof(value_t)) +
             key_pair_slot_ * int64_t(sizeof(gemm_t)));
+  }
+
+  // Packs the pairs a group at a time, calling run_group(first, last) once the blocks of pairs
+  // [first, last) are packed, before the next group's take their storage. Each group's copies
+  // (K_j^T and V's pairs, 1.5 MiB a pair at L 2048, D 128 in bfloat16) are then read again by
+  // every task that reaches them from cache, while the group fits cpu::packing_budget(), and the
+  // storage the calling thread keeps stays that size whatever the batch. Only when the packing
+  // runs changes, not a sum. A group takes pairs while their bytes fit, and at least as many as
+  // give every thread kGroupItemsPerThread of the `items_per_pair` work items each pair gives
+  // the tasks (a group's tasks then balance as a whole call's did).
+  template <typename RunGroup>
+  void pack_in_groups(int64_t items_per_pair, const RunGroup& run_group) {
+    const int64_t min_pairs = ceil_div(kGroupItemsPerThread * at::get_num_threads(),
+                                       std::max<int64_t>(1, items_per_pair));
+    for (int64_t first = 0, last; first < pairs(); first = last) {
+      last = std::min(pairs(), first + min_pairs);
+      while (last < pairs() && bytes(first, last + 1) <= cpu::packing_budget()) {
+        ++last;
+      }
+      pack(first, last);
+      run_group(first, last);
+    }
   }
 
   // Packs the blocks of pairs [first, last), in parallel, in place of those packed before: only
