@@ -20,7 +20,7 @@ import torch
 
 import causal_attention
 from attention_testing.shards import SHARD_VARIABLE
-from attention_testing.subprocesses import run_python
+from attention_testing.subprocesses import assert_first_call_refuses, saved_results
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parents[1]
@@ -93,10 +93,7 @@ RESULTS_SCRIPT = textwrap.dedent(
 
 def _results_under(shape, path, monkeypatch):
     monkeypatch.setenv(SHAPE_VARIABLE, shape)
-    result = run_python(RESULTS_SCRIPT.replace("RESULTS_PATH", repr(str(path))), PACKAGE_PARENT,
-                        timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return torch.load(path)
+    return saved_results(RESULTS_SCRIPT, path, PACKAGE_PARENT)
 
 
 def _all_equal(a, b):
@@ -124,19 +121,7 @@ def test_kernels_take_the_shape_the_op_reports(tmp_path, monkeypatch):
 @pytest.mark.parametrize("value", ["33x48", "64x2048"])
 def test_a_bad_shape_is_a_value_error_naming_the_variable(value, monkeypatch):
     monkeypatch.setenv(SHAPE_VARIABLE, value)
-    result = run_python(textwrap.dedent(
-        """
-        import torch
-        import causal_attention
-        q = torch.randn(1, 1, 100, 8)
-        try:
-            causal_attention.attention(q, q, q)
-        except ValueError as error:
-            print("VALUE_ERROR", error)
-        """), PACKAGE_PARENT, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "VALUE_ERROR" in result.stdout and SHAPE_VARIABLE in result.stdout, result.stdout
-    assert f'got "{value}"' in result.stdout, result.stdout
+    assert_first_call_refuses(SHAPE_VARIABLE, value, PACKAGE_PARENT)
 
 
 # Suites run again under a forced shape, with the tests of each that reach the block kernels (a

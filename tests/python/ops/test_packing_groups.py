@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing.subprocesses import run_python
+from attention_testing.subprocesses import assert_first_call_refuses, run_python, saved_results
 from pathlib import Path
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
@@ -76,10 +76,7 @@ def _results_under(budget, path, monkeypatch):
         monkeypatch.delenv(BUDGET_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(BUDGET_VARIABLE, budget)
-    result = run_python(RESULTS_SCRIPT.replace("RESULTS_PATH", repr(str(path))), PACKAGE_PARENT,
-                        timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return torch.load(path)
+    return saved_results(RESULTS_SCRIPT, path, PACKAGE_PARENT)
 
 
 def test_packing_groups_change_no_result(tmp_path, monkeypatch):
@@ -119,16 +116,4 @@ def test_grouped_calls_match_sdpa(monkeypatch):
 @pytest.mark.parametrize("value", ["0", "-5", "16M", "abc"])
 def test_a_bad_budget_is_a_value_error_naming_the_variable(value, monkeypatch):
     monkeypatch.setenv(BUDGET_VARIABLE, value)
-    result = run_python(textwrap.dedent(
-        """
-        import torch
-        import causal_attention
-        q = torch.randn(1, 1, 100, 8)
-        try:
-            causal_attention.attention(q, q, q)
-        except ValueError as error:
-            print("VALUE_ERROR", error)
-        """), PACKAGE_PARENT, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "VALUE_ERROR" in result.stdout and BUDGET_VARIABLE in result.stdout, result.stdout
-    assert f'got "{value}"' in result.stdout, result.stdout
+    assert_first_call_refuses(BUDGET_VARIABLE, value, PACKAGE_PARENT)
