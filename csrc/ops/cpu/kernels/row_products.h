@@ -9,7 +9,7 @@
 // - scores of fewer rows than a vector holds come from dot products, up to four rows by a few
 //   keys at a time (each key vector loaded once for the four), their horizontal sums done
 //   together (lane_sums); bfloat16 query rows against key rows bfloat16 holds exactly take
-//   AVX-512 BF16's dot products of pairs where the CPU has them (query_key_pair_band), e4m3 rows
+//   AVX-512 BF16's dot products of pairs where the CPU has them (query_key_pair_band), float8 rows
 //   converted by byte tables;
 // - scores of more rows are computed transposed, vectors of query rows against broadcast key
 //   elements (Q given transposed, packed once per task), with no horizontal sums;
@@ -142,7 +142,7 @@ inline constexpr bool kPairDots =
     false;
 #endif
 
-// Whether this CPU has AVX-512 BF16's dot products and AVX-512 VBMI's byte permutes (the e4m3
+// Whether this CPU has AVX-512 BF16's dot products and AVX-512 VBMI's byte permutes (the float8
 // tables), asked once: every chip seen with the first has the second.
 inline bool cpu_has_pair_dots() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -155,10 +155,12 @@ inline bool cpu_has_pair_dots() {
 }
 
 // Whether query_key_pair_tile widens src_t's key rows to bfloat16 by byte tables, 64 values a
-// step, in the order e4m3_pairs leaves them (order_query_pairs): e4m3's, whose widening through
-// float16 and then float32 takes 16 instructions a 64 values where the tables take 5.
+// step, in the order byte_pairs leaves them (order_query_pairs): the float8 formats', whose
+// widening through float16 and then float32 takes 14-16 instructions a 64 values where the
+// tables take 5 (e5m2 measured in cache with either: docs/benchmarks).
 template <typename src_t>
-inline constexpr bool kTablePairs = std::is_same_v<src_t, E4M3Over256>;
+inline constexpr bool kTablePairs =
+    std::is_same_v<src_t, E4M3Over256> || std::is_same_v<src_t, c10::Float8_e5m2>;
 
 // The head dim query_key_pair_tile takes a step.
 template <typename src_t>
@@ -171,7 +173,7 @@ inline bool pair_dots_fit(int64_t dim) {
 }
 
 // A bfloat16 query row of `dim` elements in the order query_key_pair_tile's key vectors hold the
-// head dim for src_t: as it is, or for kTablePairs each step of 64 as e4m3_pairs leaves it (the
+// head dim for src_t: as it is, or for kTablePairs each step of 64 as byte_pairs leaves it (the
 // first vector the elements 0-7, 16-23, 32-39 and 48-55 of the step, the second the others).
 template <typename src_t>
 void order_query_pairs(const c10::BFloat16* q, int64_t dim, c10::BFloat16* out) {
@@ -191,20 +193,32 @@ void order_query_pairs(const c10::BFloat16* q, int64_t dim, c10::BFloat16* out) 
 #if defined(CPU_CAPABILITY_AVX512)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16,avx512vbmi")
-// The bfloat16 bits of E4M3Over256's values by the byte's magnitude (its low 7 bits): the high
-// bytes (sign clear) in hi[0..1], the low bytes in lo[0..1], 64 magnitudes a vector; e4m3's NaN
-// magnitude gives bfloat16's NaN.
-struct E4M3PairTables {
+// The value of src_t's byte of magnitude m (m < 128, the sign clear): a kTablePairs format's.
+template <typename src_t>
+float byte_value(uint8_t m) {
+  if constexpr (std::is_same_v<src_t, E4M3Over256>) {
+    return float(E4M3Over256(m));
+  } else {
+    return float(c10::Float8_e5m2(m, c10::Float8_e5m2::from_bits()));
+  }
+}
+
+// The bfloat16 bits of src_t's values (kTablePairs) by the byte's magnitude (its low 7 bits):
+// the high bytes (sign clear) in hi[0..1], the low bytes in lo[0..1], 64 magnitudes a vector.
+// Exact: e4m3 has 4 significant bits, e5m2 3, and both exponent ranges lie within bfloat16's;
+// e4m3's NaN magnitude and e5m2's infinity and NaNs give bfloat16's.
+template <typename src_t>
+struct BytePairTables {
   __m512i hi[2], lo[2];
-  static E4M3PairTables get() {
-    static const E4M3PairTables tables = [] {
+  static BytePairTables get() {
+    static const BytePairTables tables = [] {
       alignas(64) uint8_t hi_bytes[128], lo_bytes[128];
       for (int m = 0; m < 128; ++m) {
-        const uint16_t bits = c10::BFloat16(float(E4M3Over256(m))).x;  // exact: 4 significant bits
+        const uint16_t bits = c10::BFloat16(byte_value<src_t>(uint8_t(m))).x;
         hi_bytes[m] = uint8_t(bits >> 8);
         lo_bytes[m] = uint8_t(bits & 0xFF);
       }
-      E4M3PairTables t;
+      BytePairTables t;
       for (int i = 0; i < 2; ++i) {
         t.hi[i] = _mm512_load_si512(hi_bytes + 64 * i);
         t.lo[i] = _mm512_load_si512(lo_bytes + 64 * i);
@@ -215,10 +229,11 @@ struct E4M3PairTables {
   }
 };
 
-// 64 e4m3 bytes from src as two vectors of bfloat16 (E4M3Over256's values, exactly), in
+// 64 bytes of src_t from src as two vectors of bfloat16 (their values, exactly), in
 // order_query_pairs' order: each byte's magnitude looked up in the tables, its sign put back,
 // the low and high bytes interleaved.
-C10_ALWAYS_INLINE void e4m3_pairs(const E4M3Over256* src, const E4M3PairTables& t,
+template <typename src_t>
+C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>& t,
                                   __m512bh (&out)[2]) {
   const __m512i bytes = _mm512_loadu_si512(src);
   const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], bytes, t.lo[1]);
@@ -239,7 +254,7 @@ C10_ALWAYS_INLINE void e4m3_pairs(const E4M3Over256* src, const E4M3PairTables& 
 template <int64_t kRows, int64_t kKeys, typename src_t>
 C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q, const src_t* k,
                                            int64_t ld_k, int64_t dim, float* scores,
-                                           int64_t ld_scores, const E4M3PairTables& tables) {
+                                           int64_t ld_scores, const BytePairTables<src_t>& tables) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t N = Vec::size();
   constexpr int64_t kParts = kPairStep<src_t> / (2 * N);
@@ -256,7 +271,7 @@ C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q,
 #pragma GCC unroll 16
       for (int64_t c = 0; c < kKeys; ++c) {
         __m512bh key[kParts];
-        e4m3_pairs(k + c * ld_k + d, tables, key);
+        byte_pairs(k + c * ld_k + d, tables, key);
 #pragma GCC unroll 4
         for (int64_t i = 0; i < kRows; ++i) {
 #pragma GCC unroll 2
@@ -301,9 +316,9 @@ void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, i
                          int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
                          const StreamAhead* stream) {
   constexpr int64_t kKeys = band_tile_keys<float>(kRows);
-  E4M3PairTables tables;  // in registers for the band (kTablePairs)
+  BytePairTables<src_t> tables;  // in registers for the band (kTablePairs)
   if constexpr (kTablePairs<src_t>) {
-    tables = E4M3PairTables::get();
+    tables = BytePairTables<src_t>::get();
   }
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
