@@ -119,8 +119,9 @@ OPTIONS = {
 }
 
 
-# bfloat16 query rows also at a head dim of 64: on AVX-512 BF16 chips they score e4m3 keys by
-# bfloat16 dot products only at whole steps of 64 (row_products.h), the other formats at 32 too.
+# bfloat16 query rows also at a head dim of 64: on AVX-512 BF16 chips they score float8 keys (e4m3,
+# e5m2: byte tables) by bfloat16 dot products only at whole steps of 64 (row_products.h), int8
+# at 32 too.
 @pytest.mark.parametrize(
     "q_dtype, d", [(torch.float32, 32), (torch.bfloat16, 32), (torch.bfloat16, 64)],
     ids=["float32-D32", "bfloat16-D32", "bfloat16-D64"])
