@@ -65,20 +65,19 @@ def short():
     return times
 
 
-def forward_backward():
+def forward_backward_call(batch, length, dim):
+    """A bfloat16 forward+backward of (batch, 8, length, dim), as a call."""
     import causal_attention as ca
     import torch
-    times = []
-    for length, dim in ((512, 64), (1024, 128), (256, 64)):
-        q, k, v, grad = (torch.randn(1, 8, length, dim, dtype=torch.bfloat16) for _ in range(4))
-        for t in (q, k, v):
-            t.requires_grad_()
+    q, k, v, grad = (torch.randn(batch, 8, length, dim, dtype=torch.bfloat16) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    return lambda: torch.autograd.grad(ca.attention(q, k, v), (q, k, v), grad)
 
-        def call():
-            torch.autograd.grad(ca.attention(q, k, v), (q, k, v), grad)
 
-        times.append(min(seconds_of(call, rounds=9)) * 1e3)
-    return times
+def forward_backward():
+    return [min(seconds_of(forward_backward_call(1, length, dim), rounds=9)) * 1e3
+            for length, dim in ((512, 64), (1024, 128), (256, 64))]
 
 
 def decode(cache):
@@ -111,13 +110,7 @@ def batch():
             times.append(statistics.median(seconds_of(lambda: ca.attention(q, k, v), rounds=7))
                          * 1e3)
     for length, dim in ((2048, 128), (1024, 64)):
-        q, k, v, grad = (torch.randn(4, 8, length, dim, dtype=torch.bfloat16) for _ in range(4))
-        for t in (q, k, v):
-            t.requires_grad_()
-
-        def call():
-            torch.autograd.grad(ca.attention(q, k, v), (q, k, v), grad)
-
+        call = forward_backward_call(4, length, dim)
         times.append(statistics.median(seconds_of(call, rounds=5)) * 1e3)
     return times
 

@@ -35,10 +35,9 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k, at::S
 
 // The bytes of packed K and V copies (kernels/packed_kv.h) that stay in cache while the tasks
 // reading them run: half of the L3 a core shares (sysfs's, else sysconf's; 8 MiB where neither
-// says). The environment
-// variable CAUSAL_ATTENTION_PACKING_BYTES, read once per process, sets another (a positive
-// number of bytes): it lets a test run the forward's packing groups on any chip. The budget
-// changes when K and V are packed, never a sum.
+// says). The environment variable CAUSAL_ATTENTION_PACKING_BYTES, read once per process, sets
+// another (a positive number of bytes): it lets a test cut calls into packing groups on any chip.
+// The budget changes when K and V are packed, never a sum.
 int64_t packing_budget();
 
 }  // namespace causal_attention::cpu

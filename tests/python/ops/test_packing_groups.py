@@ -10,13 +10,13 @@ byte, which cuts them into groups of as few pairs as the threads need, and under
 own."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 import causal_attention
 from attention_testing.subprocesses import assert_first_call_refuses, run_python, saved_results
-from pathlib import Path
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 BUDGET_VARIABLE = "CAUSAL_ATTENTION_PACKING_BYTES"

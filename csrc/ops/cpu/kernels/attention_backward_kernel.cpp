@@ -61,11 +61,12 @@ class BackwardKernel {
       // A task a (batch, KV head): K and V packed a group of them at a time (packed_kv.h). The
       // row panels sum the statistics from the probabilities as they go; the others need no
       // packed block.
-      if (!statistics_.from_probabilities()) {
+      const bool row_panels = statistics_.from_probabilities();
+      if (!row_panels) {
         statistics_.compute(pair_);
       }
       pair_.packed.pack_in_groups(/*items_per_pair=*/1, [&](int64_t first, int64_t last) {
-        if (statistics_.from_probabilities()) {
+        if (row_panels) {
           RowPanelGradients<scalar_t, gemm_t>(pair_, statistics_, dq_, dk_, dv_).run(first, last);
         } else {
           one_pass_gradients(first, last);

@@ -177,7 +177,7 @@ class BlockPairGradients {
         normalizers(normalizers),
         scale(static_cast<acc_t>(t.scale)),
         modifiers(t),
-        packed(dims, k, v, blocks.keys, decltype(packed)::kDeferred),
+        packed(dims, k, v, blocks.keys),
         mask_grad(t.dattn_mask.defined() ? t.dattn_mask.template data_ptr<acc_t>() : nullptr) {}
 
   QueryOperands query_operands(int64_t b, int64_t h, int64_t q0, int64_t rows, Scratch& s) const {

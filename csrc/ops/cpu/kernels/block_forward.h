@@ -62,7 +62,7 @@ class BlockForward {
     const int64_t num_tiles = ceil_div(dims_.len_q, tile_rows_);
     KeySplits<scalar_t, acc_t> splits(
         dims_, key_splits(dims_, num_heads * num_tiles, sizeof(scalar_t)), output_);
-    Packed packed(dims_, k_, v_, blocks_.keys, Packed::kDeferred);
+    Packed packed(dims_, k_, v_, blocks_.keys);
     // An item's cost: its visible pairs (under attn_mask, those of the block pairs it
     // computes, whose tiles say what it hides), plus one per row for finishing it; zero only
     // for the items past the end of a packed sequence, which have no rows (every row is

@@ -35,22 +35,23 @@ enum class ValueOperand { kRows, kPairs, kTransposed };
 
 // The storage of a PackedKeyValues: the calling thread's kept one, which it keeps from one call
 // to the next while it holds at most cpu::packing_budget() bytes, or (where a PackedKeyValues of
-// this thread still holds that) its own. A forward's packed groups fit the budget and are rewritten
-// every call; fresh storage would be faulted in afresh by the OS every call (glibc gives blocks
-// of over 32 MiB back when they are freed): at B 4, H 8, L 2048, D 128 in bfloat16 that was 15 %
-// of the forward's time on a Zen 5 (docs/benchmarks).
+// this thread still holds that) its own. Packed groups fit the budget and are rewritten every
+// call; fresh storage would be faulted in afresh by the OS every call (glibc gives blocks
+// of over 32 MiB back when they are freed): at B 4, H 8, L 2048, D 128 in bfloat16 the forward
+// then took 17 % longer per batch item than at B 1 on a Zen 5 (docs/benchmarks, stop 63).
 class PackingStorage {
  public:
-  // (The budget is read first: its environment variable's error is thrown before anything is
-  // held.)
-  PackingStorage() : kept_bytes_(cpu::packing_budget()), kept_(in_use() ? nullptr : &kept()) {
+  PackingStorage() : kept_(in_use() ? nullptr : &kept()) {
+    // Read first, so that its environment variable's error is thrown before anything is held
+    // (and never by the destructor's read).
+    cpu::packing_budget();
     if (kept_ != nullptr) {
       in_use() = true;
     }
   }
   ~PackingStorage() {
     if (kept_ != nullptr) {
-      if (kept_->defined() && kept_->nbytes() > size_t(kept_bytes_)) {
+      if (kept_->defined() && kept_->nbytes() > size_t(cpu::packing_budget())) {
         *kept_ = at::Tensor();
       }
       in_use() = false;
@@ -78,7 +79,6 @@ class PackingStorage {
     thread_local bool used = false;
     return used;
   }
-  const int64_t kept_bytes_;
   at::Tensor* const kept_;
   at::Tensor own_;
 };
@@ -105,20 +105,10 @@ class PackedKeyValues {
                                        ValuePack::template b_is_packed<scalar_t>() ||
                                        !KeyRows::kOneRun;
 
-  // Packs the key blocks of `key_block` keys that some query row of batch item b reaches
-  // causally (the first blocks_of(b) of them), for every (batch, KV head) at once; blocks the key
-  // mask hides entirely are left unpacked.
+  // The key blocks of `key_block` keys that some query row of batch item b reaches causally (the
+  // first blocks_of(b) of them), of every (batch, KV head), to be packed by pack() or
+  // pack_in_groups(); blocks the key mask hides entirely are left unpacked.
   PackedKeyValues(const AttentionDims& d, const KeyRows& k, const KeyRows& v, int64_t key_block)
-      : PackedKeyValues(d, k, v, key_block, kDeferred) {
-    pack(0, pairs());
-  }
-
-  // Packs nothing until pack() is called: the forward packs a few (batch, KV head) pairs at a
-  // time and runs their query tiles while the copies are in cache.
-  struct Deferred {};
-  static constexpr Deferred kDeferred{};
-  PackedKeyValues(const AttentionDims& d, const KeyRows& k, const KeyRows& v, int64_t key_block,
-                  Deferred)
       : dims_(d),
         k_(k),
         v_(v),
@@ -186,44 +176,39 @@ class PackedKeyValues {
     keys_ = reinterpret_cast<gemm_t*>(storage);
     values_ = reinterpret_cast<value_t*>(storage + key_bytes);
     key_pairs_ = reinterpret_cast<gemm_t*>(storage + key_bytes + value_bytes);
-    const AttentionDims& d = dims_;
-    const KeyRows& k = k_;
-    const KeyRows& v = v_;
-    gemm_t* keys = keys_;
-    value_t* values = values_;
-    gemm_t* key_pairs = key_pairs_;
     at::parallel_for(slot_base_, slot_base_ + slots, 1, [&](int64_t begin, int64_t end) {
-      WideRows wide(KeyRows::kWidens ? key_block_ : 0, d.head_dim);
+      WideRows wide(KeyRows::kWidens ? key_block_ : 0, dims_.head_dim);
       for (int64_t slot = begin; slot < end; ++slot) {
         const int64_t b =
-            std::upper_bound(first_block_.begin(), first_block_.end(), slot / d.heads_kv) -
+            std::upper_bound(first_block_.begin(), first_block_.end(), slot / dims_.heads_kv) -
             first_block_.begin() - 1;
-        const int64_t within = slot - first_block_[b] * d.heads_kv;
+        const int64_t within = slot - first_block_[b] * dims_.heads_kv;
         const int64_t h_kv = within / blocks_of(b), k0 = within % blocks_of(b) * key_block_;
         const int64_t cols = block_width(b, k0);
-        if (d.kept_keys(b, k0, cols) == 0) {
+        if (dims_.kept_keys(b, k0, cols) == 0) {
           continue;
         }
-        const int64_t at = slot - slot_base_;
+        const int64_t stored = slot - slot_base_;  // its place in storage
         if constexpr (KeyRows::kWidens) {
           static_assert(!kTransposedValues, "8-bit caches are read by the forward only");
-          pack_widened(k, b, h_kv, k0, cols, keys + at * key_slot_, wide);
-          v.widen(b, h_kv, k0, cols, d.value_dim, values + at * value_slot_, d.value_dim);
+          pack_widened(k_, b, h_kv, k0, cols, keys_ + stored * key_slot_, wide);
+          v_.widen(b, h_kv, k0, cols, dims_.value_dim, values_ + stored * value_slot_,
+                   dims_.value_dim);
         } else {
-          pack_transposed(k, b, h_kv, k0, cols, d.head_dim, keys + at * key_slot_);
+          pack_transposed(k_, b, h_kv, k0, cols, dims_.head_dim, keys_ + stored * key_slot_);
           if constexpr (kKeyPairs) {
-            Pack::b_value_pairs(k.row(b, h_kv, k0), cols, d.head_dim, k.row_stride,
-                                key_pairs + at * key_pair_slot_);
+            Pack::b_value_pairs(k_.row(b, h_kv, k0), cols, dims_.head_dim, k_.row_stride,
+                                key_pairs_ + stored * key_pair_slot_);
           }
           if constexpr (kTransposedValues) {
-            pack_transposed(v, b, h_kv, k0, cols, d.value_dim, values + at * value_slot_);
+            pack_transposed(v_, b, h_kv, k0, cols, dims_.value_dim, values_ + stored * value_slot_);
           } else if constexpr (kValuePairs) {
-            Pack::b_value_pairs(v.row(b, h_kv, k0), cols, d.value_dim, v.row_stride,
-                                values + at * value_slot_);
+            Pack::b_value_pairs(v_.row(b, h_kv, k0), cols, dims_.value_dim, v_.row_stride,
+                                values_ + stored * value_slot_);
           } else if constexpr (kPacksValues) {
             for (int64_t r = 0; r < cols; ++r) {  // widened row by row, each where it lies
-              convert_row(v.row(b, h_kv, k0 + r), values + at * value_slot_ + r * d.value_dim,
-                          d.value_dim);
+              convert_row(v_.row(b, h_kv, k0 + r),
+                          values_ + stored * value_slot_ + r * dims_.value_dim, dims_.value_dim);
             }
           }
         }
@@ -337,7 +322,7 @@ class PackedKeyValues {
                : first_block_[b] * dims_.heads_kv + pair % dims_.heads_kv * blocks_of(b);
   }
   int64_t slot(int64_t b, int64_t h_kv, int64_t k0) const {
-    return first_block_[b] * dims_.heads_kv + h_kv * blocks_of(b) + k0 / key_block_ - slot_base_;
+    return first_slot(b * dims_.heads_kv + h_kv) + k0 / key_block_ - slot_base_;
   }
 
   const AttentionDims dims_;
