@@ -69,8 +69,16 @@ bool products_on_tiles(at::ScalarType products) {
 // running output) over more keys, but a product slows down once its operands outgrow the cache it
 // runs from:
 //   - products on vector units (float32, avx512_bf16, widened): 64 query rows by 128 keys where
-//     the block's float32 K and V rows fit in twice L1d, else 64. Measured on Zen 3 (32 KiB L1d),
-//     a 64 x 128 x 128 float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64.
+//     the block's K and V rows as the products take them fit in twice L1d, else 64; where
+//     bfloat16 multiplies natively on vector units (avx512_bf16), by 256 keys where those fit.
+//     K counts 2 bytes a value there (else 4, as float32), V 4 (float32, or the bfloat16 value
+//     pairs that P's (hi, lo) pairs multiply). Measured on Zen 3 (32 KiB L1d), a 64 x 128 x 128
+//     float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64. On a Zen 5 (48
+//     KiB L1d), bfloat16 took 128 keys at D 128 and 256 at D 64 (96 KiB each) once K counted at
+//     2 bytes, where it took 64 and 128: faster forwards and forwards+backwards at every length
+//     measured (docs/benchmarks/README.md, stop 64). The others keep their shapes: float32 gained
+//     nothing from 128 keys at D 128 there, and float16's native products (AVX512-FP16) and
+//     bfloat16's short calls on AMX tiles were not measured with longer blocks.
 //   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
 //     (benchmarks.breakdown's probe on the AMX Xeon, unordered by size within its drift), so the
 //     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
@@ -93,8 +101,11 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
   if (products_on_tiles(products) && len_k >= 4 * kTileKeys && tile_block_bytes <= l2_bytes / 4) {
     return {128, kTileKeys};
   }
-  const int64_t bytes_of_128_keys = 128 * (head_dim + value_dim) * int64_t(sizeof(float));
-  return {64, bytes_of_128_keys <= 2 * l1d_bytes ? 128 : 64};
+  const bool bfloat16_on_vectors = products == at::kBFloat16 && !products_on_tiles(products);
+  const auto fit = [&](int64_t keys) {
+    return keys * (head_dim * (bfloat16_on_vectors ? 2 : 4) + value_dim * 4) <= 2 * l1d_bytes;
+  };
+  return {64, bfloat16_on_vectors && fit(256) ? 256 : fit(128) ? 128 : 64};
 }
 
 namespace {

@@ -45,15 +45,22 @@ def _cache_bytes(name, fallback):
 def _expected_shape(dtype, head_dim, value_dim, len_k):
     """The rule of block_shapes.cpp, written out: 128 x 256 where bfloat16 products are native
     on AMX tiles, the keys are at least 1024 and such a key block's K (bfloat16) and V (float32)
-    rows fit in a quarter of L2; else 64 query rows by 128 keys where 128 float32 K and V rows
-    fit in twice L1d, or 64."""
+    rows fit in a quarter of L2; else 64 query rows by 256 keys where bfloat16 products are
+    native on vector units (no AMX) and 256 K rows (bfloat16) and V rows (4 bytes a value) fit
+    in twice L1d, else by 128 keys where 128 such rows fit (K in float32 for the others), or
+    64."""
     native = torch.ops.causal_attention.block_products(dtype) == "native"
     l1d = _cache_bytes("LEVEL1_DCACHE_SIZE", 32 * 1024)
     l2 = _cache_bytes("LEVEL2_CACHE_SIZE", 512 * 1024)
     if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and len_k >= 1024
             and 256 * (2 * head_dim + 4 * value_dim) <= l2 // 4):
         return [128, 256]
-    return [64, 128 if 128 * (head_dim + value_dim) * 4 <= 2 * l1d else 64]
+    bfloat16_on_vectors = dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags()
+
+    def fit(keys):
+        return keys * (head_dim * (2 if bfloat16_on_vectors else 4) + value_dim * 4) <= 2 * l1d
+
+    return [64, 256 if bfloat16_on_vectors and fit(256) else 128 if fit(128) else 64]
 
 
 @pytest.mark.skipif(os.environ.get(SHAPE_VARIABLE, "auto") not in ("", "auto"),
