@@ -134,7 +134,8 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("block_products(ScalarType dtype) -> str",
         [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
   // The block shape (query rows, keys) of a call of this dtype made now with these head and
-  // value dims and keys (cpu/block_shapes.h), as its kernels take it.
+  // value dims whose query rows see at most len_k keys (every key, or a sliding window's span:
+  // cpu/block_shapes.h), as its kernels take it.
   m.def("block_shape(ScalarType dtype, int head_dim, int value_dim, int len_k) -> int[]",
         [](c10::ScalarType dtype, int64_t head_dim, int64_t value_dim, int64_t len_k) {
           const cpu::BlockSizes blocks =

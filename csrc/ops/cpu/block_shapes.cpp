@@ -69,26 +69,27 @@ bool products_on_tiles(at::ScalarType products) {
 // running output) over more keys, but a product slows down once its operands outgrow the cache it
 // runs from:
 //   - products on vector units (float32, avx512_bf16, widened): 64 query rows by 128 keys where
-//     the block's K and V rows as the products take them fit in twice L1d, else 64; where
-//     bfloat16 multiplies natively on vector units (avx512_bf16), by 256 keys where those fit.
-//     K counts 2 bytes a value there (else 4, as float32), V 4 (float32, or the bfloat16 value
-//     pairs that P's (hi, lo) pairs multiply). Measured on Zen 3 (32 KiB L1d), a 64 x 128 x 128
-//     float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64. On a Zen 5 (48
-//     KiB L1d), bfloat16 took 128 keys at D 128 and 256 at D 64 (96 KiB each) once K counted at
-//     2 bytes, where it took 64 and 128: faster forwards and forwards+backwards at every length
-//     measured (docs/benchmarks/README.md, stop 64). The others keep their shapes: float32 gained
-//     nothing from 128 keys at D 128 there, and float16's native products (AVX512-FP16) and
-//     bfloat16's short calls on AMX tiles were not measured with longer blocks.
+//     the block's float32 K and V rows fit in twice L1d, else 64. Measured on Zen 3 (32 KiB L1d),
+//     a 64 x 128 x 128 float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64.
+//     Where bfloat16 multiplies natively on vector units (avx512_bf16), longer: 256 keys, else
+//     128, where the rows its products read fit there (K in bfloat16, 2 bytes a value; V as the
+//     value pairs that P's (hi, lo) pairs multiply, 4) and a row sees four such blocks' keys. On
+//     a Zen 5 (48 KiB L1d) that is 128 keys at D 128 and 256 at D 64 (96 KiB each), where the
+//     float32 count gave 64 and 128: forwards and forwards+backwards faster at L 1024-4096, and
+//     sliding windows of 64-256 keys slower by up to 40 %, from the keys a longer block
+//     computes past their span (docs/benchmarks/README.md, stop 64). The others keep their
+//     shapes: float32 gained nothing from 128 keys at D 128 there, and float16's native
+//     products (AVX512-FP16) were not measured with longer blocks.
 //   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
 //     (benchmarks.breakdown's probe on the AMX Xeon, unordered by size within its drift), so the
 //     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
-//     (bfloat16) and V (float32, for P V) rows fit in a quarter of L2 and there are keys enough
+//     (bfloat16) and V (float32, for P V) rows fit in a quarter of L2 and a row sees keys enough
 //     (1024) for blocks this long to waste little on the causal diagonal. Measured on the AMX Xeon
 //     (2 MiB L2), bfloat16 grid at L 1024-4096 against the vector-unit shapes forced back with
 //     CAUSAL_ATTENTION_BLOCK_SHAPE (docs/benchmarks/README.md): forward 0.95-1.34x as fast
 //     (median 1.13), forward+backward 0.97-1.50x (median 1.10); at L 128-512 longer blocks gained
 //     nothing.
-BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
+BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen,
                        at::ScalarType products) {
   if (const auto forced = shape_from_environment()) {
     return *forced;
@@ -98,14 +99,21 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t len_k,
   constexpr int64_t kTileKeys = 256;
   const int64_t tile_block_bytes =
       kTileKeys * (head_dim * int64_t(sizeof(c10::BFloat16)) + value_dim * int64_t(sizeof(float)));
-  if (products_on_tiles(products) && len_k >= 4 * kTileKeys && tile_block_bytes <= l2_bytes / 4) {
+  if (products_on_tiles(products) && keys_seen >= 4 * kTileKeys &&
+      tile_block_bytes <= l2_bytes / 4) {
     return {128, kTileKeys};
   }
-  const bool bfloat16_on_vectors = products == at::kBFloat16 && !products_on_tiles(products);
-  const auto fit = [&](int64_t keys) {
-    return keys * (head_dim * (bfloat16_on_vectors ? 2 : 4) + value_dim * 4) <= 2 * l1d_bytes;
+  const auto fit = [&](int64_t keys, int64_t key_bytes) {
+    return keys * (head_dim * key_bytes + value_dim * 4) <= 2 * l1d_bytes;
   };
-  return {64, bfloat16_on_vectors && fit(256) ? 256 : fit(128) ? 128 : 64};
+  if (products == at::kBFloat16 && !products_on_tiles(products)) {
+    for (const int64_t keys : {256, 128}) {
+      if (fit(keys, 2) && keys_seen >= 4 * keys) {
+        return {64, keys};
+      }
+    }
+  }
+  return {64, fit(128, 4) ? 128 : 64};
 }
 
 namespace {

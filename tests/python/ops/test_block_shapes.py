@@ -43,24 +43,27 @@ def _cache_bytes(name, fallback):
 
 
 def _expected_shape(dtype, head_dim, value_dim, len_k):
-    """The rule of block_shapes.cpp, written out: 128 x 256 where bfloat16 products are native
-    on AMX tiles, the keys are at least 1024 and such a key block's K (bfloat16) and V (float32)
-    rows fit in a quarter of L2; else 64 query rows by 256 keys where bfloat16 products are
-    native on vector units (no AMX) and 256 K rows (bfloat16) and V rows (4 bytes a value) fit
-    in twice L1d, else by 128 keys where 128 such rows fit (K in float32 for the others), or
-    64."""
+    """The rule of block_shapes.cpp, written out, for rows that see len_k keys: 128 x 256 where
+    bfloat16 products are native on AMX tiles, the keys are at least 1024 and such a key block's
+    K (bfloat16) and V (float32) rows fit in a quarter of L2; else, where bfloat16 products are
+    native on vector units (no AMX), 64 query rows by 256 keys, else 128, where the keys are at
+    least four blocks' and such a block's K (bfloat16) and V (4 bytes a value) rows fit in twice
+    L1d; else 64 by 128 keys where 128 float32 K and V rows fit there, or 64."""
     native = torch.ops.causal_attention.block_products(dtype) == "native"
     l1d = _cache_bytes("LEVEL1_DCACHE_SIZE", 32 * 1024)
     l2 = _cache_bytes("LEVEL2_CACHE_SIZE", 512 * 1024)
     if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and len_k >= 1024
             and 256 * (2 * head_dim + 4 * value_dim) <= l2 // 4):
         return [128, 256]
-    bfloat16_on_vectors = dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags()
 
-    def fit(keys):
-        return keys * (head_dim * (2 if bfloat16_on_vectors else 4) + value_dim * 4) <= 2 * l1d
+    def fit(keys, key_bytes):
+        return keys * (head_dim * key_bytes + value_dim * 4) <= 2 * l1d
 
-    return [64, 256 if bfloat16_on_vectors and fit(256) else 128 if fit(128) else 64]
+    if dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags():
+        for keys in (256, 128):
+            if fit(keys, 2) and len_k >= 4 * keys:
+                return [64, keys]
+    return [64, 128 if fit(128, 4) else 64]
 
 
 @pytest.mark.skipif(os.environ.get(SHAPE_VARIABLE, "auto") not in ("", "auto"),
@@ -68,15 +71,15 @@ def _expected_shape(dtype, head_dim, value_dim, len_k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_block_shape_follows_the_chip(dtype):
     for head_dim, value_dim in ((64, 64), (128, 128), (128, 64), (256, 256), (512, 512)):
-        for len_k in (100, 1023, 1024, 8192):
+        for len_k in (100, 511, 512, 1023, 1024, 8192):
             got = torch.ops.causal_attention.block_shape(dtype, head_dim, value_dim, len_k)
             want = _expected_shape(dtype, head_dim, value_dim, len_k)
             assert got == want, (dtype, head_dim, value_dim, len_k)
 
 
-# Computes out, dq, dk, dv of a float32 and a bfloat16 call long enough for the AMX rule
-# (L 1100 >= 1024 keys, several blocks of any shape), with a window, softcap and GQA, and saves
-# them with the shape each call took, at RESULTS_PATH.
+# Computes out, dq, dk, dv of a float32 and a bfloat16 call long enough for the longest blocks'
+# rules (its rows see up to the window's 1051 >= 1024 keys; several blocks of any shape), with a
+# window, softcap and GQA, and saves them with the shape each call took, at RESULTS_PATH.
 RESULTS_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -88,9 +91,9 @@ RESULTS_SCRIPT = textwrap.dedent(
         q = torch.randn(1, 4, 1100, 64).to(dtype).requires_grad_()
         k, v = (torch.randn(1, 2, 1100, 64).to(dtype).requires_grad_() for _ in range(2))
         grad_out = torch.randn(1, 4, 1100, 64).to(dtype)
-        out = causal_attention.attention(q, k, v, window=(700, 0), softcap=20.0)
+        out = causal_attention.attention(q, k, v, window=(1050, 0), softcap=20.0)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, 1100)
+        shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, 1051)
         results[str(dtype)] = {"shape": "x".join(map(str, shape)),
                                "tensors": [out.detach(), *grads]}
     torch.save(results, RESULTS_PATH)
