@@ -77,9 +77,10 @@ def test_block_shape_follows_the_chip(dtype):
             assert got == want, (dtype, head_dim, value_dim, len_k)
 
 
-# Computes out, dq, dk, dv of a float32 and a bfloat16 call long enough for the longest blocks'
-# rules (its rows see up to the window's 1051 >= 1024 keys; several blocks of any shape), with a
-# window, softcap and GQA, and saves them with the shape each call took, at RESULTS_PATH.
+# Computes out, dq, dk, dv of float32 and bfloat16 calls of L 1100 (several blocks of any shape),
+# with softcap and GQA: causal, whose rows see up to 1100 >= 1024 keys (the longest blocks'
+# rules), and under a window whose rows see 701 (bfloat16's longer blocks ask four blocks' keys);
+# saves them with the shape each call took, at RESULTS_PATH.
 RESULTS_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -91,11 +92,12 @@ RESULTS_SCRIPT = textwrap.dedent(
         q = torch.randn(1, 4, 1100, 64).to(dtype).requires_grad_()
         k, v = (torch.randn(1, 2, 1100, 64).to(dtype).requires_grad_() for _ in range(2))
         grad_out = torch.randn(1, 4, 1100, 64).to(dtype)
-        out = causal_attention.attention(q, k, v, window=(1050, 0), softcap=20.0)
-        grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, 1051)
-        results[str(dtype)] = {"shape": "x".join(map(str, shape)),
-                               "tensors": [out.detach(), *grads]}
+        for window, keys_seen in (((-1, 0), 1100), ((700, 0), 701)):
+            out = causal_attention.attention(q, k, v, window=window, softcap=20.0)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+            shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, keys_seen)
+            results[f"{dtype}/{window}"] = {"shape": "x".join(map(str, shape)),
+                                            "tensors": [out.detach(), *grads]}
     torch.save(results, RESULTS_PATH)
     """
 )
@@ -113,19 +115,21 @@ def _all_equal(a, b):
 
 def test_kernels_take_the_shape_the_op_reports(tmp_path, monkeypatch):
     """The results of a call under the chip's own choice are bitwise those of the same call
-    forced to the shape block_shape reports, and not those of another shape (a different key
-    blocking sums the online softmax in another order: this is what makes the check bite)."""
+    forced to the shape block_shape reports for the keys its rows see, and not those of another
+    shape (a different key blocking sums the online softmax in another order: this is what makes
+    the check bite; on a chip whose bfloat16 takes longer blocks, a kernel that chose them by the
+    keys alone, not the window's span, would fail it)."""
     chosen = _results_under("auto", tmp_path / "auto.pt", monkeypatch)
     for shape in sorted({entry["shape"] for entry in chosen.values()}):
         forced = _results_under(shape, tmp_path / f"{shape}.pt", monkeypatch)
-        for dtype, entry in chosen.items():
+        for call, entry in chosen.items():
             if entry["shape"] == shape:
-                assert forced[dtype]["shape"] == shape
-                assert _all_equal(entry["tensors"], forced[dtype]["tensors"]), (dtype, shape)
+                assert forced[call]["shape"] == shape
+                assert _all_equal(entry["tensors"], forced[call]["tensors"]), (call, shape)
     other = _results_under("16x48", tmp_path / "other.pt", monkeypatch)
-    for dtype, entry in chosen.items():
-        assert other[dtype]["shape"] == "16x48"
-        assert not _all_equal(entry["tensors"], other[dtype]["tensors"]), dtype
+    for call, entry in chosen.items():
+        assert other[call]["shape"] == "16x48"
+        assert not _all_equal(entry["tensors"], other[call]["tensors"]), call
 
 
 @pytest.mark.parametrize("value", ["33x48", "64x2048"])

@@ -89,15 +89,9 @@ class BackwardKernel {
   // One pass over (batch, KV head) pairs [first, last), whose blocks are packed.
   void one_pass_gradients(int64_t first, int64_t last) {
     const int64_t tile = backward_key_tile_blocks(dims_, blocks_);
-    // A (batch, KV head) costs its visible pairs, plus its rows and keys.
-    const auto cost = [&](int64_t pair, int64_t) {
-      const int64_t b = (first + pair) / dims_.heads_kv;
-      return dims_.rows_q(b) + dims_.rows_k(b) +
-             dims_.visible_pairs(b, 0, dims_.rows_q(b), 0, dims_.rows_k(b));
-    };
-    schedule_head_blocks(
-        dims_, last - first, 1, cost, [&] { return Scratch(dims_, blocks_, tile); },
-        [&](int64_t pair, int64_t, Scratch& s) { one_pass(first + pair, tile, s); });
+    for_each_key_value_head(
+        dims_, first, last, [&] { return Scratch(dims_, blocks_, tile); },
+        [&](int64_t bh_kv, Scratch& s) { one_pass(bh_kv, tile, s); });
   }
 
   void two_pass_gradients() {

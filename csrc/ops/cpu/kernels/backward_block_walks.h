@@ -35,6 +35,20 @@ void for_each_query_block(const AttentionDims& d, const BlockSizes& blocks, cons
       [&](int64_t bh, int64_t block, Scratch& s) { fn(bh, block * blocks.query_rows, s); });
 }
 
+// Calls fn(pair, scratch) for every (batch, KV head) pair p = b * heads_kv + h_kv of [first,
+// last), a task each, in parallel (the one-pass and row-panel gradients). A pair costs its
+// visible (query row, key) pairs, plus its rows and keys.
+template <typename MakeScratch, typename Fn>
+void for_each_key_value_head(const AttentionDims& d, int64_t first, int64_t last,
+                             const MakeScratch& make_scratch, const Fn& fn) {
+  const auto cost = [&](int64_t pair, int64_t) {
+    const int64_t b = (first + pair) / d.heads_kv;
+    return d.rows_q(b) + d.rows_k(b) + d.visible_pairs(b, 0, d.rows_q(b), 0, d.rows_k(b));
+  };
+  schedule_head_blocks(d, last - first, 1, cost, make_scratch,
+                       [&](int64_t pair, int64_t, auto& scratch) { fn(first + pair, scratch); });
+}
+
 // Calls fn(part) for the parts of each key block that a row of query rows [q0, q0 + rows) of
 // batch item b, query head h, sees, in order (blocks the key mask or attn_mask hides entirely
 // are skipped).

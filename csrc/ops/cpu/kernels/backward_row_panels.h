@@ -53,15 +53,9 @@ class RowPanelGradients {
 
   // Every gradient of (batch, KV head) pairs [first, last), whose blocks are packed.
   void run(int64_t first, int64_t last) {
-    // A (batch, KV head) costs its visible pairs, plus its rows and keys.
-    const auto cost = [&](int64_t pair, int64_t) {
-      const int64_t b = (first + pair) / dims_.heads_kv;
-      return dims_.rows_q(b) + dims_.rows_k(b) +
-             dims_.visible_pairs(b, 0, dims_.rows_q(b), 0, dims_.rows_k(b));
-    };
-    schedule_head_blocks(
-        dims_, last - first, 1, cost, [&] { return Scratch(dims_, blocks_); },
-        [&](int64_t pair, int64_t, Scratch& s) { key_value_head(first + pair, s); });
+    for_each_key_value_head(
+        dims_, first, last, [&] { return Scratch(dims_, blocks_); },
+        [&](int64_t bh_kv, Scratch& s) { key_value_head(bh_kv, s); });
   }
 
  private:

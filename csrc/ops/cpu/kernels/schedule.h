@@ -20,14 +20,10 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-// The block shape of a kernel whose products of two inputs take gemm_t (block_shapes.h), from
-// the keys a query row sees at most: every key, or a sliding window's span.
+// The block shape of a kernel whose products of two inputs take gemm_t (block_shapes.h).
 template <typename gemm_t>
 BlockSizes block_sizes(const AttentionDims& d) {
-  const bool windowed = d.window_left >= 0 && d.window_right >= 0;
-  const int64_t keys_seen =
-      windowed ? std::min(d.len_k, d.window_left + d.window_right + 1) : d.len_k;
-  return cpu::block_sizes(d.head_dim, d.value_dim, keys_seen,
+  return cpu::block_sizes(d.head_dim, d.value_dim, d.keys_seen(),
                           c10::CppTypeToScalarType<gemm_t>::value);
 }
 
