@@ -77,9 +77,9 @@ bool products_on_tiles(at::ScalarType products) {
 //     a Zen 5 (48 KiB L1d) that is 128 keys at D 128 and 256 at D 64 (96 KiB each), where the
 //     float32 count gave 64 and 128: forwards and forwards+backwards faster at L 1024-4096, and
 //     sliding windows of 64-256 keys slower by up to 40 %, from the keys a longer block
-//     computes past their span (docs/benchmarks/README.md, stop 64). The others keep their
-//     shapes: float32 gained nothing from 128 keys at D 128 there, and float16's native
-//     products (AVX512-FP16) were not measured with longer blocks.
+//     computes past their span (docs/benchmarks/README.md, stop 64). The others keep the shapes
+//     measured for them: float32 and float16's native products (AVX512-FP16) were not measured
+//     with longer blocks.
 //   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
 //     (benchmarks.breakdown's probe on the AMX Xeon, unordered by size within its drift), so the
 //     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
