@@ -6,12 +6,14 @@ else); each line printed is one such pair of runs. With --threads N > 1 each sid
 and every core, and the sides run one after the other instead, alternated.
 
     python -m benchmarks.paired <folder A> <folder B> short           # bf16 forward, L 64-512
+    python -m benchmarks.paired <folder A> <folder B> short --dim 128 # the same at D 128
     python -m benchmarks.paired <folder A> <folder B> fb               # bf16 forward+backward
     python -m benchmarks.paired <folder A> <folder B> decode e4m3_token  # 8-bit decode, B 8
     python -m benchmarks.paired <folder A> <folder B> contiguous      # bf16 decode, KV cache
     python -m benchmarks.paired <folder A> <folder B> batch --threads 2  # bf16, B 4
 
-short: B 1, H 8, D 64, L 64/128/256/512, the minimum over 21 rounds of one call, in us.
+short: B 1, H 8, D 64 (or --dim), L 64/128/256/512, the minimum over 21 rounds of one call, in
+us.
 fb: B 1, H 8, (L, D) = (512, 64), (1024, 128), (256, 64), the minimum of 9 calls, in ms.
 decode: a benchmarks.paged_precisions cache (float32, bfloat16, e4m3_token, ...), B 8, 32768
 tokens, one query row each: in cache and from memory, the median of 15 calls, in ms.
@@ -45,12 +47,12 @@ def seconds_of(call, rounds, warmup=3):
     return times
 
 
-def short():
+def short(dim):
     import causal_attention as ca
     import torch
     times = []
     for length in (64, 128, 256, 512):
-        q, k, v = (torch.randn(1, 8, length, 64, dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(1, 8, length, dim, dtype=torch.bfloat16) for _ in range(3))
         calls = max(20, 100000 // length)
         with torch.no_grad():
             for _ in range(20):
@@ -115,10 +117,11 @@ def batch():
     return times
 
 
-def child(case, cache, threads):
+def child(case, cache, threads, dim):
     import torch
     torch.set_num_threads(threads)
-    cases = {"short": short, "fb": forward_backward, "contiguous": contiguous, "batch": batch}
+    cases = {"short": lambda: short(dim), "fb": forward_backward, "contiguous": contiguous,
+             "batch": batch}
     times = cases.get(case, lambda: decode(cache))()
     print(" ".join(f"{t:9.2f}" for t in times))
 
@@ -133,13 +136,14 @@ def main():
     parser.add_argument("--pairs", type=int, default=2, help="pairs of runs (each swapped once)")
     parser.add_argument("--threads", type=int, default=1,
                         help="threads a side; above 1 the sides run in turn, not at once")
+    parser.add_argument("--dim", type=int, default=64, help="short's head dim")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.case, args.cache, args.threads)
+        child(args.case, args.cache, args.threads, args.dim)
         return
     command = [sys.executable, "-m", "benchmarks.paired", str(args.a), str(args.b), args.case,
-               args.cache, "--child", "--threads", str(args.threads)]
+               args.cache, "--child", "--threads", str(args.threads), "--dim", str(args.dim)]
 
     def start(folder, core):
         env = dict(os.environ, PYTHONPATH=f"{folder.resolve()}{os.pathsep}{CHECKOUT}")

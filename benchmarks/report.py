@@ -84,18 +84,19 @@ def grid_table(rows):
     return lines
 
 
-def grid_ratios(rows):
-    """Our ratio vs SDPA per grid cell: {(dtype, mode, B, H, D, L): ratio}."""
+def cell_ratios(rows):
+    """Our ratio vs SDPA per cell of the grid and short sections (theirs never share an L):
+    {(dtype, mode, B, H, D, L): ratio}."""
     return {(r["dtype"], r["mode"], r["B"], r["H"], r["D"], r["Lq"]): r["ratio_vs_sdpa"]
-            for r in rows if r["section"] == "grid" and r["status"] == "ok"
+            for r in rows if r["section"] in ("grid", "short") and r["status"] == "ok"
             and r["impl"] == "ours" and r["ratio_vs_sdpa"] is not None}
 
 
 def grid_comparison(rows, base_rows):
-    """Each grid cell of both runs: its ratio vs SDPA in each, and this run's over the base's;
-    then their median, lowest and highest. Ratios, not times, so that runs on a machine whose
-    speed drifts between them compare (each ratio is within one run)."""
-    now, base = grid_ratios(rows), grid_ratios(base_rows)
+    """Each grid and short cell of both runs: its ratio vs SDPA in each, and this run's over the
+    base's; then their median, lowest and highest. Ratios, not times, so that runs on a machine
+    whose speed drifts between them compare (each ratio is within one run)."""
+    now, base = cell_ratios(rows), cell_ratios(base_rows)
     cells = sorted(now.keys() & base.keys(), key=lambda k: (k[0] != "float32",) + k[1:])
     lines = ["dtype    pass  B  H     L    D | x sdpa base | x sdpa now | now / base"]
     changes = []
