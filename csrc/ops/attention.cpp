@@ -134,15 +134,17 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("block_products(ScalarType dtype) -> str",
         [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
   // The block shape (query rows, keys) of a call of this dtype made now with these head and
-  // value dims whose query rows see at most len_k keys (every key, or a sliding window's span:
-  // cpu/block_shapes.h), as its kernels take it.
-  m.def("block_shape(ScalarType dtype, int head_dim, int value_dim, int len_k) -> int[]",
-        [](c10::ScalarType dtype, int64_t head_dim, int64_t value_dim, int64_t len_k) {
-          const cpu::BlockSizes blocks =
-              cpu::block_sizes(head_dim, value_dim, len_k,
-                               cpu::native_products_now(dtype) ? dtype : at::toOpMathType(dtype));
-          return std::vector<int64_t>{blocks.query_rows, blocks.keys};
-        });
+  // value dims whose query rows see at most len_k keys (every key, or with `windowed` a sliding
+  // window's span shorter than the keys: cpu/block_shapes.h), as its kernels take it.
+  m.def(
+      "block_shape(ScalarType dtype, int head_dim, int value_dim, int len_k, bool windowed=False) "
+      "-> int[]",
+      [](c10::ScalarType dtype, int64_t head_dim, int64_t value_dim, int64_t len_k, bool windowed) {
+        const cpu::BlockSizes blocks =
+            cpu::block_sizes(head_dim, value_dim, len_k, windowed,
+                             cpu::native_products_now(dtype) ? dtype : at::toOpMathType(dtype));
+        return std::vector<int64_t>{blocks.query_rows, blocks.keys};
+      });
 
   m.impl("varlen_attention_forward", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd,
                                                      TORCH_FN(packed_forward_alias)));

@@ -73,11 +73,13 @@ bool products_on_tiles(at::ScalarType products) {
 //     a 64 x 128 x 128 float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64.
 //     Where bfloat16 multiplies natively on vector units (avx512_bf16), longer: 256 keys, else
 //     128, where the rows its products read fit there (K in bfloat16, 2 bytes a value; V as the
-//     value pairs that P's (hi, lo) pairs multiply, 4) and a row sees four such blocks' keys. On
-//     a Zen 5 (48 KiB L1d) that is 128 keys at D 128 and 256 at D 64 (96 KiB each), where the
-//     float32 count gave 64 and 128: forwards and forwards+backwards faster at L 1024-4096, and
-//     sliding windows of 64-256 keys slower by up to 40 %, from the keys a longer block
-//     computes past their span (docs/benchmarks/README.md, stop 64). The others keep the shapes
+//     value pairs that P's (hi, lo) pairs multiply, 4) and a row sees more than half such a
+//     block's keys, or, under a sliding window, its span is four such blocks' keys. On a Zen 5
+//     (48 KiB L1d) that is 128 keys at D 128 and 256 at D 64 (96 KiB each), where the float32
+//     count gave 64 and 128: forwards and forwards+backwards faster at L 1024-4096, and sliding
+//     windows of 64-256 keys slower by up to 40 %, from the keys a longer block computes past
+//     their span (docs/benchmarks/README.md, stop 64); causal calls of L 256-512 forward 5-10 %
+//     faster (stop 65). The others keep the shapes
 //     measured for them: float32 and float16's native products (AVX512-FP16) were not measured
 //     with longer blocks.
 //   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
@@ -89,7 +91,7 @@ bool products_on_tiles(at::ScalarType products) {
 //     CAUSAL_ATTENTION_BLOCK_SHAPE (docs/benchmarks/README.md): forward 0.95-1.34x as fast
 //     (median 1.13), forward+backward 0.97-1.50x (median 1.10); at L 128-512 longer blocks gained
 //     nothing.
-BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen,
+BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, bool windowed,
                        at::ScalarType products) {
   if (const auto forced = shape_from_environment()) {
     return *forced;
@@ -106,9 +108,16 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen,
   const auto fit = [&](int64_t keys, int64_t key_bytes) {
     return keys * (head_dim * key_bytes + value_dim * 4) <= 2 * l1d_bytes;
   };
+  // Whether rows that see keys_seen keys gain from blocks of `keys`: a window's rows take key
+  // blocks aligned before its start, each up to keys - 1 keys past it, so the span must be four
+  // blocks long; other rows compute no key they do not see, and gain once they see more keys
+  // than the half block that a block of half the length would hold whole.
+  const auto longer_blocks_pay = [&](int64_t keys) {
+    return windowed ? keys_seen >= 4 * keys : 2 * keys_seen > keys;
+  };
   if (products == at::kBFloat16 && !products_on_tiles(products)) {
     for (const int64_t keys : {256, 128}) {
-      if (fit(keys, 2) && keys_seen >= 4 * keys) {
+      if (fit(keys, 2) && longer_blocks_pay(keys)) {
         return {64, keys};
       }
     }

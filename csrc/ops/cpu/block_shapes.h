@@ -27,12 +27,12 @@ bool products_on_tiles(at::ScalarType products);
 // The block shape of a call whose products of two inputs (S = Q K^T, dP = dO V^T) take
 // `products` (the input dtype where they are native, else float32 or float64: block_gemm.h), with
 // head and value dims as given, whose query rows each see at most `keys_seen` keys (the longest
-// sequence's keys, or a sliding window's span where that is shorter). The environment
+// sequence's keys, or a sliding window's span where that is shorter: `windowed`). The environment
 // variable CAUSAL_ATTENTION_BLOCK_SHAPE, read once per process, is "auto" (the default: the rule
 // in block_shapes.cpp) or "QxK", query rows and keys each a multiple of 16 from 16 to 1024, which
 // every call then takes: it lets a chip run, and its tests check, the shapes another chip
 // chooses.
-BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen,
+BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, bool windowed,
                        at::ScalarType products);
 
 // The bytes of packed K and V copies (kernels/packed_kv.h) that stay in cache while the tasks

@@ -42,13 +42,14 @@ def _cache_bytes(name, fallback):
     return int(reported) if reported.isdigit() and int(reported) > 0 else fallback
 
 
-def _expected_shape(dtype, head_dim, value_dim, len_k):
-    """The rule of block_shapes.cpp, written out, for rows that see len_k keys: 128 x 256 where
-    bfloat16 products are native on AMX tiles, the keys are at least 1024 and such a key block's
-    K (bfloat16) and V (float32) rows fit in a quarter of L2; else, where bfloat16 products are
-    native on vector units (no AMX), 64 query rows by 256 keys, else 128, where the keys are at
-    least four blocks' and such a block's K (bfloat16) and V (4 bytes a value) rows fit in twice
-    L1d; else 64 by 128 keys where 128 float32 K and V rows fit there, or 64."""
+def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
+    """The rule of block_shapes.cpp, written out, for rows that see len_k keys (with `windowed`,
+    a sliding window's span): 128 x 256 where bfloat16 products are native on AMX tiles, the keys
+    are at least 1024 and such a key block's K (bfloat16) and V (float32) rows fit in a quarter
+    of L2; else, where bfloat16 products are native on vector units (no AMX), 64 query rows by
+    256 keys, else 128, where the keys are more than half a block's (a window's span: four
+    blocks') and such a block's K (bfloat16) and V (4 bytes a value) rows fit in twice L1d; else
+    64 by 128 keys where 128 float32 K and V rows fit there, or 64."""
     native = torch.ops.causal_attention.block_products(dtype) == "native"
     l1d = _cache_bytes("LEVEL1_DCACHE_SIZE", 32 * 1024)
     l2 = _cache_bytes("LEVEL2_CACHE_SIZE", 512 * 1024)
@@ -61,7 +62,7 @@ def _expected_shape(dtype, head_dim, value_dim, len_k):
 
     if dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags():
         for keys in (256, 128):
-            if fit(keys, 2) and len_k >= 4 * keys:
+            if fit(keys, 2) and (len_k >= 4 * keys if windowed else 2 * len_k > keys):
                 return [64, keys]
     return [64, 128 if fit(128, 4) else 64]
 
@@ -71,16 +72,19 @@ def _expected_shape(dtype, head_dim, value_dim, len_k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_block_shape_follows_the_chip(dtype):
     for head_dim, value_dim in ((64, 64), (128, 128), (128, 64), (256, 256), (512, 512)):
-        for len_k in (100, 511, 512, 1023, 1024, 8192):
-            got = torch.ops.causal_attention.block_shape(dtype, head_dim, value_dim, len_k)
-            want = _expected_shape(dtype, head_dim, value_dim, len_k)
-            assert got == want, (dtype, head_dim, value_dim, len_k)
+        for len_k in (64, 65, 100, 128, 129, 511, 512, 1023, 1024, 8192):
+            for windowed in (False, True):
+                got = torch.ops.causal_attention.block_shape(dtype, head_dim, value_dim, len_k,
+                                                             windowed)
+                want = _expected_shape(dtype, head_dim, value_dim, len_k, windowed)
+                assert got == want, (dtype, head_dim, value_dim, len_k, windowed)
 
 
-# Computes out, dq, dk, dv of float32 and bfloat16 calls of L 1100 (several blocks of any shape),
-# with softcap and GQA: causal, whose rows see up to 1100 >= 1024 keys (the longest blocks'
-# rules), and under a window whose rows see 701 (bfloat16's longer blocks ask four blocks' keys);
-# saves them with the shape each call took, at RESULTS_PATH.
+# Computes out, dq, dk, dv of float32 and bfloat16 calls with softcap and GQA: causal of L 1100
+# (several blocks of any shape), whose rows see up to 1100 >= 1024 keys (the longest blocks'
+# rules), the same under a window whose rows see 701 (bfloat16's longer blocks ask a window four
+# blocks' keys), and causal of L 200 (where the longer blocks ask a row more than half a block's
+# keys, not four blocks'); saves them with the shape each call took, at RESULTS_PATH.
 RESULTS_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -92,12 +96,15 @@ RESULTS_SCRIPT = textwrap.dedent(
         q = torch.randn(1, 4, 1100, 64).to(dtype).requires_grad_()
         k, v = (torch.randn(1, 2, 1100, 64).to(dtype).requires_grad_() for _ in range(2))
         grad_out = torch.randn(1, 4, 1100, 64).to(dtype)
-        for window, keys_seen in (((-1, 0), 1100), ((700, 0), 701)):
-            out = causal_attention.attention(q, k, v, window=window, softcap=20.0)
-            grads = torch.autograd.grad(out, (q, k, v), grad_out)
-            shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, keys_seen)
-            results[f"{dtype}/{window}"] = {"shape": "x".join(map(str, shape)),
-                                            "tensors": [out.detach(), *grads]}
+        for length, window, keys_seen in ((1100, (-1, 0), 1100), (1100, (700, 0), 701),
+                                          (200, (-1, 0), 200)):
+            inputs = [t[:, :, :length] for t in (q, k, v)]
+            out = causal_attention.attention(*inputs, window=window, softcap=20.0)
+            grads = torch.autograd.grad(out, inputs, grad_out[:, :, :length])
+            shape = torch.ops.causal_attention.block_shape(dtype, 64, 64, keys_seen,
+                                                           window != (-1, 0))
+            results[f"{dtype}/{length}/{window}"] = {"shape": "x".join(map(str, shape)),
+                                                     "tensors": [out.detach(), *grads]}
     torch.save(results, RESULTS_PATH)
     """
 )
@@ -118,7 +125,8 @@ def test_kernels_take_the_shape_the_op_reports(tmp_path, monkeypatch):
     forced to the shape block_shape reports for the keys its rows see, and not those of another
     shape (a different key blocking sums the online softmax in another order: this is what makes
     the check bite; on a chip whose bfloat16 takes longer blocks, a kernel that chose them by the
-    keys alone, not the window's span, would fail it)."""
+    keys alone, not the window's span, or that asked a causal row of 200 keys four blocks' keys,
+    would fail it)."""
     chosen = _results_under("auto", tmp_path / "auto.pt", monkeypatch)
     for shape in sorted({entry["shape"] for entry in chosen.values()}):
         forced = _results_under(shape, tmp_path / f"{shape}.pt", monkeypatch)

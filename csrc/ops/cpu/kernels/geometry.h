@@ -104,9 +104,11 @@ struct AttentionDims {
     return window_right < 0 ? 0 : std::clamp<int64_t>(key - off(b) - window_right, 0, rows_q(b));
   }
   // The most keys a query row sees: every key, or a sliding window's span where that is shorter.
-  int64_t keys_seen() const {
-    const bool windowed = window_left >= 0 && window_right >= 0;
-    return windowed ? std::min(len_k, window_left + window_right + 1) : len_k;
+  int64_t keys_seen() const { return windowed() ? window_left + window_right + 1 : len_k; }
+  // Whether a sliding window's span is shorter than the keys: the keys a row sees then start
+  // past the first, where a key block aligned before the window's start computes keys it hides.
+  bool windowed() const {
+    return window_left >= 0 && window_right >= 0 && window_left + window_right + 1 < len_k;
   }
   // One past the last query row that sees a key before `key_end_excl`.
   int64_t rows_seeing_before(int64_t b, int64_t key_end_excl) const {

@@ -23,7 +23,7 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // The block shape of a kernel whose products of two inputs take gemm_t (block_shapes.h).
 template <typename gemm_t>
 BlockSizes block_sizes(const AttentionDims& d) {
-  return cpu::block_sizes(d.head_dim, d.value_dim, d.keys_seen(),
+  return cpu::block_sizes(d.head_dim, d.value_dim, d.keys_seen(), d.windowed(),
                           c10::CppTypeToScalarType<gemm_t>::value);
 }
 
