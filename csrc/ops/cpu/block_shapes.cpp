@@ -78,10 +78,9 @@ bool products_on_tiles(at::ScalarType products) {
 //     (48 KiB L1d) that is 128 keys at D 128 and 256 at D 64 (96 KiB each), where the float32
 //     count gave 64 and 128: forwards and forwards+backwards faster at L 1024-4096, and sliding
 //     windows of 64-256 keys slower by up to 40 %, from the keys a longer block computes past
-//     their span (docs/benchmarks/README.md, stop 64); causal calls of L 256-512 forward 5-10 %
-//     faster (stop 65). The others keep the shapes
-//     measured for them: float32 and float16's native products (AVX512-FP16) were not measured
-//     with longer blocks.
+//     their span (docs/benchmarks/README.md, stop 64); causal calls of L 128-512 forward 4-9 %
+//     faster (stop 65). The others keep the shapes measured for them: float32 and float16's
+//     native products (AVX512-FP16) were not measured with longer blocks.
 //   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
 //     (benchmarks.breakdown's probe on the AMX Xeon, unordered by size within its drift), so the
 //     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
