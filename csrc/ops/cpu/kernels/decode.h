@@ -101,6 +101,9 @@ class DecodeForward {
   // float32 at D = 64) while the next block's are requested. Measured on a Zen 4 (paged decode,
   // 4 rows a KV head, D 128, 1 thread): 32 and 64 keys 7-10 % faster than 128, the same as each
   // other in bfloat16; 64 keeps the per-block work of many-row groups (MLA's 128 heads) small.
+  // On a Zen 5 (B 8, 2 threads) 128 keys ran faster in cache and slower from memory (a paged
+  // block of every KV head's K and V rows, with the next one requested, is then 1 MiB in
+  // bfloat16, that chip's L2), 32 slower in cache and no faster from memory (stop 65).
   static constexpr int64_t kKeyBlock = 64;
 
   // A task of at least this many rows multiplies each key block through block_gemm

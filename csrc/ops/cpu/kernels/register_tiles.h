@@ -29,7 +29,9 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // - requesting the current block's value rows into L1 as well, as the scores pass, made the
 //   decode 7 % slower in bfloat16 and 3 % in float32 (2 threads);
 // - each KV head requesting its share of the next block's whole token rows (every head's, in
-//   the order memory holds them) instead of its own rows: no faster (a trial build);
+//   the order memory holds them) instead of its own rows: no faster (a trial build); on a Zen 5
+//   at 2 threads bfloat16 9 % faster one block ahead (slower two ahead), int8 15 % slower
+//   either way (stop 65);
 // - no requests, the heads' products served in turn every 16 or 4 keys so that the demand reads
 //   pass through the pages in memory order, or pages laid head by head (8 KiB runs a head): the
 //   hardware's prefetchers did not keep up, 1.1-2x slower (trial builds, docs/benchmarks).
