@@ -73,11 +73,16 @@ def check(queries, keys, values, fmt, layout, page_size=16, **options):
     tolerance: a decode row's error is the largest of few values (its heads' Dv each), whose ratio
     to the contiguous op's varies with rounding alone (float32 rows against e4m3 pages of one
     token: 2.6 times with torch's exp_u20 in the softmax, 2.9 with ours, the more accurate)."""
-    q_dtype = queries[0].dtype
     lengths_k = [k.shape[0] for k in keys]
     k_cache, v_cache, table = paged(keys, values, page_size)
     k8, k_scale = quantize(k_cache, fmt, layout)
     v8, v_scale = quantize(v_cache, fmt, layout)
+    check_stored(queries, lengths_k, k8, v8, table, k_scale, v_scale, page_size, **options)
+
+
+def check_stored(queries, lengths_k, k8, v8, table, k_scale, v_scale, page_size, **options):
+    """check's comparison, on 8-bit pages given as they are stored, with their scales."""
+    q_dtype = queries[0].dtype
     got = call(queries, k8, v8, table, lengths_k, k_scale=k_scale, v_scale=v_scale, **options)
     k_real = pages_of(lengths_k, dequantized(k8, k_scale), table, page_size)
     v_real = pages_of(lengths_k, dequantized(v8, v_scale), table, page_size)
@@ -121,7 +126,7 @@ OPTIONS = {
 
 # bfloat16 query rows also at a head dim of 64: on AVX-512 BF16 chips they score float8 keys (e4m3,
 # e5m2: byte tables) by bfloat16 dot products only at whole steps of 64 (row_products.h), int8
-# at 32 too.
+# at 32 too (widened and converted; at whole 64s by byte tables too).
 @pytest.mark.parametrize(
     "q_dtype, d", [(torch.float32, 32), (torch.bfloat16, 32), (torch.bfloat16, 64)],
     ids=["float32-D32", "bfloat16-D32", "bfloat16-D64"])
@@ -131,6 +136,29 @@ def test_every_score_option(option, fmt, q_dtype, d):
     torch.manual_seed(0)
     queries, keys, values = sequences([1, 50, 3], [200, 90, 33], d=d, q_dtype=q_dtype)
     check(queries, keys, values, fmt, "token", **OPTIONS[option])
+
+
+@pytest.mark.parametrize(
+    "q_dtype, d", [(torch.float32, 64), (torch.bfloat16, 32), (torch.bfloat16, 64)],
+    ids=["float32-D64", "bfloat16-D32", "bfloat16-D64"])
+@pytest.mark.parametrize("len_q", [1, 3])
+def test_every_int8_value_reads_as_itself(len_q, q_dtype, d):
+    """int8 keys and values of every value, -128 in every column of both: on AVX-512 BF16 chips
+    bfloat16 rows score int8 keys at head dims of whole 64s by bfloat16 dot products on keys
+    widened by byte tables of absolute values (row_products.h), in which -128's, 0x80, is no
+    index and is set apart; at D 32 the keys are converted instead, and float32 rows take float32
+    products. Against float64 on the dequantized cache (check)."""
+    torch.manual_seed(2)
+    lengths_k = [300, 77]
+    keys, values = ([torch.randint(-128, 128, (n, 2, width)).float() for n in lengths_k]
+                    for width in (d, d))
+    for rows in (keys[0], values[0]):
+        rows[torch.arange(d), 0, torch.arange(d)] = -128  # column c of key c, KV head 0
+        rows[torch.arange(d) + 100, 1, torch.arange(d)] = -128
+    queries = [torch.randn(len_q, 8, d).to(q_dtype) for _ in lengths_k]
+    k_cache, v_cache, table = paged(keys, values, 16)
+    k8, v8 = (cache.nan_to_num(0).to(torch.int8) for cache in (k_cache, v_cache))
+    check_stored(queries, lengths_k, k8, v8, table, 0.01, 0.02, 16)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
