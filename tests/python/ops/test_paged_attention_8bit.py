@@ -150,8 +150,8 @@ def test_every_int8_value_reads_as_itself(len_q, q_dtype, d):
     products. Against float64 on the dequantized cache (check)."""
     torch.manual_seed(2)
     lengths_k = [300, 77]
-    keys, values = ([torch.randint(-128, 128, (n, 2, width)).float() for n in lengths_k]
-                    for width in (d, d))
+    keys, values = ([torch.randint(-128, 128, (n, 2, d)).float() for n in lengths_k]
+                    for _ in range(2))
     for rows in (keys[0], values[0]):
         rows[torch.arange(d), 0, torch.arange(d)] = -128  # column c of key c, KV head 0
         rows[torch.arange(d) + 100, 1, torch.arange(d)] = -128

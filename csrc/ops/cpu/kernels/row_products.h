@@ -161,13 +161,15 @@ inline bool cpu_has_pair_dots() {
 // widening through float32 takes 10 where the tables take 9 (measured 4 % faster from memory,
 // stop 65).
 template <typename src_t>
-inline constexpr bool kTablePairs =
-    std::is_same_v<src_t, E4M3Over256> || std::is_same_v<src_t, c10::Float8_e5m2> ||
-    std::is_same_v<src_t, int8_t>;
+inline constexpr bool kOnlyByTables =
+    std::is_same_v<src_t, E4M3Over256> || std::is_same_v<src_t, c10::Float8_e5m2>;
+template <typename src_t>
+inline constexpr bool kTablePairs = kOnlyByTables<src_t> || std::is_same_v<src_t, int8_t>;
 
 // Whether the pair dot products of src_t's key rows take the byte tables at a head dim of `dim`:
-// at whole steps of 64. The float8 formats have no other way to them (pair_dots_fit); int8 rows
-// at other head dims of whole 32s are widened and converted, 32 values a step.
+// at whole steps of 64. The float8 formats (kOnlyByTables) have no other way to them
+// (pair_dots_fit); int8 rows at other head dims of whole 32s are widened and converted, 32 values
+// a step.
 template <typename src_t>
 inline bool byte_tables_fit(int64_t dim) {
   return kTablePairs<src_t> && dim % 64 == 0;
@@ -177,7 +179,7 @@ inline bool byte_tables_fit(int64_t dim) {
 // tables'), of 32 for the others.
 template <typename src_t>
 inline bool pair_dots_fit(int64_t dim) {
-  return kTablePairs<src_t> && !std::is_same_v<src_t, int8_t> ? dim % 64 == 0 : dim % 32 == 0;
+  return dim % (kOnlyByTables<src_t> ? 64 : 32) == 0;
 }
 
 // A bfloat16 query row of `dim` elements in the order query_key_pair_tile's key vectors hold the
@@ -361,19 +363,22 @@ void query_key_pair_band_of(const c10::BFloat16* q, int64_t ld_q, const src_t* k
   }
 }
 
-// query_key_pair_band_of with the byte tables where they fit the head dim (byte_tables_fit,
-// which pair_dots_fit asks of the float8 formats), else widened and converted.
+// query_key_pair_band_of with the byte tables where they fit the head dim (byte_tables_fit:
+// always for the float8 formats, which pair_dots_fit gives whole 64s, so that no converting band
+// is built for them), else widened and converted.
 template <int64_t kRows, typename src_t>
 void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, int64_t ld_k,
                          int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
                          const StreamAhead* stream) {
   if constexpr (kTablePairs<src_t>) {
-    if (byte_tables_fit<src_t>(dim)) {
+    if (kOnlyByTables<src_t> || byte_tables_fit<src_t>(dim)) {
       query_key_pair_band_of<kRows, true>(q, ld_q, k, ld_k, cols, dim, scores, ld_scores, stream);
       return;
     }
   }
-  query_key_pair_band_of<kRows, false>(q, ld_q, k, ld_k, cols, dim, scores, ld_scores, stream);
+  if constexpr (!kOnlyByTables<src_t>) {
+    query_key_pair_band_of<kRows, false>(q, ld_q, k, ld_k, cols, dim, scores, ld_scores, stream);
+  }
 }
 #pragma GCC pop_options
 #endif
