@@ -47,6 +47,7 @@ class DecodeForward {
   // their K rows then share (bfloat16 and float16 natively where the CPU can, block_gemm.h).
   using gemm_t = scalar_t;
   using Pack = Packing<gemm_t>;
+  using ValueRequests = StreamAhead::ValueRequests;
 
  public:
   DecodeForward(const AttentionDims& d, const HeadRows<const scalar_t>& q, const KeyRows& k,
@@ -147,10 +148,10 @@ class DecodeForward {
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
     // of the next (-1: none found yet in this item), whose runs become the current ones there.
     std::vector<RowRun<kv_t>> key_runs, value_runs, next_key_runs, next_value_runs;
-    // The current block's prefetches, one a run (register_scores), and whether they leave the
-    // next block's value rows to the values' pass (StreamAhead::values_apart).
+    // The current block's prefetches, one a run (register_scores), and when they request the
+    // next block's value rows (StreamAhead::value_requests).
     std::vector<StreamAhead> streams;
-    bool values_apart = false;
+    ValueRequests value_requests = ValueRequests::kWithKeys;
     int64_t next_runs_key = -1;
     std::vector<int64_t> run_first, run_visible;  // first_visible, visible relative to a run
     std::vector<MaskRow<acc_t>> run_mask_rows;
@@ -275,7 +276,7 @@ class DecodeForward {
     for (size_t i = 0; i < s.key_runs.size(); ++i) {
       const RowRun<kv_t>& run = s.key_runs[i];
       StreamAhead& stream = s.streams.emplace_back(run_stream(s, i, next));
-      stream.values_apart = s.values_apart;
+      stream.value_requests = s.value_requests;
       if (padded(rows) > 0) {
         const Operand<acc_t> keys = Packing<acc_t>::a(run.first, run.count, D, k_.row_stride,
                                                       s.keys.data() + run.offset * D);
@@ -296,19 +297,28 @@ class DecodeForward {
     }
   }
 
-  // Whether the next block's value rows are requested by the values' pass (values_apart): where
-  // its register tiles read them in place (fewer rows than a vector holds, a tile's at least),
-  // they are narrower than float32's, and the chip is one where that measured faster
-  // (values_apart_here_).
-  bool requests_values_apart(int64_t rows) const {
-    return values_apart_here_ && sizeof(kv_t) < sizeof(float) && padded(rows) == 0 &&
-           rows >= kValueTileRows && dims_.value_dim >= at::vec::Vectorized<acc_t>::size();
+  // When the next block's value rows are requested (StreamAhead::ValueRequests). The values'
+  // pass requests them only where its register tiles read them in place (fewer rows than a vector
+  // holds, a tile's at least): instead of the scores' pass for rows narrower than float32's on
+  // chips where that measured faster (values_apart_here_), and else for 16-bit rows again. Asked
+  // again on a Zen 5, float32 rows read no faster and 8-bit ones, whose decode is bound by its
+  // arithmetic, 3 % slower (docs/benchmarks, "The value rows requested twice").
+  ValueRequests value_requests(int64_t rows) const {
+    const bool tiles_read_in_place = padded(rows) == 0 && rows >= kValueTileRows &&
+                                     dims_.value_dim >= at::vec::Vectorized<acc_t>::size();
+    if (!tiles_read_in_place) {
+      return ValueRequests::kWithKeys;
+    }
+    if (values_apart_here_) {
+      return sizeof(kv_t) < sizeof(float) ? ValueRequests::kApart : ValueRequests::kWithKeys;
+    }
+    return sizeof(kv_t) == 2 ? ValueRequests::kTwice : ValueRequests::kWithKeys;
   }
 
   // The next block's value rows requested at once, where the values' pass was to request them
-  // but does not read every row of the block through its tiles.
+  // alone but does not read every row of the block through its tiles.
   static void request_values(const Scratch& s) {
-    if (s.values_apart) {
+    if (s.value_requests == ValueRequests::kApart) {
       for (const StreamAhead& stream : s.streams) {
         stream.at_values(0, stream.keys);
       }
@@ -527,7 +537,7 @@ class DecodeForward {
       s.next_runs_key = k0 + cols;
     }
     s.streams.clear();
-    s.values_apart = requests_values_apart(rows);  // never with multiplies_blocks' many rows
+    s.value_requests = value_requests(rows);  // kWithKeys for multiplies_blocks' many rows
     if (multiplies_blocks(rows)) {
       block_scores(rows, cols, s);
     } else {
@@ -576,7 +586,7 @@ class DecodeForward {
       }
       RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
       if (every_row_sees_all(rows, cols, s)) {
-        values.streams = s.values_apart ? s.streams.data() : nullptr;
+        values.streams = s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
       } else {
         request_values(s);
       }
@@ -620,7 +630,7 @@ class DecodeForward {
   const ScoreModifiers<acc_t> modifiers_;
   const bool native_products_;  // read once a call (multiplies_blocks)
   const bool pair_dots_;        // and these (kBFloat16PairDots)
-  // Whether requests_values_apart may hold: on the AMX Xeon, where the next block's value rows
+  // Whether value_requests may give kApart: on the AMX Xeon, where the next block's value rows
   // requested by the values' pass made a bfloat16 paged decode from memory 0.91-0.94 of its time
   // with them requested alongside the keys (docs/benchmarks, stop 58). On a Zen 5 the values' pass
   // then waited on its rows (69 % of its tiles' samples on the value loads, contiguous bfloat16

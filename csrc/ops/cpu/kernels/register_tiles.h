@@ -51,20 +51,25 @@ struct StreamAhead {
   };
   int64_t keys = 0;  // of the block (run) the scores pass over
   Rows next_keys, next_values;
-  // Whether next_values are requested as the values' pass reaches the keys (at_values) instead
-  // of with the scores: the block's requests spread over both passes, not crowded into the
-  // first (bfloat16 decode from memory 0.91-0.94 of its time on an AMX Xeon; float32's, whose
-  // value rows need the longer lead, 1.01-1.05, keeps them with the scores).
-  bool values_apart = false;
+  // When next_values are requested: as the scores pass over the keys (kWithKeys); as the values'
+  // pass reaches them instead (kApart: the block's requests spread over both passes, not crowded
+  // into the first; bfloat16 decode from memory 0.91-0.94 of its time on an AMX Xeon; float32's,
+  // whose value rows need the longer lead, 1.01-1.05, keeps them with the scores); or at both
+  // (kTwice: on a Zen 5, with 4 KiB pages, a request made a block ahead left a share of the value
+  // rows to be read from memory when the values' pass came to them, and the same lines asked
+  // again by that pass, half a block ahead, made the bfloat16 paged decode 8-10 % faster;
+  // docs/benchmarks, "The value rows requested twice").
+  enum class ValueRequests : uint8_t { kWithKeys, kApart, kTwice };
+  ValueRequests value_requests = ValueRequests::kWithKeys;
 
   // The scores have reached keys [j, j + n) of `keys`.
   void at_keys(int64_t j, int64_t n) const {
     fetch_share(next_keys, j, n);
-    if (!values_apart) {
+    if (value_requests != ValueRequests::kApart) {
       fetch_share(next_values, j, n);
     }
   }
-  // The values' pass has reached keys [j, j + n) of `keys` (values_apart).
+  // The values' pass has reached keys [j, j + n) of `keys` (kApart, kTwice).
   void at_values(int64_t j, int64_t n) const { fetch_share(next_values, j, n); }
 
  private:
@@ -215,7 +220,7 @@ struct RunRows {
   int64_t num_runs = 0;
   int64_t ld = 0;
   // Where given, one a run: the next block's value rows to request as each stretch is reached
-  // (StreamAhead::values_apart).
+  // (StreamAhead::value_requests).
   const StreamAhead* streams = nullptr;
 
   // Calls fn(t, n, row) for each stretch [t, t + n) of rows [begin, end) that lies on one run,
