@@ -68,8 +68,8 @@ class PageScales {
   // at row_stride().
   template <typename T>
   const float* at(const PagedRows<T>& rows, int64_t b, int64_t h, int64_t r) const {
-    const int64_t page = rows.block_table[b * rows.table_width + r / rows.page_size];
-    return scales_ + page * page_stride_ + h * head_stride_ + (r % rows.page_size) * row_stride_;
+    const int64_t page = rows.block_table[b * rows.table_width + rows.page_of(r)];
+    return scales_ + page * page_stride_ + h * head_stride_ + rows.row_in_page(r) * row_stride_;
   }
   int64_t row_stride() const { return row_stride_; }
 

@@ -62,6 +62,7 @@ struct PagedRows {
   const int32_t* block_table;  // (batch, table_width), every page a row reads checked in range
   int64_t table_width;
   int64_t page_size;
+  int page_shift;  // log2(page_size) where page_size is a power of two, else -1
 
   PagedRows(const at::Tensor& cache, const at::Tensor& table)
       : data(static_cast<T*>(cache.data_ptr())),
@@ -70,13 +71,23 @@ struct PagedRows {
         row_stride(cache.stride(2)),
         block_table(table.data_ptr<int32_t>()),
         table_width(table.size(1)),
-        page_size(cache.size(2)) {}
+        page_size(cache.size(2)),
+        page_shift(page_size > 0 && (page_size & (page_size - 1)) == 0
+                       ? __builtin_ctzll(uint64_t(page_size))
+                       : -1) {}
 
   T* row(int64_t b, int64_t h, int64_t r) const {
-    const int64_t page = block_table[b * table_width + r / page_size];
-    return data + page * page_stride + (r % page_size) * row_stride + h * head_stride;
+    const int64_t page = block_table[b * table_width + page_of(r)];
+    return data + page * page_stride + row_in_page(r) * row_stride + h * head_stride;
   }
-  int64_t run_end(int64_t r) const { return (r / page_size + 1) * page_size; }
+  int64_t run_end(int64_t r) const { return (page_of(r) + 1) * page_size; }
+  // r / page_size and r % page_size (r >= 0): a shift and a mask for pages of a power of two rows
+  // (16 and 64, the usual sizes), whose divisions, several a key block, were about 3 % of an
+  // in-cache int8 decode's samples on a Zen 5.
+  int64_t page_of(int64_t r) const { return page_shift >= 0 ? r >> page_shift : r / page_size; }
+  int64_t row_in_page(int64_t r) const {
+    return page_shift >= 0 ? r & (page_size - 1) : r % page_size;
+  }
   // A page holds the rows of every head side by side: (page_size, heads, col) in flash-attn's
   // layout.
   static constexpr bool kInterleavedHeads = true;
