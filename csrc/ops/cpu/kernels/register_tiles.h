@@ -35,11 +35,10 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 // - no requests, the heads' products served in turn every 16 or 4 keys so that the demand reads
 //   pass through the pages in memory order, or pages laid head by head (8 KiB runs a head): the
 //   hardware's prefetchers did not keep up, 1.1-2x slower (trial builds, docs/benchmarks).
-// With the bare-read probe corrected (stop 66), a read with the next page requested in software
-//   takes 1.13-1.40x the bare read on a Zen 5, and the decodes 1.9-3x that: not these requests but
-//   the arithmetic bounds the bfloat16 and 8-bit ones (longer in cache than their pages' read);
-//   float32's, its arithmetic 0.8 of its read, hides too little of either (docs/benchmarks, "The
-//   bare-read probe corrected").
+// With the bare-read probe corrected (stop 66), on a Zen 5 the float32 and bfloat16 decodes move
+//   their pages at one rate, about 29 GB/s at 2 threads against a bare read's 70: what these
+//   requests deliver to a walk the hardware's prefetchers do not follow. The 8-bit decodes are
+//   bound by their arithmetic (docs/benchmarks, "The bare-read probe corrected").
 struct StreamAhead {
   struct Rows {
     const char* data = nullptr;
