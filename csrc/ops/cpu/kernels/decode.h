@@ -300,19 +300,22 @@ class DecodeForward {
   // When the next block's value rows are requested (StreamAhead::ValueRequests). The values'
   // pass requests them only where its register tiles read them in place (fewer rows than a vector
   // holds, a tile's at least): instead of the scores' pass for rows narrower than float32's on
-  // chips where that measured faster (values_apart_here_), and else for 16-bit rows again. Asked
-  // again on a Zen 5, float32 rows read no faster and 8-bit ones, whose decode is bound by its
-  // arithmetic, 3 % slower (docs/benchmarks, "The value rows requested twice").
+  // chips where that measured faster (values_apart_here_) and for 8-bit rows everywhere, and
+  // again for 16-bit rows elsewhere. On a Zen 5, 16-bit rows asked by the values' pass alone
+  // read no faster from memory than asked twice; float32 rows, whose requests need the scores'
+  // longer lead, slower (docs/benchmarks, "The value rows requested twice" and "Requests key by
+  // key"). The 8-bit decode from memory took 0.95 of its time asked apart, once the values' pass
+  // asked four rows at a time (RunRows::kRequestRows).
   ValueRequests value_requests(int64_t rows) const {
     const bool tiles_read_in_place = padded(rows) == 0 && rows >= kValueTileRows &&
                                      dims_.value_dim >= at::vec::Vectorized<acc_t>::size();
-    if (!tiles_read_in_place) {
+    if (!tiles_read_in_place || sizeof(kv_t) == sizeof(float)) {
       return ValueRequests::kWithKeys;
     }
-    if (values_apart_here_) {
-      return sizeof(kv_t) < sizeof(float) ? ValueRequests::kApart : ValueRequests::kWithKeys;
+    if (values_apart_here_ || sizeof(kv_t) == 1) {
+      return ValueRequests::kApart;
     }
-    return sizeof(kv_t) == 2 ? ValueRequests::kTwice : ValueRequests::kWithKeys;
+    return ValueRequests::kTwice;
   }
 
   // The next block's value rows requested at once, where the values' pass was to request them
