@@ -68,12 +68,10 @@ C10_ALWAYS_INLINE void store_tile_sums(const at::vec::Vectorized<acc_t>* acc, ac
 // One tile of query_key_scores: rows [0, kRows) against keys [0, kKeys) into scores, one
 // accumulator a (row, key) pair, kRows * kKeys <= Vec::size() of them reduced together by
 // lane_sums. Each key vector loaded (widened, for a key row of a reduced or 8-bit dtype) serves
-// the kRows rows. With `stream`, each key (the block's key first_key + c) is told to the stream
-// as its first vector is loaded (StreamAhead::at_key).
+// the kRows rows.
 template <int64_t kRows, int64_t kKeys, typename acc_t, typename src_t>
 C10_ALWAYS_INLINE void query_key_tile(const acc_t* q, int64_t ld_q, const src_t* k, int64_t ld_k,
-                                      int64_t dim, acc_t* scores, int64_t ld_scores,
-                                      const StreamAhead* stream, int64_t first_key) {
+                                      int64_t dim, acc_t* scores, int64_t ld_scores) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t N = Vec::size();
   static_assert(kRows * kKeys <= N);
@@ -90,9 +88,6 @@ C10_ALWAYS_INLINE void query_key_tile(const acc_t* q, int64_t ld_q, const src_t*
     Vec keys[kKeys][kParts];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < kKeys; ++c) {
-      if (stream != nullptr && d == 0) {
-        stream->at_key(first_key + c);
-      }
       if (width == kParts * N) {
         load_vectors_as<kParts>(k + c * ld_k + d, keys[c]);
       } else {
@@ -280,7 +275,8 @@ C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>&
 // widened and converted, 32 values a step. Each product is exact and each pair's two are added to
 // the float32 sum one after the other, as two multiply-adds would, in another order than
 // query_key_tile's (and bfloat16 subnormals taken as zero, as the native block products take
-// them). The stream is told of each key as query_key_tile tells it.
+// them). With `stream`, each key (the block's key first_key + c) is told to the stream as its
+// first vector is loaded (StreamAhead::at_key).
 template <int64_t kRows, int64_t kKeys, bool kTables, typename src_t>
 C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q, const src_t* k,
                                            int64_t ld_k, int64_t dim, float* scores,
@@ -393,7 +389,8 @@ void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, i
 #endif
 
 // query_key_scores for kRows rows (at most four), band_tile_keys keys a tile; with `stream`,
-// told of each key.
+// told of each tile's keys before it (key by key, as the pair tiles tell theirs, a float32
+// decode with one query row a KV head, whose tiles take 16 keys, ran 1.15x slower from memory).
 template <int64_t kRows, typename acc_t, typename src_t>
 inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t ld_k, int64_t cols,
                            int64_t dim, acc_t* scores, int64_t ld_scores,
@@ -401,8 +398,10 @@ inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t
   constexpr int64_t kKeys = band_tile_keys<acc_t>(kRows);
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
-    query_key_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores, stream,
-                                 j);
+    if (stream != nullptr) {
+      stream->at_keys(j, kKeys);
+    }
+    query_key_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores);
   }
   if (stream != nullptr) {
     stream->at_keys(j, cols - j);
