@@ -72,10 +72,12 @@ struct StreamAhead {
   }
   // The scores have reached key j of `keys`: at_keys(j, 1), where the next block's run holds as
   // many rows as this one (every run but a sequence's last) the row of the same index, with no
-  // division. The dot products' tiles ask key by key, spreading the requests among their
-  // arithmetic, where a tile's (4 keys') at once came in bursts of 8-16 lines: on a Zen 5 at 2
-  // threads the paged decode from memory then took 0.92 of its time in bfloat16 and 0.94-0.97 in
-  // int8, and in cache 0.95-0.97 without the divisions (docs/benchmarks, "Requests key by key").
+  // division. The bfloat16 pair tiles (query_key_pair_tile) ask key by key, spreading the
+  // requests among their arithmetic, where a tile's (4 keys') at once came in bursts of 8-16
+  // lines: on a Zen 5 at 2 threads the paged decode from memory then took 0.92 of its time in
+  // bfloat16 and 0.94-0.97 in int8, and in cache 0.95-0.97 without the divisions. The float32
+  // tiles, whose 16 keys' requests (one query row a KV head) went out together at their first
+  // step anyway, were slower so and ask a tile at a time (docs/benchmarks, "Requests key by key").
   C10_ALWAYS_INLINE void at_key(int64_t j) const {
     if (next_keys.count != keys) {
       at_keys(j, 1);
