@@ -489,6 +489,7 @@ class DecodeForward {
   // KV head h_kv: a page holds every head's rows head_stride apart (KeyRows::kInterleavedHeads,
   // where an item's heads share its key blocks), so only the first head looks its pages up (the
   // lookups of every head were 4-5 % of an in-cache int8 decode's samples on a Zen 5).
+  // (Only such sources have an item of several heads, so only they are given a lead.)
   void runs_of_head(const Scratch& lead, int64_t h_kv, Scratch& s) const {
     if constexpr (KeyRows::kInterleavedHeads) {
       const int64_t heads = h_kv - lead.task.h_kv;
@@ -657,9 +658,10 @@ class DecodeForward {
   const ScoreModifiers<acc_t> modifiers_;
   const bool native_products_;  // read once a call (multiplies_blocks)
   const bool pair_dots_;        // and these (kBFloat16PairDots)
-  // Whether value_requests may give kApart: on the AMX Xeon, where the next block's value rows
-  // requested by the values' pass made a bfloat16 paged decode from memory 0.91-0.94 of its time
-  // with them requested alongside the keys (docs/benchmarks, stop 58). On a Zen 5 the values' pass
+  // Whether value_requests gives kApart to 16-bit rows too (8-bit rows take it everywhere): on
+  // the AMX Xeon, where the next block's value rows requested by the values' pass made a bfloat16
+  // paged decode from memory 0.91-0.94 of its time with them requested alongside the keys
+  // (docs/benchmarks, stop 58). On a Zen 5 the values' pass
   // then waited on its rows (69 % of its tiles' samples on the value loads, contiguous bfloat16
   // cache): requested with the keys, a block ahead, that decode's median went from 34.6 to 32.9
   // ms (`python -m benchmarks.paired <A> <B> contiguous --threads 2`), the paged ones unchanged
