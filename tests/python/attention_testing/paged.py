@@ -6,19 +6,28 @@ import random
 import torch
 
 
-def paged(keys, values, page_size, spare=2, seed=0):
+def paged(keys, values, page_size, spare=2, seed=0, stretch=1, gap_rows=0):
     """Sequences' keys (Lk_b, Hkv, D) and values laid into shuffled pages of a pool with
     ``spare`` NaN pages no sequence reads, and the block table (unused entries name a page out
-    of range: they are never read)."""
+    of range: they are never read). With ``stretch`` > 1 the pool is shuffled in stretches of 1
+    to ``stretch`` pages that keep their order, so that a sequence's next page is often the one
+    after in the pool (as PagedKVCache lays them); with ``gap_rows`` each page is followed by
+    that many NaN rows (the cache a view of a pool of longer pages, which no read may cross)."""
     rng = random.Random(seed)
     counts = [-(-k.shape[0] // page_size) for k in keys]
     total = sum(counts) + spare
-    order = list(range(total))
-    rng.shuffle(order)
+    stretches, start = [], 0
+    while start < total:
+        length = 1 if stretch == 1 else min(rng.randint(1, stretch), total - start)
+        stretches.append(list(range(start, start + length)))
+        start += length
+    rng.shuffle(stretches)
+    order = [page for pages in stretches for page in pages]
     hkv, d, dv = keys[0].shape[1], keys[0].shape[2], values[0].shape[2]
     dtype = keys[0].dtype
-    k_cache = torch.full((total, page_size, hkv, d), float("nan"), dtype=dtype)
-    v_cache = torch.full((total, page_size, hkv, dv), float("nan"), dtype=dtype)
+    pool_rows = page_size + gap_rows
+    k_cache = torch.full((total, pool_rows, hkv, d), float("nan"), dtype=dtype)[:, :page_size]
+    v_cache = torch.full((total, pool_rows, hkv, dv), float("nan"), dtype=dtype)[:, :page_size]
     width = max(counts) + 1
     table = torch.full((len(keys), width), 10**6, dtype=torch.int32)
     used = 0

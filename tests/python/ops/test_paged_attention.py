@@ -96,6 +96,24 @@ def test_a_mixed_batch_of_prefill_chunks_and_decodes_in_one_call(option, dtype):
     assert_matches(got, queries, keys, values, dtype, **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gap_rows", [0, 1], ids=["pages_continue", "pages_apart"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("group", [4, 16])
+def test_pages_in_order_are_read_across_their_ends(group, page_size, gap_rows, dtype):
+    """Pages that follow one another in the pool (PagedKVCache lays a request's pages so) are
+    read as one run of rows, up to the first page that does not follow; where the cache is a
+    view whose pages have NaN rows between them, never across a page's end. Decode rows (the
+    register products; with a group of 16, the block products), and prefill chunks (blocks
+    packed from the pages)."""
+    lengths_q, lengths_k = [1, 3, 40, 1], [300, 129, 90, 64]
+    queries, keys, values = sequences(lengths_q, lengths_k, hq=2 * group, hkv=2, d=64, dv=32,
+                                      dtype=dtype)
+    k_cache, v_cache, table = paged(keys, values, page_size, stretch=6, gap_rows=gap_rows)
+    assert_matches(packed_call(queries, k_cache, v_cache, table, lengths_k), queries, keys,
+                   values, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("page_size", [1, 16, 64, 272])
 def test_prefill_chunks_multiply_blocks_packed_from_the_pages(page_size, dtype):

@@ -115,6 +115,36 @@ def test_decode_rows_chunks_and_mixed_batches(page_size, fmt, layout, q_dtype):
     check(queries, keys, values, fmt, layout, page_size)
 
 
+def pages_apart(t):
+    """``t`` (num_pages, page_size, ...) as a view of a pool whose pages have a row between them,
+    holding what no read may reach: NaN, or int8's largest value."""
+    fill = 127 if t.dtype == torch.int8 else float("nan")
+    pool = torch.full((t.shape[0], t.shape[1] + 1, *t.shape[2:]), fill, dtype=t.dtype)
+    pool[:, :t.shape[1]] = t
+    return pool[:, :t.shape[1]]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("apart", ["none", "cache", "scales"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=str)
+def test_pages_in_order_are_read_across_their_ends(fmt, page_size, apart, q_dtype):
+    """Pages that follow one another in the pool (PagedKVCache lays a request's pages so) are read
+    as one run of rows and per-token scales, up to the first page that does not follow; never
+    across a page's end where the cache's pages, or the scales' pages, have a row between them."""
+    torch.manual_seed(page_size)
+    lengths_q, lengths_k = [1, 3, 40], [300, 129, 90]
+    queries, keys, values = sequences(lengths_q, lengths_k, hq=8, hkv=2, d=64, dv=32,
+                                      q_dtype=q_dtype)
+    k_cache, v_cache, table = paged(keys, values, page_size, stretch=6)
+    (k8, k_scale), (v8, v_scale) = (quantize(c, fmt, "token") for c in (k_cache, v_cache))
+    if apart == "cache":
+        k8, v8 = pages_apart(k8), pages_apart(v8)
+    elif apart == "scales":
+        k_scale, v_scale = pages_apart(k_scale), pages_apart(v_scale)
+    check_stored(queries, lengths_k, k8, v8, table, k_scale, v_scale, page_size)
+
+
 OPTIONS = {
     "window": {"window": (20, 0)},
     "softcap": {"softcap": 3.0},

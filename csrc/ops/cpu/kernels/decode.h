@@ -5,11 +5,12 @@
 // group of hundreds of heads (its rows then make the products compute-bound) is cut into
 // several tasks of at most kMaxTaskRows rows, so that a task's scratch stays small. K and V rows
 // come from KeyRows: a tensor's (HeadRows) or a paged cache's (PagedRows, whose pages cut a key
-// block's products into runs, one a page). Where KeyRows interleaves the heads' rows (a page), a
-// task carries every KV head of its sequence through each key block instead (heads_together).
-// Rows of an 8-bit cache (ScaledPagedRows, quantized_rows.h) are read in place too, widened in
-// registers as bfloat16 rows are; their scales are folded into the scores (K's) and into the
-// probabilities the values are weighted by (V's), one multiply a key.
+// block's products into runs, one a page or a stretch of pages that follow one another). Where
+// KeyRows interleaves the heads' rows (a page), a task carries every KV head of its sequence
+// through each key block instead (heads_together). Rows of an 8-bit cache (ScaledPagedRows,
+// quantized_rows.h) are read in place too, widened in registers as bfloat16 rows are; their scales
+// are folded into the scores (K's) and into the probabilities the values are weighted by (V's), one
+// multiply a key.
 #pragma once
 
 #include "../block_shapes.h"
@@ -479,7 +480,8 @@ class DecodeForward {
     values.clear();
     for (int64_t offset = 0, count; offset < cols; offset += count) {
       const int64_t key = k0 + offset;
-      count = std::min({cols - offset, k_.run_end(key) - key, v_.run_end(key) - key});
+      count = std::min({cols - offset, k_.run_end(b, key, k0 + cols) - key,
+                        v_.run_end(b, key, k0 + cols) - key});
       keys.push_back({offset, count, k_.row(b, h_kv, key)});
       values.push_back({offset, count, v_.row(b, h_kv, key)});
     }
@@ -544,8 +546,9 @@ class DecodeForward {
       s.mask_rows[r] = modifiers_.row(dims_, b, t.head(r, dims_), t.query_row(r), k0, masks).mask;
       attn_mask_read = attn_mask_read || masks.attn_mask;
     }
-    // S = Q K_j^T, run by run (K and V in runs, one a page; the next block's, for the prefetches,
-    // found once: the previous block found this one's, unless the key mask skipped a block)
+    // S = Q K_j^T, run by run (K and V in runs, one a page or pages in order; the next block's, for
+    // the prefetches, found once: the previous block found this one's, unless the key mask skipped
+    // a block)
     if (s.next_runs_key == k0) {
       std::swap(s.key_runs, s.next_key_runs);
       std::swap(s.value_runs, s.next_value_runs);

@@ -288,7 +288,7 @@ class PackedKeyValues {
   static void pack_transposed(const KeyRows& rows, int64_t b, int64_t h, int64_t k0, int64_t cols,
                               int64_t width, gemm_t* dst) {
     for (int64_t r0 = k0, end; r0 < k0 + cols; r0 = end) {
-      end = std::min(k0 + cols, rows.run_end(r0));
+      end = std::min(k0 + cols, rows.run_end(b, r0, k0 + cols));
       Pack::b_transposed(rows.row(b, h, r0), end - r0, width, rows.row_stride,
                          dst + Pack::column_offset(r0 - k0), cols);
     }

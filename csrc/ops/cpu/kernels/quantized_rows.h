@@ -72,6 +72,11 @@ class PageScales {
     return scales_ + page * page_stride_ + h * head_stride_ + rows.row_in_page(r) * row_stride_;
   }
   int64_t row_stride() const { return row_stride_; }
+  // Whether a page's last scale and the next page's first lie row_stride() apart, as their rows
+  // may (PagedRows::pages_continue): a (num_pages, page_size, heads) tensor's, or one per tensor.
+  bool rows_continue_across_pages(int64_t page_size) const {
+    return page_stride_ == page_size * row_stride_;
+  }
 
  private:
   static constexpr float kOne = 1.0f;
@@ -93,9 +98,13 @@ struct ScaledPagedRows : PagedRows<const element_t> {
   PageScales scales;
 
   ScaledPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
-      : PagedRows<const element_t>(cache, table), scales(scale) {}
+      : PagedRows<const element_t>(cache, table), scales(scale) {
+    // a run's rows' scales must follow one another as its rows do
+    this->pages_continue =
+        this->pages_continue && scales.rows_continue_across_pages(this->page_size);
+  }
 
-  // The scales of rows r, r + 1, ... of (b, h) up to the end of r's page (run_end): stored value
+  // The scales of rows r, r + 1, ... of (b, h) up to the end of r's run (run_end): stored value
   // x scale = element.
   RowScales scales_from(int64_t b, int64_t h, int64_t r) const {
     return {scales.at(*this, b, h, r), scales.row_stride(), kFactor};
@@ -116,7 +125,7 @@ struct QuantizedPagedRows {
   QuantizedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
       : rows(cache, table), scales(scale), format(eight_bit_format(cache.scalar_type())) {}
 
-  int64_t run_end(int64_t r) const { return rows.run_end(r); }
+  int64_t run_end(int64_t b, int64_t r, int64_t limit) const { return rows.run_end(b, r, limit); }
 
   // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart.
   void widen(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,

@@ -231,7 +231,8 @@ C10_ALWAYS_INLINE at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized
 }
 
 // The rows of an operand read in place, in runs: rows [offset, offset + count) lie ld apart from
-// `first`. A tensor's rows are one run, a paged cache's one a page.
+// `first`. A tensor's rows are one run, a paged cache's one a page or a stretch of pages in order
+// (PagedRows::run_end).
 template <typename T>
 struct RowRun {
   int64_t offset, count;
