@@ -273,10 +273,11 @@ def test_fuzzed_tables_shuffled_shared_and_repeated_pages(rows):
             torch.testing.assert_close(g, r, rtol=2e-6, atol=2e-6, msg=f"trial {trial} seq {b}")
 
 
-def test_bitwise_the_same_run_after_run_at_any_thread_count(restore_num_threads):
+@pytest.mark.parametrize("stretch", [1, 8], ids=["pages_shuffled", "pages_in_stretches"])
+def test_bitwise_the_same_run_after_run_at_any_thread_count(restore_num_threads, stretch):
     lengths_q, lengths_k = [1, 64, 1], [5000, 700, 12000]
     queries, keys, values = sequences(lengths_q, lengths_k, hq=8, hkv=2, d=64, dv=64)
-    k_cache, v_cache, table = paged(keys, values, 16)
+    k_cache, v_cache, table = paged(keys, values, 16, stretch=stretch)
     runs = []
     for threads in (1, 2, 1, 2):
         torch.set_num_threads(threads)

@@ -238,12 +238,13 @@ def test_scales_given_as_floats_tensors_or_not_at_all():
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
 
 
-def test_the_same_bits_at_one_and_two_threads():
+@pytest.mark.parametrize("stretch", [1, 8], ids=["pages_shuffled", "pages_in_stretches"])
+def test_the_same_bits_at_one_and_two_threads(stretch):
     """Long caches are cut into key splits whose number follows the thread count: the results
-    are still bitwise the same."""
+    are still bitwise the same, with pages read one a run or in stretches of pages in order."""
     torch.manual_seed(4)
     queries, keys, values = sequences([1, 1, 30], [5000, 3000, 4000], hq=8, hkv=2, d=64, dv=64)
-    k_cache, v_cache, table = paged(keys, values, 16)
+    k_cache, v_cache, table = paged(keys, values, 16, stretch=stretch)
     k8, k_scale = quantize(k_cache, torch.int8, "token")
     v8, v_scale = quantize(v_cache, torch.int8, "token")
     results = []
