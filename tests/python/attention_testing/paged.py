@@ -18,6 +18,7 @@ def paged(keys, values, page_size, spare=2, seed=0, stretch=1, gap_rows=0):
     total = sum(counts) + spare
     stretches, start = [], 0
     while start < total:
+        # (stretch 1 draws nothing here, so that the shuffle lays the pages as it always has)
         length = 1 if stretch == 1 else min(rng.randint(1, stretch), total - start)
         stretches.append(list(range(start, start + length)))
         start += length

@@ -125,8 +125,6 @@ struct QuantizedPagedRows {
   QuantizedPagedRows(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& table)
       : rows(cache, table), scales(scale), format(eight_bit_format(cache.scalar_type())) {}
 
-  int64_t run_end(int64_t b, int64_t r, int64_t limit) const { return rows.run_end(b, r, limit); }
-
   // Rows [r, r + count) of (b, h), each `width` values times its scale into dst, rows ld apart.
   void widen(int64_t b, int64_t h, int64_t r, int64_t count, int64_t width, float* dst,
              int64_t ld) const {

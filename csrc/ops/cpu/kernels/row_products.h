@@ -389,8 +389,9 @@ void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, i
 #endif
 
 // query_key_scores for kRows rows (at most four), band_tile_keys keys a tile; with `stream`,
-// told of each tile's keys before it (key by key, as the pair tiles tell theirs, a float32
-// decode with one query row a KV head, whose tiles take 16 keys, ran 1.15x slower from memory).
+// told of each tile's keys before it. Told key by key, as the pair tiles tell theirs, a float32
+// paged decode with one query row a KV head (tiles of 16 keys) was slower from memory (6500ba9:
+// 92.9 and 73.4 ms against 70.2 and 70.4 this way; docs/benchmarks, "Requests key by key").
 template <int64_t kRows, typename acc_t, typename src_t>
 inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t ld_k, int64_t cols,
                            int64_t dim, acc_t* scores, int64_t ld_scores,
