@@ -72,15 +72,20 @@ bool products_on_tiles(at::ScalarType products) {
 //     the block's float32 K and V rows fit in twice L1d, else 64. Measured on Zen 3 (32 KiB L1d),
 //     a 64 x 128 x 128 float32 product ran at 60 % of the rate of 64 x 64 x 128 or 64 x 128 x 64.
 //     Where bfloat16 multiplies natively on vector units (avx512_bf16), longer: 256 keys, else
-//     128, where the rows its products read fit there (K in bfloat16, 2 bytes a value; V as the
-//     value pairs that P's (hi, lo) pairs multiply, 4) and a row sees more than half such a
-//     block's keys, or, under a sliding window, its span is four such blocks' keys. On a Zen 5
-//     (48 KiB L1d) that is 128 keys at D 128 and 256 at D 64 (96 KiB each), where the float32
-//     count gave 64 and 128: forwards and forwards+backwards faster at L 1024-4096, and sliding
-//     windows of 64-256 keys slower by up to 40 %, from the keys a longer block computes past
-//     their span (docs/benchmarks/README.md, stop 64); causal calls of L 128-512 forward 4-9 %
-//     faster (stop 65). The others keep the shapes measured for them: float32 and float16's
-//     native products (AVX512-FP16) were not measured with longer blocks.
+//     128, where the rows its products read fit in a quarter of L2 (K in bfloat16, 2 bytes a
+//     value; V as the value pairs that P's (hi, lo) pairs multiply, 4) and a row sees more than
+//     half such a block's keys, or, under a sliding window, its span is four such blocks' keys.
+//     With 1 MiB of L2 that is 256 keys at D 64 and 128, 128 at D 256. On a Zen 5 (48 KiB L1d)
+//     the float32 count gave 64 and 128 keys at D 128 and 64: longer blocks made forwards and
+//     forwards+backwards faster at L 1024-4096, and sliding windows of 64-256 keys slower by up
+//     to 40 %, from the keys a longer block computes past their span (docs/benchmarks/README.md,
+//     stop 64); causal calls of L 128-512 forward 4-9 % faster (stop 65). Held then to twice L1d
+//     (96 KiB there: 128 keys at D 128, where 256 ran within the drift, its forward a little
+//     faster), on a Zen 4 (32 KiB L1d) the blocks stayed at 64 keys at D 128 and 128 at D 64;
+//     256 keys made its bfloat16 B 4 calls 0.90-0.93 of their time forward and 0.92
+//     forward+backward, and forwards at L 256-512, D 128 0.87-0.89 (stop 69). The others keep
+//     the shapes measured for them: float32 and float16's native products (AVX512-FP16) were not
+//     measured with longer blocks.
 //   - products on AMX tiles: the tiles run from L2 at about the same rate for blocks of 32 to 512
 //     (benchmarks.breakdown's probe on the AMX Xeon, unordered by size within its drift), so the
 //     per-block work outside the products decides: 128 query rows by 256 keys, where the block's K
@@ -104,8 +109,9 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, b
       tile_block_bytes <= l2_bytes / 4) {
     return {128, kTileKeys};
   }
-  const auto fit = [&](int64_t keys, int64_t key_bytes) {
-    return keys * (head_dim * key_bytes + value_dim * 4) <= 2 * l1d_bytes;
+  // The bytes of a key block's K and V rows, K at key_bytes a value and V at 4.
+  const auto block_bytes = [&](int64_t keys, int64_t key_bytes) {
+    return keys * (head_dim * key_bytes + value_dim * 4);
   };
   // Whether rows that see keys_seen keys gain from blocks of `keys`: a window's rows take key
   // blocks aligned before its start, each up to keys - 1 keys past it, so the span must be four
@@ -116,12 +122,12 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, b
   };
   if (products == at::kBFloat16 && !products_on_tiles(products)) {
     for (const int64_t keys : {256, 128}) {
-      if (fit(keys, 2) && longer_blocks_pay(keys)) {
+      if (block_bytes(keys, 2) <= l2_bytes / 4 && longer_blocks_pay(keys)) {
         return {64, keys};
       }
     }
   }
-  return {64, fit(128, 4) ? 128 : 64};
+  return {64, block_bytes(128, 4) <= 2 * l1d_bytes ? 128 : 64};
 }
 
 namespace {

@@ -48,8 +48,8 @@ def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
     are at least 1024 and such a key block's K (bfloat16) and V (float32) rows fit in a quarter
     of L2; else, where bfloat16 products are native on vector units (no AMX), 64 query rows by
     256 keys, else 128, where the keys are more than half a block's (a window's span: four
-    blocks') and such a block's K (bfloat16) and V (4 bytes a value) rows fit in twice L1d; else
-    64 by 128 keys where 128 float32 K and V rows fit there, or 64."""
+    blocks') and such a block's K (bfloat16) and V (4 bytes a value) rows fit in a quarter of
+    L2; else 64 by 128 keys where 128 float32 K and V rows fit in twice L1d, or 64."""
     native = torch.ops.causal_attention.block_products(dtype) == "native"
     l1d = _cache_bytes("LEVEL1_DCACHE_SIZE", 32 * 1024)
     l2 = _cache_bytes("LEVEL2_CACHE_SIZE", 512 * 1024)
@@ -57,14 +57,15 @@ def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
             and 256 * (2 * head_dim + 4 * value_dim) <= l2 // 4):
         return [128, 256]
 
-    def fit(keys, key_bytes):
-        return keys * (head_dim * key_bytes + value_dim * 4) <= 2 * l1d
+    def block_bytes(keys, key_bytes):
+        return keys * (head_dim * key_bytes + value_dim * 4)
 
     if dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags():
         for keys in (256, 128):
-            if fit(keys, 2) and (len_k >= 4 * keys if windowed else 2 * len_k > keys):
+            if (block_bytes(keys, 2) <= l2 // 4
+                    and (len_k >= 4 * keys if windowed else 2 * len_k > keys)):
                 return [64, keys]
-    return [64, 128 if fit(128, 4) else 64]
+    return [64, 128 if block_bytes(128, 4) <= 2 * l1d else 64]
 
 
 @pytest.mark.skipif(os.environ.get(SHAPE_VARIABLE, "auto") not in ("", "auto"),
