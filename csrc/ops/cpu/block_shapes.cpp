@@ -102,17 +102,18 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, b
   }
   static const int64_t l1d_bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32 * 1024);
   static const int64_t l2_bytes = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 512 * 1024);
-  constexpr int64_t kTileKeys = 256;
-  const int64_t tile_block_bytes =
-      kTileKeys * (head_dim * int64_t(sizeof(c10::BFloat16)) + value_dim * int64_t(sizeof(float)));
-  if (products_on_tiles(products) && keys_seen >= 4 * kTileKeys &&
-      tile_block_bytes <= l2_bytes / 4) {
-    return {128, kTileKeys};
-  }
-  // The bytes of a key block's K and V rows, K at key_bytes a value and V at 4.
+  // The bytes of a key block's K and V rows, K at key_bytes a value and V at 4 (float32, or the
+  // value pairs that P's (hi, lo) pairs multiply).
   const auto block_bytes = [&](int64_t keys, int64_t key_bytes) {
     return keys * (head_dim * key_bytes + value_dim * 4);
   };
+  // Where bfloat16's blocks run from L2 (on AMX tiles, or its longer blocks on vector units): a
+  // quarter of it.
+  const auto fit_l2 = [&](int64_t keys) { return block_bytes(keys, 2) <= l2_bytes / 4; };
+  constexpr int64_t kTileKeys = 256;
+  if (products_on_tiles(products) && keys_seen >= 4 * kTileKeys && fit_l2(kTileKeys)) {
+    return {128, kTileKeys};
+  }
   // Whether rows that see keys_seen keys gain from blocks of `keys`: a window's rows take key
   // blocks aligned before its start, each up to keys - 1 keys past it, so the span must be four
   // blocks long; other rows compute no key they do not see, and gain once they see more keys
@@ -122,7 +123,7 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, b
   };
   if (products == at::kBFloat16 && !products_on_tiles(products)) {
     for (const int64_t keys : {256, 128}) {
-      if (block_bytes(keys, 2) <= l2_bytes / 4 && longer_blocks_pay(keys)) {
+      if (fit_l2(keys) && longer_blocks_pay(keys)) {
         return {64, keys};
       }
     }

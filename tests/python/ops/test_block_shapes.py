@@ -53,17 +53,18 @@ def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
     native = torch.ops.causal_attention.block_products(dtype) == "native"
     l1d = _cache_bytes("LEVEL1_DCACHE_SIZE", 32 * 1024)
     l2 = _cache_bytes("LEVEL2_CACHE_SIZE", 512 * 1024)
-    if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and len_k >= 1024
-            and 256 * (2 * head_dim + 4 * value_dim) <= l2 // 4):
-        return [128, 256]
-
     def block_bytes(keys, key_bytes):
         return keys * (head_dim * key_bytes + value_dim * 4)
 
+    def fit_l2(keys):
+        return block_bytes(keys, 2) <= l2 // 4
+
+    if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and len_k >= 1024
+            and fit_l2(256)):
+        return [128, 256]
     if dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags():
         for keys in (256, 128):
-            if (block_bytes(keys, 2) <= l2 // 4
-                    and (len_k >= 4 * keys if windowed else 2 * len_k > keys)):
+            if fit_l2(keys) and (len_k >= 4 * keys if windowed else 2 * len_k > keys):
                 return [64, keys]
     return [64, 128 if block_bytes(128, 4) <= 2 * l1d else 64]
 
