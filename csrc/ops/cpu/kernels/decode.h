@@ -8,15 +8,17 @@
 // block's products into runs, one a page or a stretch of pages that follow one another). Where
 // KeyRows interleaves the heads' rows (a page), a task carries every KV head of its sequence
 // through each key block instead (heads_together). Rows of an 8-bit cache (ScaledPagedRows,
-// quantized_rows.h) are read in place too, widened in registers as bfloat16 rows are; their scales
-// are folded into the scores (K's) and into the probabilities the values are weighted by (V's), one
-// multiply a key.
+// quantized_rows.h) are read in place too, widened in registers as bfloat16 rows are (int8 key
+// rows against bfloat16 or float16 query rows: scored by integer products, integer_scores.h);
+// their scales are folded into the scores (K's) and into the probabilities the values are
+// weighted by (V's), one multiply a key.
 #pragma once
 
 #include "../block_shapes.h"
 #include "attn_mask_view.h"
 #include "decode_tasks.h"
 #include "geometry.h"
+#include "integer_scores.h"
 #include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
@@ -64,6 +66,7 @@ class DecodeForward {
                          native_products_now(c10::CppTypeToScalarType<scalar_t>::value)),
         pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && cpu_has_pair_dots() &&
                    pair_dots_fit<kv_t>(d.head_dim)),
+        integer_scores_(kIntegerQueryRows && integer_scores_fit(d.head_dim)),
         values_apart_here_(products_on_tiles(at::kBFloat16)) {}
 
   void run() const {
@@ -126,6 +129,9 @@ class DecodeForward {
   // tests use to run the other chips' path, turn them off too).
   static constexpr bool kBFloat16PairDots =
       std::is_same_v<scalar_t, c10::BFloat16> && kPairDots<acc_t, kv_t>;
+  // Whether reduced query rows may score int8 K rows by integer products (integer_scores.h), the
+  // rows held as int16 (query_integers).
+  static constexpr bool kIntegerQueryRows = kIntegerScores<scalar_t, kv_t>;
   // Whether a task of `rows` rows takes the block products: only where this call's products of
   // two inputs are native (block_gemm.h). Widened, they were slower than the register products
   // in a trial build (MLA's 16 heads, a verify step), which compute the same sums of exact
@@ -144,6 +150,11 @@ class DecodeForward {
   struct Scratch {
     ScratchVector<acc_t> queries, queries_t, keys, scores, scores_t;
     ScratchVector<scalar_t> query_pairs;  // the query rows for pair_dots_ (order_query_pairs)
+    // the query rows for integer_scores_ as int16, each times its scale (quantize_query_row), and
+    // whether every row could be held so (finite)
+    ScratchVector<int16_t> query_integers;
+    ScratchVector<acc_t> query_scales;
+    bool integer_rows = false;
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
@@ -175,6 +186,8 @@ class DecodeForward {
           scores(Tasks::task_rows(d) * kKeyBlock),
           scores_t(padded(Tasks::task_rows(d)) * kKeyBlock),
           query_pairs(kBFloat16PairDots ? Tasks::task_rows(d) * d.head_dim : 0),
+          query_integers(kIntegerQueryRows ? Tasks::task_rows(d) * d.head_dim : 0),
+          query_scales(kIntegerQueryRows ? Tasks::task_rows(d) : 0),
           first_visible(Tasks::task_rows(d)),
           visible(Tasks::task_rows(d)),
           mask_rows(Tasks::task_rows(d)),
@@ -230,9 +243,16 @@ class DecodeForward {
           std::fill(row + D, row + padded_dim, gemm_t(0));
         }
       } else {
+        s.integer_rows = integer_scores_ && padded(t.rows) == 0;
         for (int64_t r = 0; r < t.rows; ++r) {
           const scalar_t* query = q_.row(t.b, t.head(r, dims_), t.query_row(r));
           convert_row(query, s.queries.data() + r * D, D);
+          if constexpr (kIntegerQueryRows) {
+            if (s.integer_rows) {
+              s.query_scales[r] = quantize_query_row(query, D, s.query_integers.data() + r * D);
+              s.integer_rows = s.query_scales[r] != 0;
+            }
+          }
           if constexpr (kBFloat16PairDots) {
             if (pair_dots_) {
               order_query_pairs<kv_t>(query, D, s.query_pairs.data() + r * D);
@@ -285,6 +305,14 @@ class DecodeForward {
                          run.count, D, s.scores_t.data() + run.offset * padded(rows), padded(rows),
                          stream);
       } else {
+        if constexpr (kIntegerQueryRows) {
+          if (s.integer_rows) {
+            query_key_integer_scores(s.query_integers.data(), D, s.query_scales.data(), rows,
+                                     run.first, k_.row_stride, run.count, D,
+                                     s.scores.data() + run.offset, cols, stream);
+            continue;
+          }
+        }
         const c10::BFloat16* query_pairs = nullptr;
         if constexpr (kBFloat16PairDots) {
           query_pairs = pair_dots_ ? s.query_pairs.data() : nullptr;
@@ -661,6 +689,7 @@ class DecodeForward {
   const ScoreModifiers<acc_t> modifiers_;
   const bool native_products_;  // read once a call (multiplies_blocks)
   const bool pair_dots_;        // and these (kBFloat16PairDots)
+  const bool integer_scores_;   // (kIntegerQueryRows)
   // Whether value_requests gives kApart to 16-bit rows too (8-bit rows take it everywhere): on
   // the AMX Xeon, where the next block's value rows requested by the values' pass made a bfloat16
   // paged decode from memory 0.91-0.94 of its time with them requested alongside the keys

@@ -1,8 +1,9 @@
 // The rows of an 8-bit paged KV cache (float8_e4m3fn, float8_e5m2 or int8 pages, each row with
 // its dequantization scale: stored value x scale = key or value), read two ways:
 // - by the decode in place (ScaledPagedRows), widened in registers by the products as bfloat16
-//   rows are, with no copy; the decode multiplies each key's scores by K's scale and its
-//   probabilities by V's (decode.h), one multiply a key and query row;
+//   rows are (int8 key rows multiplied as integers by reduced query rows, integer_scores.h), with
+//   no copy; the decode multiplies each key's scores by K's scale and its probabilities by V's
+//   (decode.h), one multiply a key and query row;
 // - by the block path (prefill chunks) a block at a time, widened once with their scales into the
 //   call's packed blocks (QuantizedPagedRows, packed_kv.h), and multiplied as a bfloat16 cache's.
 //   The scale is applied as the row is widened: one multiply on a value already in a register.

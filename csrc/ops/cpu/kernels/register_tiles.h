@@ -177,30 +177,54 @@ inline at::vec::Vectorized<acc_t> load_as(const src_t* src, int64_t count) {
 }
 
 // Lane i of the result is the sum of the lanes of acc[i], for i < Vec::size(). Fixed order, so
-// the sums do not depend on anything but the inputs.
+// the sums do not depend on anything but the inputs. float32 and int32 lanes (whose sums are
+// exact) go through the same shuffles of their bits, added as their type adds.
 template <typename acc_t>
 C10_ALWAYS_INLINE at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized<acc_t>* acc) {
   using Vec = at::vec::Vectorized<acc_t>;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  constexpr bool kInts = std::is_same_v<acc_t, int32_t>;
+#endif
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<acc_t, float>) {
+  if constexpr (std::is_same_v<acc_t, float> || kInts) {
+    const auto bits = [](const Vec& v) {
+      if constexpr (kInts) {
+        return _mm512_castsi512_ps(v);
+      } else {
+        return __m512(v);
+      }
+    };
+    const auto add = [](__m512 a, __m512 b) {
+      if constexpr (kInts) {
+        return _mm512_castsi512_ps(
+            _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+      } else {
+        return _mm512_add_ps(a, b);
+      }
+    };
     // Three rounds, each adding two shuffles of pairs of vectors (in 128-bit lanes, then across
     // them) so that every round halves the vectors: 45 instructions in place of 256 scalar adds.
     __m512 pairs[8], quads[4];
     for (int i = 0; i < 8; ++i) {  // lane-wise halves of acc[2i] and acc[2i + 1], interleaved
-      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
-                               _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+      const __m512 a = bits(acc[2 * i]), b = bits(acc[2 * i + 1]);
+      pairs[i] = add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     }
     for (int i = 0; i < 4; ++i) {  // each 128-bit lane: the lane's sums of acc[4i .. 4i + 3]
       const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-      quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),  // moves float pairs
-                               _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+      quads[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),  // moves pairs of lanes
+                     _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
-    const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
-                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
-    const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
-                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88),
-                         _mm512_shuffle_f32x4(q01, q23, 0xDD));
+    const __m512 q01 = add(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                           _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+    const __m512 q23 = add(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                           _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+    const __m512 sums =
+        add(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
+    if constexpr (kInts) {
+      return Vec(_mm512_castps_si512(sums));
+    } else {
+      return Vec(sums);
+    }
   }
 #endif
 #if defined(CPU_CAPABILITY_AVX2)
@@ -212,6 +236,13 @@ C10_ALWAYS_INLINE at::vec::Vectorized<acc_t> lane_sums(const at::vec::Vectorized
     const __m256 low = _mm256_hadd_ps(h01, h23), high = _mm256_hadd_ps(h45, h67);
     return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
                          _mm256_permute2f128_ps(low, high, 0x31));
+  }
+  if constexpr (kInts) {  // the same rounds in int32
+    const __m256i h01 = _mm256_hadd_epi32(acc[0], acc[1]), h23 = _mm256_hadd_epi32(acc[2], acc[3]);
+    const __m256i h45 = _mm256_hadd_epi32(acc[4], acc[5]), h67 = _mm256_hadd_epi32(acc[6], acc[7]);
+    const __m256i low = _mm256_hadd_epi32(h01, h23), high = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                            _mm256_permute2x128_si256(low, high, 0x31));
   }
 #endif
   constexpr int64_t N = Vec::size();

@@ -123,6 +123,27 @@ C10_ALWAYS_INLINE void query_key_tile(const acc_t* q, int64_t ld_q, const src_t*
   store_tile_sums<kRows, kKeys>(acc, scores, ld_scores);
 }
 
+// Calls band(std::integral_constant<int64_t, n>{}, r) for each band of four of `rows` rows from
+// row r (n = 4, fewer for the last): the register tiles take their rows as a constant.
+template <typename Band>
+C10_ALWAYS_INLINE void in_bands_of_four(int64_t rows, const Band& band) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4:
+        band(std::integral_constant<int64_t, 4>{}, r);
+        break;
+      case 3:
+        band(std::integral_constant<int64_t, 3>{}, r);
+        break;
+      case 2:
+        band(std::integral_constant<int64_t, 2>{}, r);
+        break;
+      default:
+        band(std::integral_constant<int64_t, 1>{}, r);
+    }
+  }
+}
+
 // The keys a tile of a band of query_key_scores takes for kRows rows: as many as leaves no
 // accumulator of the tile empty where kRows is a power of two (for three rows, those of four).
 template <typename acc_t>
@@ -132,12 +153,14 @@ constexpr int64_t band_tile_keys(int64_t rows) {
 
 // Whether query_key_scores may score bfloat16 query rows against key rows of src_t with
 // AVX-512 BF16's dot products of pairs (query_key_pair_band): key rows whose values bfloat16
-// holds exactly (its own and the 8-bit ones), in the AVX-512 build, which asks the CPU at run
-// time (cpu_has_pair_dots).
+// holds exactly (its own and the float8 ones; int8 rows are scored by integer products,
+// integer_scores.h), in the AVX-512 build, which asks the CPU at run time (cpu_has_pair_dots).
 template <typename acc_t, typename src_t>
 inline constexpr bool kPairDots =
 #if defined(CPU_CAPABILITY_AVX512)
-    std::is_same_v<acc_t, float> && (std::is_same_v<src_t, c10::BFloat16> || is_eight_bit_v<src_t>);
+    std::is_same_v<acc_t, float> &&
+    (std::is_same_v<src_t, c10::BFloat16> || std::is_same_v<src_t, E4M3Over256> ||
+     std::is_same_v<src_t, c10::Float8_e5m2>);
 #else
     false;
 #endif
@@ -154,40 +177,28 @@ inline bool cpu_has_pair_dots() {
 #endif
 }
 
-// Whether query_key_pair_tile may widen src_t's key rows to bfloat16 by byte tables, 64 values
-// a step, in the order byte_pairs leaves them (order_query_pairs): the float8 formats', whose
+// Whether query_key_pair_tile widens src_t's key rows to bfloat16 by byte tables, 64 values a
+// step, in the order byte_pairs leaves them (order_query_pairs): the float8 formats', whose
 // widening through float16 and then float32 takes 14-16 instructions a 64 values where the
-// tables take 5 (e5m2 measured in cache with either: docs/benchmarks), and int8's, whose
-// widening through float32 takes 10 where the tables take 9 (measured 4 % faster from memory,
-// stop 65).
+// tables take 5 (e5m2 measured in cache with either: docs/benchmarks). bfloat16 rows are read as
+// they are.
 template <typename src_t>
-inline constexpr bool kOnlyByTables =
+inline constexpr bool kByTables =
     std::is_same_v<src_t, E4M3Over256> || std::is_same_v<src_t, c10::Float8_e5m2>;
-template <typename src_t>
-inline constexpr bool kTablePairs = kOnlyByTables<src_t> || std::is_same_v<src_t, int8_t>;
-
-// Whether the pair dot products of src_t's key rows take the byte tables at a head dim of `dim`:
-// at whole steps of 64. The float8 formats (kOnlyByTables) have no other way to them
-// (pair_dots_fit); int8 rows at other head dims of whole 32s are widened and converted, 32 values
-// a step.
-template <typename src_t>
-inline bool byte_tables_fit(int64_t dim) {
-  return kTablePairs<src_t> && dim % 64 == 0;
-}
 
 // The head dims query_key_pair_band takes: whole steps of 64 for the float8 formats (the
-// tables'), of 32 for the others.
+// tables'), of 32 for bfloat16.
 template <typename src_t>
 inline bool pair_dots_fit(int64_t dim) {
-  return dim % (kOnlyByTables<src_t> ? 64 : 32) == 0;
+  return dim % (kByTables<src_t> ? 64 : 32) == 0;
 }
 
 // A bfloat16 query row of `dim` elements in the order query_key_pair_tile's key vectors hold the
-// head dim for src_t: as it is, or where byte_tables_fit each step of 64 as byte_pairs leaves it
-// (the first vector the elements 0-7, 16-23, 32-39 and 48-55 of the step, the second the others).
+// head dim for src_t: as it is, or where kByTables each step of 64 as byte_pairs leaves it (the
+// first vector the elements 0-7, 16-23, 32-39 and 48-55 of the step, the second the others).
 template <typename src_t>
 void order_query_pairs(const c10::BFloat16* q, int64_t dim, c10::BFloat16* out) {
-  if (byte_tables_fit<src_t>(dim)) {
+  if (kByTables<src_t>) {
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
       for (int64_t half = 0; half < 2; ++half) {
         for (int64_t lane = 0; lane < 4; ++lane) {
@@ -203,20 +214,17 @@ void order_query_pairs(const c10::BFloat16* q, int64_t dim, c10::BFloat16* out) 
 #if defined(CPU_CAPABILITY_AVX512)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16,avx512vbmi")
-// The value of src_t's byte of magnitude m (m < 128, the sign clear): a kTablePairs format's
-// (int8's m itself: its magnitudes are absolute values, byte_pairs).
+// The value of src_t's byte of magnitude m (m < 128, the sign clear): a kByTables format's.
 template <typename src_t>
 float byte_value(uint8_t m) {
   if constexpr (std::is_same_v<src_t, E4M3Over256>) {
     return float(E4M3Over256(m));
-  } else if constexpr (std::is_same_v<src_t, int8_t>) {
-    return float(m);
   } else {
     return float(c10::Float8_e5m2(m, c10::Float8_e5m2::from_bits()));
   }
 }
 
-// The bfloat16 bits of src_t's values (kTablePairs) by the byte's magnitude (its low 7 bits):
+// The bfloat16 bits of src_t's values (kByTables) by the byte's magnitude (its low 7 bits):
 // the high bytes (sign clear) in hi[0..1], the low bytes in lo[0..1], 64 magnitudes a vector.
 // Exact: e4m3 has 4 significant bits, e5m2 3, and both exponent ranges lie within bfloat16's;
 // e4m3's NaN magnitude and e5m2's infinity and NaNs give bfloat16's.
@@ -243,24 +251,14 @@ struct BytePairTables {
 };
 
 // 64 bytes of src_t from src as two vectors of bfloat16 (their values, exactly), in
-// order_query_pairs' order: each byte's magnitude looked up in the tables, its sign put back,
-// the low and high bytes interleaved. A float8 byte's magnitude is its low 7 bits (the permutes
-// read no others); an int8 byte's is its absolute value, which for -128 is 0x80: looked up as 0,
-// whose low byte is 128's too (0x00), and given 128's high byte (0x43) apart.
+// order_query_pairs' order: each byte's magnitude (its low 7 bits, the only ones the permutes
+// read) looked up in the tables, its sign put back, the low and high bytes interleaved.
 template <typename src_t>
 C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>& t,
                                   __m512bh (&out)[2]) {
   const __m512i bytes = _mm512_loadu_si512(src);
-  __m512i magnitudes = bytes;
-  if constexpr (std::is_same_v<src_t, int8_t>) {
-    magnitudes = _mm512_abs_epi8(bytes);
-  }
-  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], magnitudes, t.lo[1]);
-  __m512i hi_magnitude = _mm512_permutex2var_epi8(t.hi[0], magnitudes, t.hi[1]);
-  if constexpr (std::is_same_v<src_t, int8_t>) {
-    hi_magnitude =
-        _mm512_mask_mov_epi8(hi_magnitude, _mm512_movepi8_mask(magnitudes), _mm512_set1_epi8(0x43));
-  }
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], bytes, t.lo[1]);
+  const __m512i hi_magnitude = _mm512_permutex2var_epi8(t.hi[0], bytes, t.hi[1]);
   // hi | (bytes & 0x80): the sign back on the high byte
   const __m512i hi =
       _mm512_ternarylogic_epi32(hi_magnitude, bytes, _mm512_set1_epi8(char(0x80)), 0xF8);
@@ -271,19 +269,20 @@ C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>&
 // query_key_tile for query rows in bfloat16 (q, ld_q apart, in order_query_pairs' order) and a
 // head dim of whole steps (pair_dots_fit): each step by AVX-512 BF16's dot products of pairs, half
 // the instructions of float32's multiply-adds, the key vectors converted to bfloat16 exactly (their
-// values are bfloat16's, kPairDots): by tables (kTables: byte_tables_fit), 64 values a step, else
-// widened and converted, 32 values a step. Each product is exact and each pair's two are added to
-// the float32 sum one after the other, as two multiply-adds would, in another order than
+// values are bfloat16's, kPairDots): float8 rows by tables (kByTables), 64 values a step,
+// bfloat16 rows as they are, 32 values a step. Each product is exact and each pair's two are added
+// to the float32 sum one after the other, as two multiply-adds would, in another order than
 // query_key_tile's (and bfloat16 subnormals taken as zero, as the native block products take
 // them). With `stream`, each key (the block's key first_key + c) is told to the stream as its
 // first vector is loaded (StreamAhead::at_key).
-template <int64_t kRows, int64_t kKeys, bool kTables, typename src_t>
+template <int64_t kRows, int64_t kKeys, typename src_t>
 C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q, const src_t* k,
                                            int64_t ld_k, int64_t dim, float* scores,
                                            int64_t ld_scores, const BytePairTables<src_t>& tables,
                                            const StreamAhead* stream, int64_t first_key) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t N = Vec::size();
+  constexpr bool kTables = kByTables<src_t>;
   constexpr int64_t kStep = kTables ? 64 : 2 * N;
   constexpr int64_t kParts = kStep / (2 * N);
   static_assert(kRows * kKeys <= N);
@@ -321,14 +320,7 @@ C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q,
       if (stream != nullptr && d == 0) {
         stream->at_key(first_key + c);
       }
-      const src_t* key = k + c * ld_k + d;
-      if constexpr (std::is_same_v<src_t, c10::BFloat16>) {
-        keys[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(key));
-      } else {
-        Vec halves[2];
-        load_vectors_as<2>(key, halves);
-        keys[c] = _mm512_cvtne2ps_pbh(halves[1], halves[0]);
-      }
+      keys[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * ld_k + d));
     }
 #pragma GCC unroll 4
     for (int64_t i = 0; i < kRows; ++i) {
@@ -345,44 +337,26 @@ C10_ALWAYS_INLINE void query_key_pair_tile(const c10::BFloat16* q, int64_t ld_q,
 // query_key_band by query_key_pair_tile, the keys past the last whole tile one at a time. (Its
 // loop is query_key_band's: a helper taking the tiles as lambdas would call them out of line,
 // as GCC inlines no function of this target into one without it.)
-template <int64_t kRows, bool kTables, typename src_t>
-void query_key_pair_band_of(const c10::BFloat16* q, int64_t ld_q, const src_t* k, int64_t ld_k,
-                            int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
-                            const StreamAhead* stream) {
+template <int64_t kRows, typename src_t>
+void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, int64_t ld_k,
+                         int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
+                         const StreamAhead* stream) {
   constexpr int64_t kKeys = band_tile_keys<float>(kRows);
-  BytePairTables<src_t> tables;  // in registers for the band (kTables)
-  if constexpr (kTables) {
+  BytePairTables<src_t> tables;  // in registers for the band (kByTables)
+  if constexpr (kByTables<src_t>) {
     tables = BytePairTables<src_t>::get();
   }
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
-    query_key_pair_tile<kRows, kKeys, kTables>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j,
-                                               ld_scores, tables, stream, j);
+    query_key_pair_tile<kRows, kKeys>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores,
+                                      tables, stream, j);
   }
   if (stream != nullptr) {
     stream->at_keys(j, cols - j);
   }
   for (; j < cols; ++j) {
-    query_key_pair_tile<kRows, 1, kTables>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores,
-                                           tables, nullptr, 0);
-  }
-}
-
-// query_key_pair_band_of with the byte tables where they fit the head dim (byte_tables_fit:
-// always for the float8 formats, which pair_dots_fit gives whole 64s, so that no converting band
-// is built for them), else widened and converted.
-template <int64_t kRows, typename src_t>
-void query_key_pair_band(const c10::BFloat16* q, int64_t ld_q, const src_t* k, int64_t ld_k,
-                         int64_t cols, int64_t dim, float* scores, int64_t ld_scores,
-                         const StreamAhead* stream) {
-  if constexpr (kTablePairs<src_t>) {
-    if (kOnlyByTables<src_t> || byte_tables_fit<src_t>(dim)) {
-      query_key_pair_band_of<kRows, true>(q, ld_q, k, ld_k, cols, dim, scores, ld_scores, stream);
-      return;
-    }
-  }
-  if constexpr (!kOnlyByTables<src_t>) {
-    query_key_pair_band_of<kRows, false>(q, ld_q, k, ld_k, cols, dim, scores, ld_scores, stream);
+    query_key_pair_tile<kRows, 1>(q, ld_q, k + j * ld_k, ld_k, dim, scores + j, ld_scores, tables,
+                                  nullptr, 0);
   }
 }
 #pragma GCC pop_options
@@ -425,36 +399,21 @@ template <typename acc_t, typename src_t>
 void query_key_scores(const acc_t* q, const c10::BFloat16* q_pairs, int64_t ld_q, int64_t rows,
                       const src_t* k, int64_t ld_k, int64_t cols, int64_t dim, acc_t* scores,
                       int64_t ld_scores, const StreamAhead& stream) {
-  for (int64_t r = 0; r < rows; r += 4) {
+  in_bands_of_four(rows, [&](auto band_rows, int64_t r) {
+    constexpr int64_t kRows = decltype(band_rows)::value;
     const StreamAhead* told = r == 0 ? &stream : nullptr;
-    acc_t* score_rows = scores + r * ld_scores;
-    const auto band = [&](auto band_rows) {
-      constexpr int64_t kRows = decltype(band_rows)::value;
 #if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (kPairDots<acc_t, src_t>) {
-        if (q_pairs != nullptr) {
-          query_key_pair_band<kRows>(q_pairs + r * ld_q, ld_q, k, ld_k, cols, dim, score_rows,
-                                     ld_scores, told);
-          return;
-        }
+    if constexpr (kPairDots<acc_t, src_t>) {
+      if (q_pairs != nullptr) {
+        query_key_pair_band<kRows>(q_pairs + r * ld_q, ld_q, k, ld_k, cols, dim,
+                                   scores + r * ld_scores, ld_scores, told);
+        return;
       }
-#endif
-      query_key_band<kRows>(q + r * ld_q, ld_q, k, ld_k, cols, dim, score_rows, ld_scores, told);
-    };
-    switch (std::min<int64_t>(4, rows - r)) {
-      case 4:
-        band(std::integral_constant<int64_t, 4>{});
-        break;
-      case 3:
-        band(std::integral_constant<int64_t, 3>{});
-        break;
-      case 2:
-        band(std::integral_constant<int64_t, 2>{});
-        break;
-      default:
-        band(std::integral_constant<int64_t, 1>{});
     }
-  }
+#endif
+    query_key_band<kRows>(q + r * ld_q, ld_q, k, ld_k, cols, dim, scores + r * ld_scores, ld_scores,
+                          told);
+  });
 }
 
 // A register tile sums a transposed score along the head dim in one chain of fused
