@@ -9,7 +9,7 @@
 // KeyRows interleaves the heads' rows (a page), a task carries every KV head of its sequence
 // through each key block instead (heads_together). Rows of an 8-bit cache (ScaledPagedRows,
 // quantized_rows.h) are read in place too, widened in registers as bfloat16 rows are (int8 key
-// rows against bfloat16 or float16 query rows: scored by integer products, integer_scores.h);
+// rows against bfloat16 or float16 query rows: scored by integer products, integer_products.h);
 // their scales are folded into the scores (K's) and into the probabilities the values are
 // weighted by (V's), one multiply a key.
 #pragma once
@@ -18,7 +18,7 @@
 #include "attn_mask_view.h"
 #include "decode_tasks.h"
 #include "geometry.h"
-#include "integer_scores.h"
+#include "integer_products.h"
 #include "non_finite_guard.h"
 #include "online_softmax.h"
 #include "operands.h"
@@ -67,6 +67,7 @@ class DecodeForward {
         pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && cpu_has_pair_dots() &&
                    pair_dots_fit<kv_t>(d.head_dim)),
         integer_scores_(kIntegerQueryRows && integer_scores_fit(d.head_dim)),
+        integer_values_(kIntegerQueryRows && integer_values_fit(d.value_dim)),
         values_apart_here_(products_on_tiles(at::kBFloat16)) {}
 
   void run() const {
@@ -129,7 +130,7 @@ class DecodeForward {
   // tests use to run the other chips' path, turn them off too).
   static constexpr bool kBFloat16PairDots =
       std::is_same_v<scalar_t, c10::BFloat16> && kPairDots<acc_t, kv_t>;
-  // Whether reduced query rows may score int8 K rows by integer products (integer_scores.h), the
+  // Whether reduced query rows may score int8 K rows by integer products (integer_products.h), the
   // rows held as int16 (query_integers).
   static constexpr bool kIntegerQueryRows = kIntegerScores<scalar_t, kv_t>;
   // Whether a task of `rows` rows takes the block products: only where this call's products of
@@ -150,11 +151,12 @@ class DecodeForward {
   struct Scratch {
     ScratchVector<acc_t> queries, queries_t, keys, scores, scores_t;
     ScratchVector<scalar_t> query_pairs;  // the query rows for pair_dots_ (order_query_pairs)
-    // the query rows for integer_scores_ as int16, each times its scale (quantize_query_row), and
+    // the query rows for integer_scores_ as int16, each times its scale (quantize_row), and
     // whether every row could be held so (finite)
     ScratchVector<int16_t> query_integers;
     ScratchVector<acc_t> query_scales;
     bool integer_rows = false;
+    IntegerWeights integer_weights;               // for integer_values_
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
@@ -188,6 +190,8 @@ class DecodeForward {
           query_pairs(kBFloat16PairDots ? Tasks::task_rows(d) * d.head_dim : 0),
           query_integers(kIntegerQueryRows ? Tasks::task_rows(d) * d.head_dim : 0),
           query_scales(kIntegerQueryRows ? Tasks::task_rows(d) : 0),
+          integer_weights(kIntegerQueryRows ? Tasks::task_rows(d) : 0,
+                          kIntegerQueryRows ? kKeyBlock : 0),
           first_visible(Tasks::task_rows(d)),
           visible(Tasks::task_rows(d)),
           mask_rows(Tasks::task_rows(d)),
@@ -243,13 +247,14 @@ class DecodeForward {
           std::fill(row + D, row + padded_dim, gemm_t(0));
         }
       } else {
-        s.integer_rows = integer_scores_ && padded(t.rows) == 0;
+        s.integer_rows = (integer_scores_ || integer_values_) && padded(t.rows) == 0;
         for (int64_t r = 0; r < t.rows; ++r) {
           const scalar_t* query = q_.row(t.b, t.head(r, dims_), t.query_row(r));
           convert_row(query, s.queries.data() + r * D, D);
           if constexpr (kIntegerQueryRows) {
             if (s.integer_rows) {
-              s.query_scales[r] = quantize_query_row(query, D, s.query_integers.data() + r * D);
+              s.query_scales[r] =
+                  quantize_row(s.queries.data() + r * D, D, s.query_integers.data() + r * D);
               s.integer_rows = s.query_scales[r] != 0;
             }
           }
@@ -306,7 +311,7 @@ class DecodeForward {
                          stream);
       } else {
         if constexpr (kIntegerQueryRows) {
-          if (s.integer_rows) {
+          if (s.integer_rows && integer_scores_) {
             query_key_integer_scores(s.query_integers.data(), D, s.query_scales.data(), rows,
                                      run.first, k_.row_stride, run.count, D,
                                      s.scores.data() + run.offset, cols, stream);
@@ -633,6 +638,18 @@ class DecodeForward {
         block_values(rows, cols, s);
         return;
       }
+      if constexpr (kIntegerQueryRows) {
+        static_assert(kKeyBlock <= kMaxIntegerKeys);
+        if (s.integer_rows && integer_values_ && every_row_sees_all(rows, cols, s)) {
+          RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
+          values.streams =
+              s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
+          if (accumulate_integer_values(s.scores.data(), cols, rows, cols, values, Dv,
+                                        s.state.out.data(), Dv, s.integer_weights)) {
+            return;
+          }
+        }
+      }
       if constexpr (kWidensValues) {
         if (padded(rows) > 0) {
           widen_values(s);
@@ -690,6 +707,7 @@ class DecodeForward {
   const bool native_products_;  // read once a call (multiplies_blocks)
   const bool pair_dots_;        // and these (kBFloat16PairDots)
   const bool integer_scores_;   // (kIntegerQueryRows)
+  const bool integer_values_;
   // Whether value_requests gives kApart to 16-bit rows too (8-bit rows take it everywhere): on
   // the AMX Xeon, where the next block's value rows requested by the values' pass made a bfloat16
   // paged decode from memory 0.91-0.94 of its time with them requested alongside the keys

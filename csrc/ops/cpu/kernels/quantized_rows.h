@@ -1,7 +1,7 @@
 // The rows of an 8-bit paged KV cache (float8_e4m3fn, float8_e5m2 or int8 pages, each row with
 // its dequantization scale: stored value x scale = key or value), read two ways:
 // - by the decode in place (ScaledPagedRows), widened in registers by the products as bfloat16
-//   rows are (int8 key rows multiplied as integers by reduced query rows, integer_scores.h), with
+//   rows are (int8 key rows multiplied as integers by reduced query rows, integer_products.h), with
 //   no copy; the decode multiplies each key's scores by K's scale and its probabilities by V's
 //   (decode.h), one multiply a key and query row;
 // - by the block path (prefill chunks) a block at a time, widened once with their scales into the

@@ -91,6 +91,19 @@ struct StreamAhead {
   // The values' pass has reached keys [j, j + n) of `keys` (kApart, kTwice).
   void at_values(int64_t j, int64_t n) const { fetch_share(next_values, j, n); }
 
+  static constexpr int64_t kLineBytes = 64;
+  // One cache line requested into L2. Not __builtin_prefetch: GCC 12 takes a function whose only
+  // effect is that builtin for a pure one and deletes the calls to it, and at_keys compiled to
+  // nothing (the library held no prefetch instruction). An asm volatile statement is an effect it
+  // keeps.
+  static C10_ALWAYS_INLINE void request_line(const char* line) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht1 %0" : : "m"(*line));
+#else
+    __builtin_prefetch(line, /*rw=*/0, /*locality=*/2);
+#endif
+  }
+
  private:
   // The share of `rows` that keys [j, j + n) of `keys` stand for.
   void fetch_share(const Rows& rows, int64_t j, int64_t n) const {
@@ -108,22 +121,9 @@ struct StreamAhead {
   }
 
   static C10_ALWAYS_INLINE void fetch_row(const Rows& rows, int64_t i) {
-    constexpr int64_t kLineBytes = 64;
     for (int64_t c = 0; c < rows.row_bytes; c += kLineBytes) {
       request_line(rows.data + i * rows.stride_bytes + c);
     }
-  }
-
-  // One cache line requested into L2. Not __builtin_prefetch: GCC 12 takes a function whose only
-  // effect is that builtin for a pure one and deletes the calls to it, and at_keys compiled to
-  // nothing (the library held no prefetch instruction). An asm volatile statement is an effect it
-  // keeps.
-  static C10_ALWAYS_INLINE void request_line(const char* line) {
-#if defined(__x86_64__) || defined(__i386__)
-    asm volatile("prefetcht1 %0" : : "m"(*line));
-#else
-    __builtin_prefetch(line, /*rw=*/0, /*locality=*/2);
-#endif
   }
 };
 

@@ -154,7 +154,7 @@ constexpr int64_t band_tile_keys(int64_t rows) {
 // Whether query_key_scores may score bfloat16 query rows against key rows of src_t with
 // AVX-512 BF16's dot products of pairs (query_key_pair_band): key rows whose values bfloat16
 // holds exactly (its own and the float8 ones; int8 rows are scored by integer products,
-// integer_scores.h), in the AVX-512 build, which asks the CPU at run time (cpu_has_pair_dots).
+// integer_products.h), in the AVX-512 build, which asks the CPU at run time (cpu_has_pair_dots).
 template <typename acc_t, typename src_t>
 inline constexpr bool kPairDots =
 #if defined(CPU_CAPABILITY_AVX512)

@@ -1,8 +1,8 @@
-"""The decode's integer scores (csrc/ops/cpu/kernels/integer_scores.h): bfloat16 and float16
-query rows against an int8 cache's key rows, each query row held as int16 times a power of two
-and its products with the int8 keys summed exactly in int32.
+"""The decode's integer products (csrc/ops/cpu/kernels/integer_products.h) of an int8 cache's
+rows beside bfloat16 and float16 query rows.
 
-Read through the log-sum-exp paged_attention returns: with one visible key it is the score
+Scores: each query row held as int16 times a power of two, its products with the int8 keys
+summed exactly in int32. Read through the log-sum-exp paged_attention returns: with one visible key it is the score
 itself (times the softmax scale), with several the log of the sum of their exponentials, in
 float32 either way, where the output is only as exact as q's dtype. So these tests see the
 scores to float32's precision:
@@ -10,8 +10,16 @@ scores to float32's precision:
   score is q . k x scales up to float32's rounding;
 - farther elements are rounded to units of 2^-15 of the power of two above the row's largest,
   the score is that of the query so held (and not of the query itself);
-- a row holding inf or NaN is scored in float32 instead, NaN as q . k gives;
-- in every kernel build (AVX-512 with VNNI, AVX2, the scalar baseline).
+- a row holding inf or NaN is scored in float32 instead, NaN as q . k gives.
+
+Values: each row's weights of a key block (P times V's scales) held as int16 in units of 2^-15
+of the power of two above the block's largest, their products with the int8 value rows summed
+exactly; blocks a row sees only in part keep the float32 tiles. Against float64 on the
+dequantized cache within q's dtype's error, for every value width of whole 32s, odd key counts
+(the products take keys in pairs), groups of 1-4 rows and windows; and a weight below half a
+unit of its block's largest adds nothing.
+
+All of it in every kernel build (AVX-512 with VNNI, AVX2, the scalar baseline).
 """
 
 import os
@@ -47,27 +55,29 @@ def query_rows(count, dim, dtype, binades, generator):
 def paged(keys, values, k_scale, v_scale, lengths):
     """A paged cache of one 512-row page a sequence from (B, L, HKV, D) int8 keys and values and
     per-token scales (B, L, HKV)."""
-    batch, length = keys.shape[:2]
+    batch, length, hkv = keys.shape[:3]
     page = 512
-    k_cache = torch.zeros(batch, page, HKV, keys.shape[-1], dtype=torch.int8)
-    v_cache = torch.zeros(batch, page, HKV, values.shape[-1], dtype=torch.int8)
-    k_scales = torch.ones(batch, page, HKV)
-    v_scales = torch.ones(batch, page, HKV)
+    k_cache = torch.zeros(batch, page, hkv, keys.shape[-1], dtype=torch.int8)
+    v_cache = torch.zeros(batch, page, hkv, values.shape[-1], dtype=torch.int8)
+    k_scales = torch.ones(batch, page, hkv)
+    v_scales = torch.ones(batch, page, hkv)
     k_cache[:, :length], v_cache[:, :length] = keys, values
     k_scales[:, :length], v_scales[:, :length] = k_scale, v_scale
     table = torch.arange(batch, dtype=torch.int32).view(batch, 1)
     return k_cache, v_cache, k_scales, v_scales, table, torch.tensor(lengths, dtype=torch.int32)
 
 
-def decode_lse(q, keys, values, k_scale, lengths):
-    """lse (HQ, B) of one query row a sequence against `lengths` of its keys."""
+def decode_lse(q, keys, values, k_scale, lengths, v_scale=None, **options):
+    """out (B, Hq, Dv) and lse (Hq, B) of one query row a sequence against `lengths` of its
+    keys."""
     batch = q.shape[0]
+    v_scale = torch.full(k_scale.shape, 0.01) if v_scale is None else v_scale
     k_cache, v_cache, k_scales, v_scales, table, seqlens = paged(
-        keys, values, k_scale, torch.full(k_scale.shape, 0.01), lengths)
+        keys, values, k_scale, v_scale, lengths)
     cu = torch.arange(batch + 1, dtype=torch.int32)
     out, lse = paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
                                max_seqlen_q=1, k_scale=k_scales, v_scale=v_scales,
-                               return_lse=True)
+                               return_lse=True, **options)
     return out, lse
 
 
@@ -195,13 +205,63 @@ def test_zero_query_row_weighs_every_key_alike():
     torch.testing.assert_close(out.double(), mean, rtol=1e-2, atol=1e-3)
 
 
+# The error of out against float64, over its largest magnitude, as test_paged_attention_8bit's.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim_v", [32, 96, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [(-1, 0), (40, 0)])
+def test_values_match_float64(dtype, dim_v, group, window):
+    """Sequences of 150 and 77 keys (blocks of 64: whole ones, and last ones of 22 and 13 keys,
+    an odd count), query heads in groups of 1, 3 or 4 a KV head; a window of 40 leaves a block
+    its rows see in part."""
+    generator = torch.Generator().manual_seed(dim_v * group)
+    hkv, dim, lengths = 2, 64, [150, 77]
+    q = torch.randn(2, hkv * group, dim, generator=generator).to(dtype)
+    keys = torch.randint(-128, 128, (2, 150, hkv, dim), generator=generator, dtype=torch.int8)
+    values = torch.randint(-128, 128, (2, 150, hkv, dim_v), generator=generator,
+                           dtype=torch.int8)
+    k_scale = torch.rand(2, 150, hkv, generator=generator) * 0.04 + 0.001
+    v_scale = torch.rand(2, 150, hkv, generator=generator) * 0.02 + 0.001
+    out, _ = decode_lse(q, keys, values, k_scale, lengths, v_scale=v_scale, window=window)
+    k = (keys.double() * k_scale.double()[..., None]).repeat_interleave(group, dim=2)
+    v = (values.double() * v_scale.double()[..., None]).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,blhd->bhl", q.double(), k) / dim**0.5
+    for b, n in enumerate(lengths):
+        first = 0 if window[0] < 0 else max(0, n - 1 - window[0])
+        p = torch.softmax(scores[b, :, first:n], dim=-1)
+        want = torch.einsum("hl,lhd->hd", p, v[b, first:n])
+        error = ((out[b].double() - want).abs().max() / want.abs().max()).item()
+        assert error <= TOLERANCE[dtype], (b, error)
+
+
+def test_a_weight_below_half_a_unit_adds_nothing():
+    """Two keys, the second's probability 2^-24 of the first's (a 2^-10 of a unit): its value
+    row, the only one not zero, adds nothing to the output."""
+    hkv, dim = 2, 32
+    q = torch.zeros(1, 2 * hkv, dim, dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    keys = torch.zeros(1, 2, hkv, dim, dtype=torch.int8)
+    keys[:, 1, :, 0] = -128
+    # the second key's score 24 ln 2 below the first's
+    k_scale = torch.tensor([[[1.0] * hkv, [24 * 0.6931471805599453 * dim**0.5 / 128] * hkv]])
+    values = torch.zeros(1, 2, hkv, 32, dtype=torch.int8)
+    values[:, 1] = 127
+    out, lse = decode_lse(q, keys, values, k_scale, [2], v_scale=torch.ones(1, 2, hkv))
+    assert torch.equal(out, torch.zeros_like(out))
+    # where exact, 127 x 2^-24 / (1 + 2^-24): a bfloat16 far from zero
+    assert torch.tensor(127 * 2.0**-24).bfloat16().item() > 7e-6
+
+
 MACHINE_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 RUNNABLE = {
     "default": True,
     "avx2": MACHINE_CAPABILITY in ("AVX2", "AVX512"),
     "avx512": MACHINE_CAPABILITY == "AVX512",
 }
-MARKER = "INTEGER_SCORES_OK"
+MARKER = "INTEGER_PRODUCTS_OK"
 SCRIPT = textwrap.dedent(
     f"""
     import os, sys
@@ -209,7 +269,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
     sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
     assert torch.backends.cpu.get_cpu_capability() == os.environ["ATEN_CPU_CAPABILITY"].upper()
-    import test_integer_scores as t
+    import test_integer_products as t
     for dtype in (torch.bfloat16, torch.float16):
         for dim in (32, 128):
             t.test_one_key_score_is_exact_where_elements_lie_within_binades(dtype, dim)
@@ -218,6 +278,11 @@ SCRIPT = textwrap.dedent(
     t.test_far_elements_are_rounded_to_units_of_two_to_the_minus_15(128)
     t.test_an_element_below_half_a_unit_adds_nothing()
     t.test_query_rows_with_inf_or_nan_are_scored_in_float()
+    for dtype in (torch.bfloat16, torch.float16):
+        for dim_v in (32, 128):
+            t.test_values_match_float64(dtype, dim_v, 4, (-1, 0))
+        t.test_values_match_float64(dtype, 96, 3, (40, 0))
+    t.test_a_weight_below_half_a_unit_adds_nothing()
     print("{MARKER}", os.environ["ATEN_CPU_CAPABILITY"])
     """
 )
