@@ -2,8 +2,9 @@
 A/B that a drifting shared machine cannot tilt (both builds see the same stretch of its time and
 each core in turn). Each side is a single-threaded process importing causal_attention from its
 own folder (a built package, e.g. a copy of another checkout's causal_attention/ beside nothing
-else); each line printed is one such pair of runs. With --threads N > 1 each side takes N threads
-and every core, and the sides run one after the other instead, alternated.
+else); each line printed is one such pair of runs, and the last three lines the medians of
+each column over them and B's over A's. With --threads N > 1 each side takes N threads and every
+core, and the sides run one after the other instead, alternated.
 
     python -m benchmarks.paired <folder A> <folder B> short           # bf16 forward, L 64-512
     python -m benchmarks.paired <folder A> <folder B> short --dim 128 # the same at D 128
@@ -142,8 +143,15 @@ def main():
     if args.child:
         child(args.case, args.cache, args.threads, args.dim)
         return
+    for folder in (args.a, args.b):
+        # A folder without the package would import the checkout's own from PYTHONPATH's tail,
+        # and time one build against itself.
+        if not (folder / "causal_attention" / "__init__.py").is_file():
+            raise SystemExit(f"{folder} holds no causal_attention package: give the folder that "
+                             "holds one (a copy's parent), not the package itself")
     command = [sys.executable, "-m", "benchmarks.paired", str(args.a), str(args.b), args.case,
                args.cache, "--child", "--threads", str(args.threads), "--dim", str(args.dim)]
+    times = {"A": [], "B": []}
 
     def start(folder, core):
         env = dict(os.environ, PYTHONPATH=f"{folder.resolve()}{os.pathsep}{CHECKOUT}")
@@ -156,12 +164,21 @@ def main():
             a = start(args.a, f"0-{os.cpu_count() - 1}").communicate()[0].strip()
             b = start(args.b, f"0-{os.cpu_count() - 1}").communicate()[0].strip()
             print(f"A {a}   |   B {b}", flush=True)
-        return
-    for _ in range(args.pairs):
-        for core_a, core_b in ((0, 1), (1, 0)):
-            a, b = start(args.a, core_a), start(args.b, core_b)
-            print(f"A (core {core_a}) {a.communicate()[0].strip()}   |   "
-                  f"B (core {core_b}) {b.communicate()[0].strip()}", flush=True)
+            times["A"].append(a.split())
+            times["B"].append(b.split())
+    else:
+        for _ in range(args.pairs):
+            for core_a, core_b in ((0, 1), (1, 0)):
+                a, b = start(args.a, core_a), start(args.b, core_b)
+                a_out, b_out = a.communicate()[0].strip(), b.communicate()[0].strip()
+                print(f"A (core {core_a}) {a_out}   |   B (core {core_b}) {b_out}", flush=True)
+                times["A"].append(a_out.split())
+                times["B"].append(b_out.split())
+    medians = {side: [statistics.median(float(line[c]) for line in lines)
+                      for c in range(len(lines[0]))] for side, lines in times.items()}
+    print("median A " + " ".join(f"{t:9.2f}" for t in medians["A"]))
+    print("median B " + " ".join(f"{t:9.2f}" for t in medians["B"]))
+    print("B / A    " + " ".join(f"{b / a:9.3f}" for a, b in zip(medians["A"], medians["B"])))
 
 
 if __name__ == "__main__":
