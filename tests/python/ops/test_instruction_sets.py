@@ -12,25 +12,15 @@ own kernels and ours then die of SIGILL, so no build above this process's capabi
 for.)
 """
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 import causal_attention
-from attention_testing.subprocesses import run_python
+from attention_testing.kernel_builds import EVERY_BUILD, run_in_build
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
-# The highest build this torch selects here (lower if this process runs under a lowering
-# ATEN_CPU_CAPABILITY itself), and the builds it can be lowered to.
-MACHINE_CAPABILITY = torch.backends.cpu.get_cpu_capability()
-RUNNABLE = {
-    "default": True,
-    "avx2": MACHINE_CAPABILITY in ("AVX2", "AVX512"),
-    "avx512": MACHINE_CAPABILITY == "AVX512",
-}
 MARKER = "INSTRUCTION_SET_SUBSET_OK"
 
 SCRIPT = textwrap.dedent(
@@ -180,25 +170,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(
-    "capability",
-    [
-        pytest.param(
-            cap,
-            marks=pytest.mark.skipif(
-                not runnable,
-                reason=f"torch's CPU capability in this process is {MACHINE_CAPABILITY} "
-                f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}): "
-                f"the {cap.upper()} kernel build cannot run here",
-            ),
-        )
-        for cap, runnable in RUNNABLE.items()
-    ],
-)
+@pytest.mark.parametrize("capability", EVERY_BUILD)
 def test_kernel_build_matches_float64_sdpa(capability, monkeypatch):
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
-    result = run_python(SCRIPT, PACKAGE_PARENT, timeout=120)
+    result = run_in_build(capability, SCRIPT, PACKAGE_PARENT, monkeypatch)
     report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.returncode == 0, report
     assert f"PACKAGE {causal_attention.__file__}" in result.stdout, report
     assert f"{MARKER} {capability.upper()}" in result.stdout, report

@@ -22,7 +22,6 @@ unit of its block's largest adds nothing.
 All of it in every kernel build (AVX-512 with VNNI, AVX2, the scalar baseline).
 """
 
-import os
 import textwrap
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import pytest
 import torch
 
 import causal_attention
-from attention_testing.subprocesses import run_python
+from attention_testing.kernel_builds import EVERY_BUILD, run_in_build
 from causal_attention import paged_attention
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -255,12 +254,6 @@ def test_a_weight_below_half_a_unit_adds_nothing():
     assert torch.tensor(127 * 2.0**-24).bfloat16().item() > 7e-6
 
 
-MACHINE_CAPABILITY = torch.backends.cpu.get_cpu_capability()
-RUNNABLE = {
-    "default": True,
-    "avx2": MACHINE_CAPABILITY in ("AVX2", "AVX512"),
-    "avx512": MACHINE_CAPABILITY == "AVX512",
-}
 MARKER = "INTEGER_PRODUCTS_OK"
 SCRIPT = textwrap.dedent(
     f"""
@@ -288,23 +281,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(
-    "capability",
-    [
-        pytest.param(
-            cap,
-            marks=pytest.mark.skipif(
-                not runnable,
-                reason=f"torch's CPU capability here is {MACHINE_CAPABILITY}: the "
-                f"{cap.upper()} kernel build cannot run",
-            ),
-        )
-        for cap, runnable in RUNNABLE.items()
-    ],
-)
-def test_every_kernel_build_scores_alike(capability, monkeypatch):
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
-    result = run_python(SCRIPT, PACKAGE_PARENT, timeout=120)
-    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.returncode == 0, report
-    assert f"{MARKER} {capability}" in result.stdout, report
+@pytest.mark.parametrize("capability", EVERY_BUILD)
+def test_every_kernel_build_multiplies_alike(capability, monkeypatch):
+    result = run_in_build(capability, SCRIPT, PACKAGE_PARENT, monkeypatch)
+    assert f"{MARKER} {capability}" in result.stdout, result.stdout
