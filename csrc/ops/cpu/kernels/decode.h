@@ -130,9 +130,9 @@ class DecodeForward {
   // tests use to run the other chips' path, turn them off too).
   static constexpr bool kBFloat16PairDots =
       std::is_same_v<scalar_t, c10::BFloat16> && kPairDots<acc_t, kv_t>;
-  // Whether reduced query rows may score int8 K rows by integer products (integer_products.h), the
-  // rows held as int16 (query_integers).
-  static constexpr bool kIntegerQueryRows = kIntegerScores<scalar_t, kv_t>;
+  // Whether reduced query rows may take int8 K and V rows by integer products
+  // (integer_products.h), the query rows held as int16 (query_integers).
+  static constexpr bool kIntegerQueryRows = kIntegerProducts<scalar_t, kv_t>;
   // Whether a task of `rows` rows takes the block products: only where this call's products of
   // two inputs are native (block_gemm.h). Widened, they were slower than the register products
   // in a trial build (MLA's 16 heads, a verify step), which compute the same sums of exact

@@ -45,11 +45,11 @@
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
-// Whether query rows of scalar_t score int8 key rows of kv_t by integer products: bfloat16 and
-// float16 rows, whose elements int16 holds exactly over 7 and 4 binades (float32's 24-bit
+// Whether query rows of scalar_t take int8 K and V rows of kv_t by integer products: bfloat16
+// and float16 rows, whose elements int16 holds exactly over 7 and 4 binades (float32's 24-bit
 // significands would lose more than their own rounding).
 template <typename scalar_t, typename kv_t>
-inline constexpr bool kIntegerScores =
+inline constexpr bool kIntegerProducts =
     std::is_same_v<kv_t, int8_t> &&
     (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>);
 
@@ -58,9 +58,10 @@ inline constexpr bool kIntegerScores =
 constexpr int64_t kIntegerStep = 32;
 constexpr int64_t kMaxIntegerDim = 512;
 
-// Whether this CPU and build score by integer products at a head dim of `dim`: the AVX-512 build
-// on chips with AVX-512 VNNI (every chip seen with AVX-512 has it; without it a product would
-// take two instructions and the float path is kept), the others everywhere.
+// Whether this CPU and build take the integer products: the AVX-512 build on chips with AVX-512
+// VNNI (every chip seen with AVX-512 has it; without it a product would take two instructions
+// and the float path is kept), the others everywhere. integer_scores_fit and integer_values_fit
+// add the head dims each takes.
 inline bool integer_products_here() {
 #if defined(CPU_CAPABILITY_AVX512)
   static const bool has_vnni = __builtin_cpu_supports("avx512vnni");
@@ -172,11 +173,18 @@ C10_ALWAYS_INLINE void store_integer_tile_sums(const at::vec::Vectorized<int32_t
 }
 #endif
 
+// The vector steps both tiles take, per build: IntVector holds kInt16Lanes int16 values
+// (widen_int8: as many int8 values widened) or half as many int32 sums, and multiply_add_pairs
+// adds the products of a's and b's int16 lanes into sum, each pair of them into its int32 lane.
 #if defined(CPU_CAPABILITY_AVX512)
+using IntVector = __m512i;
+constexpr int64_t kInt16Lanes = 32;
+C10_ALWAYS_INLINE __m512i widen_int8(const int8_t* src) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
-// sum + the products of a's and b's int16 lanes, each pair of them added into its int32 lane
-// (vpdpwssd), the sum updated in its own register: through _mm512_dpwssd_epi32 GCC 12 moved each
+// vpdpwssd, the sum updated in its own register: through _mm512_dpwssd_epi32 GCC 12 moved each
 // accumulator of a tile to another register and back at every step (twice the instructions of
 // the products in the values' tile).
 C10_ALWAYS_INLINE __m512i multiply_add_pairs(__m512i sum, __m512i a, __m512i b) {
@@ -184,6 +192,15 @@ C10_ALWAYS_INLINE __m512i multiply_add_pairs(__m512i sum, __m512i a, __m512i b) 
   return sum;
 }
 #pragma GCC pop_options
+#elif defined(CPU_CAPABILITY_AVX2)
+using IntVector = __m256i;
+constexpr int64_t kInt16Lanes = 16;
+C10_ALWAYS_INLINE __m256i widen_int8(const int8_t* src) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+C10_ALWAYS_INLINE __m256i multiply_add_pairs(__m256i sum, __m256i a, __m256i b) {
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+}
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -204,47 +221,27 @@ C10_ALWAYS_INLINE void query_key_integer_tile(const int16_t* q, int64_t ld_q, co
   static_assert(kRows * kKeys <= Vec::size());
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t N = Vec::size();
-#if defined(CPU_CAPABILITY_AVX512)
-  using Ints = __m512i;
-  constexpr int64_t kWidth = 32;  // int16 values a vector
-  const auto load_query = [](const int16_t* src) { return _mm512_loadu_si512(src); };
-  const auto load_key = [](const int8_t* src) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  };
-  const auto multiply_add = multiply_add_pairs;
-#else
-  using Ints = __m256i;
-  constexpr int64_t kWidth = 16;
-  const auto load_query = [](const int16_t* src) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  };
-  const auto load_key = [](const int8_t* src) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  };
-  const auto multiply_add = [](Ints sum, Ints a, Ints b) {
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
-  };
-#endif
+  using Ints = IntVector;
   Ints acc[N];  // raw registers: through Vec's wrapper GCC moved each before its products
 #pragma GCC unroll 16
   for (int64_t i = 0; i < N; ++i) {
     acc[i] = Ints(Vec(0));
   }
-  for (int64_t d = 0; d < dim; d += kWidth) {
+  for (int64_t d = 0; d < dim; d += kInt16Lanes) {
     Ints query[kRows];
 #pragma GCC unroll 4
     for (int64_t i = 0; i < kRows; ++i) {
-      query[i] = load_query(q + i * ld_q + d);
+      std::memcpy(&query[i], q + i * ld_q + d, sizeof(Ints));
     }
 #pragma GCC unroll 16
     for (int64_t c = 0; c < kKeys; ++c) {
       if (stream != nullptr && d == 0) {
         stream->at_key(first_key + c);
       }
-      const Ints key = load_key(k + c * ld_k + d);
+      const Ints key = widen_int8(k + c * ld_k + d);
 #pragma GCC unroll 4
       for (int64_t i = 0; i < kRows; ++i) {
-        acc[i * kKeys + c] = multiply_add(acc[i * kKeys + c], query[i], key);
+        acc[i * kKeys + c] = multiply_add_pairs(acc[i * kKeys + c], query[i], key);
       }
     }
   }
@@ -312,7 +309,7 @@ inline void query_key_integer_scores(const int16_t* q, int64_t ld_q, const float
 }
 
 // ---- Values ----
-// The decode's P V_j for int8 value rows beside bfloat16 or float16 query rows (kIntegerScores),
+// The decode's P V_j for int8 value rows beside bfloat16 or float16 query rows (kIntegerProducts),
 // where every row sees every key of the block: each row's weights (P times V's scales) held as
 // int16 in units of 2^-15 of the power of two above the block's largest (quantize_row: an error
 // of at most 2^-16 of it a weight, where SDPA rounds P to bfloat16, 2^-9 of each), their
@@ -346,9 +343,7 @@ struct IntegerWeights {
   // Requests key j's next row, a line at a time.
   C10_ALWAYS_INLINE void request(int64_t j) const {
     if (const char* row = next_rows[j]; row != nullptr) {
-      for (int64_t c = 0; c < row_bytes; c += StreamAhead::kLineBytes) {
-        StreamAhead::request_line(row + c);
-      }
+      StreamAhead::request_row(row, row_bytes);
     }
   }
 };
@@ -372,25 +367,13 @@ C10_ALWAYS_INLINE void integer_value_tile(const int16_t* w, int64_t ld_w, const 
     std::memcpy(&pair, w + i * ld_w + 2 * t, sizeof(pair));
     return pair;
   };
+  using Ints = IntVector;
+  constexpr int64_t kChunk = kInt16Lanes;
 #if defined(CPU_CAPABILITY_AVX512)
-  using Ints = __m512i;
-  constexpr int64_t kChunk = 32;
-  const auto load = [](const int8_t* src) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  };
-  const auto multiply_add = multiply_add_pairs;
   const auto broadcast = [](int32_t pair) { return _mm512_set1_epi32(pair); };
   const auto interleave_low = [](Ints a, Ints b) { return _mm512_unpacklo_epi16(a, b); };
   const auto interleave_high = [](Ints a, Ints b) { return _mm512_unpackhi_epi16(a, b); };
 #else
-  using Ints = __m256i;
-  constexpr int64_t kChunk = 16;
-  const auto load = [](const int8_t* src) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  };
-  const auto multiply_add = [](Ints sum, Ints a, Ints b) {
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
-  };
   const auto broadcast = [](int32_t pair) { return _mm256_set1_epi32(pair); };
   const auto interleave_low = [](Ints a, Ints b) { return _mm256_unpacklo_epi16(a, b); };
   const auto interleave_high = [](Ints a, Ints b) { return _mm256_unpackhi_epi16(a, b); };
@@ -419,12 +402,12 @@ C10_ALWAYS_INLINE void integer_value_tile(const int16_t* w, int64_t ld_w, const 
     }
 #pragma GCC unroll 2
     for (int64_t h = 0; h < kChunks; ++h) {
-      const Ints a = load(first + h * kChunk), b = load(second + h * kChunk);
+      const Ints a = widen_int8(first + h * kChunk), b = widen_int8(second + h * kChunk);
       const Ints low = interleave_low(a, b), high = interleave_high(a, b);
 #pragma GCC unroll 4
       for (int64_t i = 0; i < kRows; ++i) {
-        acc[i][2 * h] = multiply_add(acc[i][2 * h], low, pairs_of_rows[i]);
-        acc[i][2 * h + 1] = multiply_add(acc[i][2 * h + 1], high, pairs_of_rows[i]);
+        acc[i][2 * h] = multiply_add_pairs(acc[i][2 * h], low, pairs_of_rows[i]);
+        acc[i][2 * h + 1] = multiply_add_pairs(acc[i][2 * h + 1], high, pairs_of_rows[i]);
       }
     }
   }

@@ -92,6 +92,12 @@ struct StreamAhead {
   void at_values(int64_t j, int64_t n) const { fetch_share(next_values, j, n); }
 
   static constexpr int64_t kLineBytes = 64;
+  // The lines of a row of `bytes` bytes from `row` requested into L2.
+  static C10_ALWAYS_INLINE void request_row(const char* row, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += kLineBytes) {
+      request_line(row + c);
+    }
+  }
   // One cache line requested into L2. Not __builtin_prefetch: GCC 12 takes a function whose only
   // effect is that builtin for a pure one and deletes the calls to it, and at_keys compiled to
   // nothing (the library held no prefetch instruction). An asm volatile statement is an effect it
@@ -121,9 +127,7 @@ struct StreamAhead {
   }
 
   static C10_ALWAYS_INLINE void fetch_row(const Rows& rows, int64_t i) {
-    for (int64_t c = 0; c < rows.row_bytes; c += kLineBytes) {
-      request_line(rows.data + i * rows.stride_bytes + c);
-    }
+    request_row(rows.data + i * rows.stride_bytes, rows.row_bytes);
   }
 };
 
