@@ -24,6 +24,7 @@
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
 
+#include "paired_value_rows.h"
 #include "register_tiles.h"
 #include "row_products.h"
 #include "scratch_vector.h"
@@ -324,28 +325,14 @@ inline bool integer_values_fit(int64_t dim_v) {
 }
 
 // A task's scratch for accumulate_integer_values: its rows' weights of one block, their units,
-// the block's value rows (one more for an odd count's pair), and for each key the next block's
-// value row to request (null: none), of row_bytes.
+// and the block's value rows.
 struct IntegerWeights {
   int64_t ld;
   ScratchVector<int16_t> weights;
   ScratchVector<float> units;
-  std::vector<const int8_t*> rows;
-  std::vector<const char*> next_rows;
-  int64_t row_bytes = 0;
+  PairedValueRows<int8_t> rows;
   IntegerWeights(int64_t task_rows, int64_t keys)
-      : ld(keys + 2),
-        weights(task_rows * (keys + 2)),
-        units(task_rows),
-        rows(keys + 1),
-        next_rows(keys + 1) {}
-
-  // Requests key j's next row, a line at a time.
-  C10_ALWAYS_INLINE void request(int64_t j) const {
-    if (const char* row = next_rows[j]; row != nullptr) {
-      StreamAhead::request_row(row, row_bytes);
-    }
-  }
+      : ld(keys + 2), weights(task_rows * (keys + 2)), units(task_rows), rows(keys) {}
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -355,12 +342,12 @@ struct IntegerWeights {
 // out[i * ld_out + col + x] += units[i] * sum over key pairs t < pairs of w[i * ld_w + 2t] *
 // rows[2t][col + x] + w[i * ld_w + 2t + 1] * rows[2t + 1][col + x], for kRows rows i and
 // kChunks chunks of columns x (32 a chunk in AVX-512, 16 in AVX2), the sums in int32. With
-// `requests`, each key pair's next rows are requested as it is reached (IntegerWeights).
+// `requests`, each key pair's next rows are requested as it is reached.
 template <int64_t kRows, int64_t kChunks>
 C10_ALWAYS_INLINE void integer_value_tile(const int16_t* w, int64_t ld_w, const int8_t* const* rows,
                                           int64_t pairs, int64_t col, const float* units,
                                           float* out, int64_t ld_out,
-                                          const IntegerWeights* requests) {
+                                          const PairedValueRows<int8_t>* requests) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const auto weight_pair = [&](int64_t i, int64_t t) {
     int32_t pair;  // w[2t] in the low half, w[2t + 1] in the high
@@ -476,7 +463,7 @@ constexpr int64_t kIntegerValueChunk =
 template <int64_t kRows>
 void integer_value_band(const int16_t* w, int64_t ld_w, const int8_t* const* rows, int64_t pairs,
                         int64_t dim_v, const float* units, float* out, int64_t ld_out,
-                        const IntegerWeights* requests) {
+                        const PairedValueRows<int8_t>* requests) {
   constexpr int64_t kPass = (kIntegerValueChunk == 32 ? 2 : 1) * kIntegerValueChunk;
   int64_t col = 0;
   for (; col + kPass <= dim_v; col += kPass) {
@@ -508,29 +495,12 @@ inline bool accumulate_integer_values(const float* p, int64_t ld_p, int64_t rows
     }
     weights[cols] = 0;  // an odd count's last pair: its second key weighs nothing
   }
-  for (int64_t i = 0; i < v.num_runs; ++i) {
-    const RowRun<int8_t>& run = v.runs[i];
-    for (int64_t k = 0; k < run.count && run.offset + k < cols; ++k) {
-      scratch.rows[run.offset + k] = run.first + k * v.ld;
-    }
-    if (v.streams != nullptr) {  // key k of the run stands for the share of the next rows at k
-      const StreamAhead::Rows& next = v.streams[i].next_values;
-      scratch.row_bytes = next.row_bytes;
-      for (int64_t k = 0; k < run.count && run.offset + k < cols; ++k) {
-        const int64_t row = next.count == run.count ? k : next.count * k / run.count;
-        scratch.next_rows[run.offset + k] =
-            row < next.count ? next.data + row * next.stride_bytes : nullptr;
-      }
-    }
-  }
-  scratch.rows[cols] = scratch.rows[cols - 1];
-  scratch.next_rows[cols] = nullptr;
-  const int64_t pairs = (cols + 1) / 2;
+  const int64_t pairs = scratch.rows.gather(v, cols);
   in_bands_of_four(rows, [&](auto band_rows, int64_t r) {
     integer_value_band<decltype(band_rows)::value>(
-        scratch.weights.data() + r * scratch.ld, scratch.ld, scratch.rows.data(), pairs, dim_v,
+        scratch.weights.data() + r * scratch.ld, scratch.ld, scratch.rows.rows.data(), pairs, dim_v,
         scratch.units.data() + r, out + r * ld_out, ld_out,
-        r == 0 && v.streams != nullptr ? &scratch : nullptr);
+        r == 0 && v.streams != nullptr ? &scratch.rows : nullptr);
   });
   return true;
 }

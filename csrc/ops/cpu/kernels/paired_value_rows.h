@@ -1,0 +1,63 @@
+// A key block's value rows laid out for the decode's products that take two keys at once (the
+// int8 rows' integer products, integer_products.h): each key's row in key order, and for each key
+// the next block's row to request as the key's pair is reached.
+//
+// The requests come from this list, pair by pair inside the products' loop, rather than from a
+// call there (StreamAhead's, by run): a call in the loop kept the tile's sixteen accumulators in
+// memory across it (docs/benchmarks, stop 70).
+//
+// Included only by the per-instruction-set kernel sources (see geometry.h).
+#pragma once
+
+#include "register_tiles.h"
+
+#include <c10/macros/Macros.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace causal_attention::cpu::CPU_CAPABILITY {
+
+template <typename row_t>
+struct PairedValueRows {
+  // keys + 1 each: an odd count's last pair takes row `cols` (gather) as its second, whose
+  // weight the products' caller sets to zero
+  std::vector<const row_t*> rows;
+  std::vector<const char*> next_rows;  // null: none to request
+  int64_t row_bytes = 0;               // of a next row
+
+  explicit PairedValueRows(int64_t keys) : rows(keys + 1), next_rows(keys + 1) {}
+
+  // Lays out the first `cols` (> 0) rows of v's runs, and with v's streams the next block's row
+  // each key stands for (key k of a run for the run's share of the next rows at k); returns the
+  // number of pairs.
+  int64_t gather(const RunRows<row_t>& v, int64_t cols) {
+    for (int64_t i = 0; i < v.num_runs; ++i) {
+      const RowRun<row_t>& run = v.runs[i];
+      for (int64_t k = 0; k < run.count && run.offset + k < cols; ++k) {
+        rows[run.offset + k] = run.first + k * v.ld;
+      }
+      if (v.streams != nullptr) {
+        const StreamAhead::Rows& next = v.streams[i].next_values;
+        row_bytes = next.row_bytes;
+        for (int64_t k = 0; k < run.count && run.offset + k < cols; ++k) {
+          const int64_t row = next.count == run.count ? k : next.count * k / run.count;
+          next_rows[run.offset + k] =
+              row < next.count ? next.data + row * next.stride_bytes : nullptr;
+        }
+      }
+    }
+    rows[cols] = rows[cols - 1];
+    next_rows[cols] = nullptr;
+    return (cols + 1) / 2;
+  }
+
+  // Requests key j's next row, a line at a time.
+  C10_ALWAYS_INLINE void request(int64_t j) const {
+    if (const char* row = next_rows[j]; row != nullptr) {
+      StreamAhead::request_row(row, row_bytes);
+    }
+  }
+};
+
+}  // namespace causal_attention::cpu::CPU_CAPABILITY
