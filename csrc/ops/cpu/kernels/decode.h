@@ -17,6 +17,7 @@
 #include "../block_shapes.h"
 #include "attn_mask_view.h"
 #include "decode_tasks.h"
+#include "float8_pair_values.h"
 #include "geometry.h"
 #include "integer_products.h"
 #include "non_finite_guard.h"
@@ -68,6 +69,8 @@ class DecodeForward {
                    pair_dots_fit<kv_t>(d.head_dim)),
         integer_scores_(kIntegerQueryRows && integer_scores_fit(d.head_dim)),
         integer_values_(kIntegerQueryRows && integer_values_fit(d.value_dim)),
+        float8_pair_values_(kFloat8Values && native_products_now(at::kBFloat16) &&
+                            float8_pair_values_fit(d.value_dim)),
         values_apart_here_(products_on_tiles(at::kBFloat16)) {}
 
   void run() const {
@@ -133,6 +136,9 @@ class DecodeForward {
   // Whether reduced query rows may take int8 K and V rows by integer products
   // (integer_products.h), the query rows held as int16 (query_integers).
   static constexpr bool kIntegerQueryRows = kIntegerProducts<scalar_t, kv_t>;
+  // Whether float8 value rows beside bfloat16 query rows may take the pair products
+  // (float8_pair_values.h), where the block products of bfloat16 are native (as kBFloat16PairDots).
+  static constexpr bool kFloat8Values = kFloat8PairValues<scalar_t, kv_t>;
   // Whether a task of `rows` rows takes the block products: only where this call's products of
   // two inputs are native (block_gemm.h). Widened, they were slower than the register products
   // in a trial build (MLA's 16 heads, a verify step), which compute the same sums of exact
@@ -157,6 +163,7 @@ class DecodeForward {
     ScratchVector<acc_t> query_scales;
     bool integer_rows = false;
     IntegerWeights integer_weights;               // for integer_values_
+    Float8PairWeights<kv_t> float8_weights;       // for float8_pair_values_
     std::vector<int64_t> first_visible, visible;  // keys of the current block a row sees
     std::vector<MaskRow<acc_t>> mask_rows;        // and each row's attn_mask, where it is read
     // The runs of K and V rows of the current block and the next (block_runs), and the first key
@@ -192,6 +199,8 @@ class DecodeForward {
           query_scales(kIntegerQueryRows ? Tasks::task_rows(d) : 0),
           integer_weights(kIntegerQueryRows ? Tasks::task_rows(d) : 0,
                           kIntegerQueryRows ? kKeyBlock : 0),
+          float8_weights(kFloat8Values ? Tasks::task_rows(d) : 0, kFloat8Values ? kKeyBlock : 0,
+                         kFloat8Values ? d.value_dim : 0),
           first_visible(Tasks::task_rows(d)),
           visible(Tasks::task_rows(d)),
           mask_rows(Tasks::task_rows(d)),
@@ -638,6 +647,16 @@ class DecodeForward {
         block_values(rows, cols, s);
         return;
       }
+      if constexpr (kFloat8Values) {
+        if (float8_pair_values_ && every_row_sees_all(rows, cols, s)) {
+          RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
+          values.streams =
+              s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
+          accumulate_float8_pair_values(s.scores.data(), cols, rows, cols, values, Dv,
+                                        s.state.out.data(), Dv, s.float8_weights);
+          return;
+        }
+      }
       if constexpr (kIntegerQueryRows) {
         static_assert(kKeyBlock <= kMaxIntegerKeys);
         if (s.integer_rows && integer_values_ && every_row_sees_all(rows, cols, s)) {
@@ -708,6 +727,7 @@ class DecodeForward {
   const bool pair_dots_;        // and these (kBFloat16PairDots)
   const bool integer_scores_;   // (kIntegerQueryRows)
   const bool integer_values_;
+  const bool float8_pair_values_;  // (kFloat8Values)
   // Whether value_requests gives kApart to 16-bit rows too (8-bit rows take it everywhere): on
   // the AMX Xeon, where the next block's value rows requested by the values' pass made a bfloat16
   // paged decode from memory 0.91-0.94 of its time with them requested alongside the keys

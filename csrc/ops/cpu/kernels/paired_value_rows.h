@@ -1,6 +1,7 @@
 // A key block's value rows laid out for the decode's products that take two keys at once (the
-// int8 rows' integer products, integer_products.h): each key's row in key order, and for each key
-// the next block's row to request as the key's pair is reached.
+// int8 rows' integer products, integer_products.h, and the float8 rows' bfloat16 pair products,
+// float8_pair_values.h): each key's row in key order, and for each key the next block's row to
+// request as the key's pair is reached.
 //
 // The requests come from this list, pair by pair inside the products' loop, rather than from a
 // call there (StreamAhead's, by run): a call in the loop kept the tile's sixteen accumulators in
@@ -20,8 +21,8 @@ namespace causal_attention::cpu::CPU_CAPABILITY {
 
 template <typename row_t>
 struct PairedValueRows {
-  // keys + 1 each: an odd count's last pair takes row `cols` (gather) as its second, whose
-  // weight the products' caller sets to zero
+  // keys + 1 each: an odd count's last pair takes row `cols` (gather: a copy of the last row,
+  // which a caller may point elsewhere) as its second, whose weight the caller sets to zero
   std::vector<const row_t*> rows;
   std::vector<const char*> next_rows;  // null: none to request
   int64_t row_bytes = 0;               // of a next row

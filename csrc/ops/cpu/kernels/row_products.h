@@ -250,13 +250,13 @@ struct BytePairTables {
   }
 };
 
-// 64 bytes of src_t from src as two vectors of bfloat16 (their values, exactly), in
-// order_query_pairs' order: each byte's magnitude (its low 7 bits, the only ones the permutes
-// read) looked up in the tables, its sign put back, the low and high bytes interleaved.
+// 64 bytes of src_t as two vectors of bfloat16 (their values, exactly): each byte's magnitude
+// (its low 7 bits, the only ones the permutes read) looked up in the tables, its sign put back,
+// the low and high bytes interleaved. out[0] holds the bytes 0-7 of each 16-byte lane, out[1]
+// the bytes 8-15.
 template <typename src_t>
-C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>& t,
-                                  __m512bh (&out)[2]) {
-  const __m512i bytes = _mm512_loadu_si512(src);
+C10_ALWAYS_INLINE void byte_pairs_of(__m512i bytes, const BytePairTables<src_t>& t,
+                                     __m512bh (&out)[2]) {
   const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], bytes, t.lo[1]);
   const __m512i hi_magnitude = _mm512_permutex2var_epi8(t.hi[0], bytes, t.hi[1]);
   // hi | (bytes & 0x80): the sign back on the high byte
@@ -264,6 +264,13 @@ C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>&
       _mm512_ternarylogic_epi32(hi_magnitude, bytes, _mm512_set1_epi8(char(0x80)), 0xF8);
   out[0] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, hi));
   out[1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
+}
+
+// byte_pairs_of the 64 bytes at src: in order_query_pairs' order.
+template <typename src_t>
+C10_ALWAYS_INLINE void byte_pairs(const src_t* src, const BytePairTables<src_t>& t,
+                                  __m512bh (&out)[2]) {
+  byte_pairs_of(_mm512_loadu_si512(src), t, out);
 }
 
 // query_key_tile for query rows in bfloat16 (q, ld_q apart, in order_query_pairs' order) and a
