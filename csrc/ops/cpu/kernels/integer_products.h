@@ -313,7 +313,7 @@ inline void query_key_integer_scores(const int16_t* q, int64_t ld_q, const float
 // The decode's P V_j for int8 value rows beside bfloat16 or float16 query rows (kIntegerProducts),
 // where every row sees every key of the block: each row's weights (P times V's scales) held as
 // int16 in units of 2^-15 of the power of two above the block's largest (quantize_row: an error
-// of at most 2^-16 of it a weight, where SDPA rounds P to bfloat16, 2^-9 of each), their
+// of at most 2^-16 of it a weight, where SDPA rounds P to bfloat16, 2^-8 of each), their
 // products with the int8 value rows summed exactly in int32, two keys a product (the rows of a
 // pair interleaved, AVX-512 VNNI's vpdpwssd, AVX2's vpmaddwd), and converted once a block:
 // |sum| <= 256 x 32767 x 128 < 2^31 for a block of up to kMaxIntegerKeys keys.
