@@ -4,7 +4,10 @@
 #include "causal_attention/nn.h"
 #include "causal_attention/ops.h"
 
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -195,9 +198,57 @@ at::Tensor CausalSelfAttentionImpl::project_output(const at::Tensor& attended) {
   return resid_dropout(c_proj(merged));
 }
 
+at::Tensor CausalSelfAttentionImpl::decode_quantized(const at::Tensor& x, KVCache& cache,
+                                                     const std::optional<at::Tensor>& key_mask,
+                                                     const std::optional<at::Tensor>& attn_mask) {
+  for (const auto& [name, mask] :
+       {std::pair<const char*, const std::optional<at::Tensor>&>{"key_mask", key_mask},
+        std::pair<const char*, const std::optional<at::Tensor>&>{"attn_mask", attn_mask}}) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!mask.has_value(), kModule, ": ", name,
+                                " with an 8-bit KVCache is not supported (the attention on "
+                                "8-bit keys and values takes no mask); use a float cache");
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(!(is_training() && options.attn_dropout() > 0.0), kModule,
+                              ": attn_dropout in training with an 8-bit KVCache is not supported "
+                              "(8-bit caches are for inference); call eval()");
+  Heads heads = project_heads(x, nullptr, std::nullopt);
+  const bool records = heads.q.requires_grad() || (sinks.defined() && sinks.requires_grad());
+  TORCH_CHECK_NOT_IMPLEMENTED(!(records && at::GradMode::is_enabled()), kModule,
+                              ": decoding from an 8-bit KVCache is inference only (8-bit keys and "
+                              "values are not differentiable); run under torch::NoGradGuard or "
+                              "c10::InferenceMode");
+  const auto [keys, values, no_mask] = cache.append(heads.k, heads.v);
+  const int64_t batch = keys.size(0), length = keys.size(2);
+  if (length == 0) {
+    // Nothing cached, nothing appended: no row (a page of no rows is not a paged cache).
+    return heads.q.new_zeros({batch, heads.q.size(1), 0, values.size(3)});
+  }
+  at::Tensor k_scale = *cache.key_scales(), v_scale = *cache.value_scales();
+  if (*cache.scales() == ScaleLayout::kToken) {
+    // (B, Hkv, L) -> (B, L, Hkv): the pages' (num_pages, page_size, Hkv)
+    k_scale = k_scale.transpose(1, 2);
+    v_scale = v_scale.transpose(1, 2);
+  }
+  const auto index_options = keys.options().dtype(at::kInt);
+  // (B, H, L, D) -> (B, L, H, D) as views: sequence b's keys are page b, rows 0..L-1.
+  const auto [out, lse] = paged_attention(
+      heads.q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+      at::arange(batch, index_options).unsqueeze(1), at::full({batch}, length, index_options),
+      AttentionOptions()
+          .window(options.window())
+          .softcap(options.softcap())
+          .alibi_slopes(if_defined(alibi_slopes))
+          .sinks(if_defined(sinks)),
+      std::nullopt, std::nullopt, k_scale, v_scale);
+  return out.transpose(1, 2);
+}
+
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache,
                                             const std::optional<at::Tensor>& key_mask,
                                             const std::optional<at::Tensor>& attn_mask) {
+  if (cache != nullptr && cache->quantized()) {
+    return project_output(decode_quantized(x, *cache, key_mask, attn_mask));
+  }
   Heads heads = project_heads(x, cache, key_mask);
   heads.attn_mask = attn_mask;
   return project_output(attend(heads));
@@ -206,6 +257,9 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, KVCache* cache,
 std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights(
     const at::Tensor& x, KVCache* cache, const std::optional<at::Tensor>& key_mask,
     const std::optional<at::Tensor>& attn_mask) {
+  TORCH_CHECK_NOT_IMPLEMENTED(cache == nullptr || !cache->quantized(), kModule,
+                              ": attention weights from an 8-bit KVCache are not supported (the "
+                              "attention on 8-bit keys and values returns the output only)");
   Heads heads = project_heads(x, cache, key_mask);
   heads.attn_mask = attn_mask;
   const AttentionOptions attention_options = this->attention_options(heads);
@@ -221,15 +275,21 @@ std::tuple<at::Tensor, at::Tensor> CausalSelfAttentionImpl::forward_with_weights
   return {project_output(attended), std::move(weights)};
 }
 
-KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {
+KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len,
+                                            std::optional<at::ScalarType> dtype,
+                                            std::optional<ScaleLayout> scales,
+                                            std::optional<double> k_scale,
+                                            std::optional<double> v_scale) const {
   TORCH_CHECK_VALUE(batch_size > 0 && max_len > 0, kModule,
                     ".make_cache: batch_size and max_len must be positive, got batch_size=",
                     batch_size, ", max_len=", max_len);
   const int64_t num_kv_heads = *options.num_kv_heads();
-  const auto storage_options = c_attn->weight.options();
+  const auto storage_options =
+      c_attn->weight.options().dtype(dtype.value_or(c_attn->weight.scalar_type()));
   return KVCache(
       at::zeros({batch_size, num_kv_heads, max_len, *options.head_dim()}, storage_options),
-      at::zeros({batch_size, num_kv_heads, max_len, *options.value_head_dim()}, storage_options));
+      at::zeros({batch_size, num_kv_heads, max_len, *options.value_head_dim()}, storage_options),
+      scales, k_scale, v_scale);
 }
 
 }  // namespace causal_attention::nn

@@ -22,6 +22,14 @@
 
 namespace causal_attention::nn {
 
+// The scales of an 8-bit KVCache (stored value x scale = key or value). kToken: one per token
+// and KV head for the keys and one for the values, float32 (B, Hkv, max_len) beside the storage
+// (1 until written), each token's computed as it is written (its largest |x| over the head dim
+// over the format's largest value): no calibration. kTensor: one for all the keys and one for all
+// the values, given (calibrated beforehand); values beyond scale x the format's largest
+// saturate. Python's KVCache(..., scales="token" | "tensor").
+enum class ScaleLayout { kToken, kTensor };
+
 // Preallocated keys (B, Hkv, max_len, D) and values (B, Hkv, max_len, Dv) for incremental
 // decoding, the key mask (B, max_len) of the cached positions, and how many positions they hold.
 // Made by CausalSelfAttention::make_cache.
@@ -30,11 +38,23 @@ namespace causal_attention::nn {
 // are padding (false), so that a left-padded prompt's padding stays hidden in every later
 // decoding step. Until some append passes a key mask every position is real, and the cache hands
 // out no mask, so the attention runs exactly as without one.
+//
+// 8-bit storage (float8_e4m3fn, float8_e5m2, int8: half a bfloat16 cache's bytes), inference
+// only: append takes float32, bfloat16 or float16 keys and values (q's dtype) and stores them
+// quantized (value / scale in float32, saturated to the format's finite range, rounded to
+// nearest even; int8 symmetric in [-127, 127]), with the scales of a ScaleLayout; key_scales and
+// value_scales are what paged_attention (ops.h) reads them with, as the module's forward does.
+// The same values as Python's KVCache for the same input.
 class KVCache {
  public:
   // Takes the storage; both must be 4-D with equal (B, Hkv, max_len), dtype and device. The key
-  // mask storage is allocated here.
-  KVCache(at::Tensor key_storage, at::Tensor value_storage);
+  // mask storage is allocated here. An 8-bit storage takes `scales` (default kToken) and, with
+  // kTensor, k_scale and v_scale (default 1; positive and finite in float32): c10::ValueError
+  // otherwise, and for scales given with a float storage.
+  KVCache(at::Tensor key_storage, at::Tensor value_storage,
+          std::optional<ScaleLayout> scales = std::nullopt,
+          std::optional<double> k_scale = std::nullopt,
+          std::optional<double> v_scale = std::nullopt);
 
   int64_t length() const { return length_; }
   int64_t max_len() const { return key_storage_.size(2); }
@@ -47,6 +67,14 @@ class KVCache {
   // tokens), or nullopt while no append has passed one (every position is real).
   std::optional<at::Tensor> key_mask() const;
 
+  // Whether the storage is 8-bit, and then its scales' layout.
+  bool quantized() const { return scales_.has_value(); }
+  std::optional<ScaleLayout> scales() const { return scales_; }
+  // The cached keys' and values' dequantization scales: with kToken float32 views (B, Hkv,
+  // length) of the scale storage, with kTensor 0-d float32 tensors; nullopt for float storage.
+  std::optional<at::Tensor> key_scales() const;
+  std::optional<at::Tensor> value_scales() const;
+
   // Forgets the cached positions and their key mask, keeping the storage, so that the cache can
   // serve a new sequence.
   void reset();
@@ -56,7 +84,10 @@ class KVCache {
   // values and key mask (as key_mask() does), the new ones included: views of the storage, or
   // copies when autograd records (so that backward works through a decoded sequence, whose later
   // appends overwrite the storage in place). Throws, leaving the cache unchanged, if they do not
-  // match the storage or would overflow max_len.
+  // match the storage or would overflow max_len. An 8-bit cache stores them quantized and returns
+  // its 8-bit views and no key mask; it throws c10::TypeError for keys and values not float32,
+  // bfloat16 or float16 of one dtype, c10::ValueError for NaN or inf among them, and
+  // c10::NotImplementedError for a key mask (the attention on 8-bit keys and values takes none).
   std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> append(
       const at::Tensor& keys, const at::Tensor& values,
       const std::optional<at::Tensor>& key_mask = std::nullopt);
@@ -64,7 +95,14 @@ class KVCache {
  private:
   at::Tensor key_storage_;
   at::Tensor value_storage_;
-  at::Tensor mask_storage_;  // bool (B, max_len)
+  // Writes keys or values `added` (checked) after the cached positions of `storage`, quantized,
+  // and with kToken their scales into scale_storage.
+  void write_quantized(const at::Tensor& added, at::Tensor& storage, at::Tensor& scale_storage);
+
+  at::Tensor mask_storage_;            // bool (B, max_len)
+  std::optional<ScaleLayout> scales_;  // nullopt: float storage
+  // kToken: float32 (B, Hkv, max_len); kTensor: float32 0-d; float storage: undefined
+  at::Tensor key_scale_storage_, value_scale_storage_;
   int64_t length_ = 0;
   bool has_key_mask_ = false;  // whether an append since the last reset passed a key mask
 };
@@ -158,9 +196,16 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
       const std::optional<at::Tensor>& key_mask = std::nullopt,
       const std::optional<at::Tensor>& attn_mask = std::nullopt);
 
-  // An empty cache for batch_size sequences of up to max_len positions, in the dtype and on the
-  // device of the parameters.
-  KVCache make_cache(int64_t batch_size, int64_t max_len) const;
+  // An empty cache for batch_size sequences of up to max_len positions, on the device of the
+  // parameters, in `dtype` (the parameters' by default; an 8-bit dtype with scales, k_scale and
+  // v_scale as KVCache takes them): forward decodes from any of them, an 8-bit one in inference
+  // only (under torch::NoGradGuard or inference mode; no key_mask, attn_mask, attention dropout in
+  // training or weights: c10::NotImplementedError), with the window, softcap, ALiBi and sinks.
+  KVCache make_cache(int64_t batch_size, int64_t max_len,
+                     std::optional<at::ScalarType> dtype = std::nullopt,
+                     std::optional<ScaleLayout> scales = std::nullopt,
+                     std::optional<double> k_scale = std::nullopt,
+                     std::optional<double> v_scale = std::nullopt) const;
 
   // The options with every default resolved (num_kv_heads, head_dim, value_head_dim are set).
   CausalSelfAttentionOptions options;
@@ -184,6 +229,13 @@ class CausalSelfAttentionImpl : public torch::nn::Cloneable<CausalSelfAttentionI
   // The op's options for the heads: every score option, attention dropout in training only.
   AttentionOptions attention_options(const Heads& heads) const;
   at::Tensor attend(const Heads& heads);
+  // forward's attention (B, Hq, L, Dv) with an 8-bit cache: the new keys and values appended
+  // (quantized), the queries attending the whole cache by paged_attention, which reads each
+  // sequence's cache as one page in place. What that does not serve throws before anything
+  // enters the cache.
+  at::Tensor decode_quantized(const at::Tensor& x, KVCache& cache,
+                              const std::optional<at::Tensor>& key_mask,
+                              const std::optional<at::Tensor>& attn_mask);
   // Puts back the float32 slopes that a dtype conversion has converted.
   void restore_alibi_slopes(const at::Tensor& slopes);
   at::Tensor project_output(const at::Tensor& attended);

@@ -7,7 +7,7 @@
 //   and with every score option its state_dict (sinks and ALiBi slopes included) does too, and
 //   the C++ module backpropagates as Python's;
 // - the C++ module's state_dict, with every score option, is written there for
-//   tests/python/nn/test_cpp_interop.py;
+//   tests/python/nn/test_cpp_interop.py, and so are its 8-bit KV caches and their decoding;
 // - the README's C++ example compiles (it is included below) and runs.
 // A missing directory or file fails the tests, saying how to make it; nothing is skipped.
 #include "causal_attention/nn.h"
@@ -206,6 +206,60 @@ TEST(PythonInterop, CppWeightsAreWrittenForPython) {
   load_state_dict(*reloaded, state_dict_from(read.at("state_dict")));
   EXPECT_TRUE(reloaded->sinks.equal(module->sinks));
   EXPECT_TRUE(reloaded(x).equal(read.at("y").toTensor()));
+}
+
+// 8-bit KV caches written by the C++ module, for tests/python/nn/test_cpp_interop.py to store
+// the same input with Python's KVCache and decode with Python's module: every format and scale
+// layout, their bytes (as uint8) and scales, and the module's output of each decoding step.
+TEST(PythonInterop, QuantizedCachesAreWrittenForPython) {
+  std::filesystem::path dir;
+  ASSERT_TRUE(interop_dir(&dir));
+  nn::CausalSelfAttention module(
+      nn::CausalSelfAttentionOptions(24, 4).num_kv_heads(2).value_head_dim(5).window({6, 0}));
+  module->eval();
+  const at::Tensor x = torch::randn({2, 9, 24});
+  const std::vector<int64_t> chunks{5, 1, 3};
+  torch::NoGradGuard no_grad;
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& item : module->named_parameters()) {
+    state.insert(item.key(), item.value());
+  }
+  c10::impl::GenericDict written(c10::StringType::get(), c10::AnyType::get());
+  written.insert("state_dict", state);
+  written.insert("x", x);
+  written.insert("chunks", c10::List<int64_t>(chunks));
+  c10::impl::GenericDict caches(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& [format, dtype] :
+       std::vector<std::pair<std::string, at::ScalarType>>{{"float8_e4m3fn", at::kFloat8_e4m3fn},
+                                                           {"float8_e5m2", at::kFloat8_e5m2},
+                                                           {"int8", at::kChar}}) {
+    for (const bool per_tensor : {false, true}) {
+      // Per tensor, scales small enough that the largest projections saturate.
+      nn::KVCache cache =
+          per_tensor ? module->make_cache(2, 9, dtype, nn::ScaleLayout::kTensor, 0.004, 0.003)
+                     : module->make_cache(2, 9, dtype);
+      std::vector<at::Tensor> outputs;
+      int64_t start = 0;
+      for (const int64_t size : chunks) {
+        outputs.push_back(module(x.narrow(1, start, size), &cache));
+        start += size;
+      }
+      c10::Dict<std::string, at::Tensor> entry;
+      entry.insert("keys", cache.keys().contiguous().view(at::kByte));
+      entry.insert("values", cache.values().contiguous().view(at::kByte));
+      entry.insert("key_scales", cache.key_scales()->contiguous());
+      entry.insert("value_scales", cache.value_scales()->contiguous());
+      entry.insert("y", torch::cat(outputs, 1));
+      caches.insert(format + (per_tensor ? "/tensor" : "/token"), entry);
+    }
+  }
+  written.insert("caches", caches);
+  const std::vector<char> bytes = torch::pickle_save(written);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "cpp_quantized_caches.pt", std::ios::binary)
+      .write(bytes.data(), bytes.size());
+  EXPECT_EQ(load_python_dict(dir / "cpp_quantized_caches.pt").at("caches").toGenericDict().size(),
+            6u);
 }
 
 TEST(ReadmeExample, CompilesAndRuns) {
