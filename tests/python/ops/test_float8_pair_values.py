@@ -65,12 +65,12 @@ def expected(q, keys, values, k_scale, v_scale, lengths, group, window=(-1, 0)):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dim_v", [64, 128, 192, 96])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 6])
 @pytest.mark.parametrize("window", [(-1, 0), (40, 0)])
 def test_values_match_float64(fmt, dim_v, group, window):
     """Sequences of 150, 77 and 1 keys (blocks of 64: whole ones, and last ones of 22, 13 and
     1 keys, odd counts taking a zero row as their last pair's second), query heads in groups of
-    1, 3 or 4 a KV head; a window of 40 leaves a block its rows see in part (the float32 tiles),
+    1, 3, 4 or 6 (bands of 4 and 2 rows) a KV head; a window of 40 leaves a block its rows see in part (the float32 tiles),
     and value widths of whole 64s take the pair products (96: the float32 tiles)."""
     generator = torch.Generator().manual_seed(dim_v * group + (window[0] > 0))
     hkv, dim, lengths = 2, 64, [150, 77, 1]
