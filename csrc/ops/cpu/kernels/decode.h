@@ -8,8 +8,9 @@
 // block's products into runs, one a page or a stretch of pages that follow one another). Where
 // KeyRows interleaves the heads' rows (a page), a task carries every KV head of its sequence
 // through each key block instead (heads_together). Rows of an 8-bit cache (ScaledPagedRows,
-// quantized_rows.h) are read in place too, widened in registers as bfloat16 rows are (int8 key
-// rows against bfloat16 or float16 query rows: scored by integer products, integer_products.h);
+// quantized_rows.h) are read in place too, widened in registers as bfloat16 rows are (int8 rows
+// against bfloat16 or float16 query rows: multiplied as integers, integer_products.h; float8
+// value rows against bfloat16 ones: by bfloat16 pair products, float8_pair_values.h);
 // their scales are folded into the scores (K's) and into the probabilities the values are
 // weighted by (V's), one multiply a key.
 #pragma once
