@@ -376,7 +376,9 @@ def test_e4m3_nan_bytes_reach_exactly_the_rows_that_see_them(len_q, window, d, q
     all at once, by vectors of 64 (AVX-512) or 32 (AVX2) bytes and the rest of a row apart: two
     of the NaN bytes lie in the last column, past the last whole vector with D = 80. bfloat16
     rows at D = 64 and fewer than 16 rows a task (len_q 1 and 3) take the pair dot products on
-    AVX-512 BF16 chips, whose byte tables carry a key's NaN into its scores themselves."""
+    AVX-512 BF16 chips, whose byte tables carry a key's NaN into its scores themselves; and where
+    every row sees the whole block (len_q 1 without the window), the values' pair products, whose
+    tables carry a value's NaN into its column (those blocks' value rows are not tested)."""
     torch.manual_seed(3)
     batch, hkv, hq, page = 3, 2, 8, 16
     lengths = [300, 250, 120]

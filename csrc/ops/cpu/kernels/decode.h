@@ -441,34 +441,40 @@ class DecodeForward {
   // already, as q . k would give.
   bool scores_keep_nan(int64_t rows) const { return pair_dots_ && padded(rows) == 0; }
 
-  // Marks the block's keys whose K row holds a NaN byte with NaN scores (unless scores_keep_nan,
-  // which spares the key rows' half of the test's reads: the test was a tenth of an in-cache e4m3
-  // decode's samples on a Zen 5); returns whether a value row of the block holds one. Each run's
-  // rows are tested at once; a K run with a NaN byte is then searched row by row (rare: a NaN in a
-  // cache is a fault upstream).
-  bool set_nan_apart(const Scratch& s, int64_t rows, int64_t cols, acc_t* scores) const {
-    static_assert(sizeof(kv_t) == 1);  // strides in rows are strides in bytes
-    const auto bytes = [](const kv_t* row) { return reinterpret_cast<const uint8_t*>(row); };
-    const bool tests_keys = !scores_keep_nan(rows);
+  // Marks the block's keys whose K row holds a NaN byte with NaN scores, unless scores_keep_nan
+  // (which spares the key rows' half of the test's reads: the test was a tenth of an in-cache e4m3
+  // decode's samples on a Zen 5). Each run's rows are tested at once; a run with a NaN byte is
+  // then searched row by row (rare: a NaN in a cache is a fault upstream).
+  void set_nan_keys_apart(const Scratch& s, int64_t rows, int64_t cols, acc_t* scores) const {
+    if (scores_keep_nan(rows)) {
+      return;
+    }
     for (const RowRun<kv_t>& run : s.key_runs) {
-      if (!tests_keys ||
-          !any_e4m3_nan(bytes(run.first), run.count, k_.row_stride, dims_.head_dim)) {
+      if (!any_e4m3_nan(as_bytes(run.first), run.count, k_.row_stride, dims_.head_dim)) {
         continue;
       }
       for (int64_t j = 0; j < run.count; ++j) {
-        if (any_e4m3_nan(bytes(run.first + j * k_.row_stride), 1, 0, dims_.head_dim)) {
+        if (any_e4m3_nan(as_bytes(run.first + j * k_.row_stride), 1, 0, dims_.head_dim)) {
           for (int64_t r = 0; r < rows; ++r) {
             scores[r * cols + run.offset + j] = std::numeric_limits<acc_t>::quiet_NaN();
           }
         }
       }
     }
-    bool nan_values = false;
+  }
+
+  // Whether a value row of the block holds a NaN byte.
+  bool any_nan_value_row(const Scratch& s) const {
     for (const RowRun<kv_t>& run : s.value_runs) {
-      nan_values =
-          nan_values || any_e4m3_nan(bytes(run.first), run.count, v_.row_stride, dims_.value_dim);
+      if (any_e4m3_nan(as_bytes(run.first), run.count, v_.row_stride, dims_.value_dim)) {
+        return true;
+      }
     }
-    return nan_values;
+    return false;
+  }
+  static const uint8_t* as_bytes(const kv_t* row) {
+    static_assert(sizeof(kv_t) == 1);  // strides in rows are strides in bytes
+    return reinterpret_cast<const uint8_t*>(row);
   }
 
   // The block's value rows (its runs') widened to acc_t into s.wide_values, value_dim apart: with
@@ -621,9 +627,8 @@ class DecodeForward {
       block_scales(b, h_kv, k0, s);
       scale_columns(s.scores.data(), cols, rows, cols, s.key_scales.data());
     }
-    bool nan_values = false;
     if constexpr (kSetsNaNApart) {
-      nan_values = set_nan_apart(s, rows, cols, s.scores.data());
+      set_nan_keys_apart(s, rows, cols, s.scores.data());
     }
     // x = the modified scores; m' = max(m, rowmax(x)); P = exp(x - m');
     // l = e^(m-m') l + rowsum(P); O = e^(m-m') O
@@ -642,14 +647,27 @@ class DecodeForward {
     // Every non-finite value row is left out of the products and added back where a row sees
     // it when attn_mask may hide a key from some rows and not others, or when the products would
     // misread it (kSetsNaNApart).
+    const bool sees_all = !attn_mask_read && !kept && every_row_sees_all(rows, cols, s);
+    // The float8 pair products take the block where every row sees every key and the block
+    // products do not; their tables read e4m3's NaN byte as NaN, which every row then gets where
+    // its column is, as the guard would give: such a block needs no test of its value rows (the
+    // test was 5 % of an in-cache e4m3 decode's samples on a Zen 4).
+    bool float8_pairs = false;
+    if constexpr (kFloat8Values) {
+      float8_pairs = float8_pair_values_ && sees_all && !multiplies_blocks(rows);
+    }
+    bool nan_values = false;
+    if constexpr (kSetsNaNApart) {
+      nan_values = !float8_pairs && any_nan_value_row(s);
+    }
     const bool guard_every_row = attn_mask_read || nan_values;
     if (!guard_every_row && !kept) {
-      if (multiplies_blocks(rows) && every_row_sees_all(rows, cols, s)) {
+      if (multiplies_blocks(rows) && sees_all) {
         block_values(rows, cols, s);
         return;
       }
       if constexpr (kFloat8Values) {
-        if (float8_pair_values_ && every_row_sees_all(rows, cols, s)) {
+        if (float8_pairs) {
           RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
           values.streams =
               s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
@@ -660,7 +678,7 @@ class DecodeForward {
       }
       if constexpr (kIntegerQueryRows) {
         static_assert(kKeyBlock <= kMaxIntegerKeys);
-        if (s.integer_rows && integer_values_ && every_row_sees_all(rows, cols, s)) {
+        if (s.integer_rows && integer_values_ && sees_all) {
           RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
           values.streams =
               s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
@@ -681,7 +699,7 @@ class DecodeForward {
         }
       }
       RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
-      if (every_row_sees_all(rows, cols, s)) {
+      if (sees_all) {
         values.streams = s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
       } else {
         request_values(s);
