@@ -199,7 +199,7 @@ class DecodeForward {
           query_integers(kIntegerQueryRows ? Tasks::task_rows(d) * d.head_dim : 0),
           query_scales(kIntegerQueryRows ? Tasks::task_rows(d) : 0),
           integer_weights(kIntegerQueryRows ? Tasks::task_rows(d) : 0,
-                          kIntegerQueryRows ? kKeyBlock : 0),
+                          kIntegerQueryRows ? kKeyBlock : 0, kIntegerQueryRows ? d.value_dim : 0),
           float8_weights(kFloat8Values ? Tasks::task_rows(d) : 0, kFloat8Values ? kKeyBlock : 0,
                          kFloat8Values ? d.value_dim : 0),
           first_visible(Tasks::task_rows(d)),
@@ -666,11 +666,14 @@ class DecodeForward {
         block_values(rows, cols, s);
         return;
       }
+      // The block's value rows; where every row sees them all, the values' pass asks for the next
+      // block's as it goes (unless the scores did: kWithKeys), else request_values asks at once.
+      RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
+      if (sees_all && s.value_requests != ValueRequests::kWithKeys) {
+        values.streams = s.streams.data();
+      }
       if constexpr (kFloat8Values) {
         if (float8_pairs) {
-          RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
-          values.streams =
-              s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
           accumulate_float8_pair_values(s.scores.data(), cols, rows, cols, values, Dv,
                                         s.state.out.data(), Dv, s.float8_weights);
           return;
@@ -679,9 +682,6 @@ class DecodeForward {
       if constexpr (kIntegerQueryRows) {
         static_assert(kKeyBlock <= kMaxIntegerKeys);
         if (s.integer_rows && integer_values_ && sees_all) {
-          RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
-          values.streams =
-              s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
           if (accumulate_integer_values(s.scores.data(), cols, rows, cols, values, Dv,
                                         s.state.out.data(), Dv, s.integer_weights)) {
             return;
@@ -698,10 +698,7 @@ class DecodeForward {
           return;
         }
       }
-      RunRows<kv_t> values{s.value_runs.data(), int64_t(s.value_runs.size()), v_.row_stride};
-      if (sees_all) {
-        values.streams = s.value_requests != ValueRequests::kWithKeys ? s.streams.data() : nullptr;
-      } else {
+      if (!sees_all) {
         request_values(s);
       }
       accumulate_weighted_values(s.scores.data(), cols, rows, s.first_visible.data(),

@@ -24,7 +24,6 @@
 #include "paired_value_rows.h"
 #include "register_tiles.h"
 #include "row_products.h"
-#include "scratch_vector.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -34,9 +33,7 @@
 #endif
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
-#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -61,17 +58,9 @@ inline bool float8_pair_values_fit(int64_t dim_v) {
 }
 
 // A task's scratch for accumulate_float8_pair_values: its rows' weights of one block in
-// bfloat16, the block's value rows, and a zero row for an odd count's last pair (a copy of the
-// last row, weighted zero, would give NaN where that row holds an infinity: e5m2's).
+// bfloat16 and the block's value rows.
 template <typename kv_t>
-struct Float8PairWeights {
-  int64_t ld;
-  ScratchVector<c10::BFloat16> weights;
-  PairedValueRows<kv_t> rows;
-  std::vector<kv_t> zero_row;
-  Float8PairWeights(int64_t task_rows, int64_t keys, int64_t dim_v)
-      : ld(keys + 2), weights(task_rows * (keys + 2)), rows(keys), zero_row(dim_v) {}
-};
+using Float8PairWeights = PairWeights<c10::BFloat16, kv_t>;
 
 #if defined(CPU_CAPABILITY_AVX512)
 #pragma GCC push_options
@@ -108,9 +97,8 @@ C10_ALWAYS_INLINE void float8_pair_value_tile(const c10::BFloat16* w, int64_t ld
     byte_pairs_of(_mm512_unpackhi_epi8(first, second), tables, values[1]);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < kRows; ++i) {
-      int32_t pair;  // w[2t] in the low half, w[2t + 1] in the high
-      std::memcpy(&pair, w + i * ld_w + 2 * t, sizeof(pair));
-      const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      const __m512bh weights =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(weight_pair(w + i * ld_w, t)));
 #pragma GCC unroll 4
       for (int64_t x = 0; x < 4; ++x) {
         acc[i][x] = _mm512_dpbf16_ps(acc[i][x], values[x / 2][x % 2], weights);
@@ -172,17 +160,14 @@ void accumulate_float8_pair_values(const float* p, int64_t ld_p, int64_t rows, i
   static_assert(kFloat8PairValues<c10::BFloat16, kv_t>);
 #if defined(CPU_CAPABILITY_AVX512)
   for (int64_t r = 0; r < rows; ++r) {
-    c10::BFloat16* weights = scratch.weights.data() + r * scratch.ld;
+    c10::BFloat16* weights = scratch.row_weights(r);
     round_to_bfloat16(p + r * ld_p, cols, weights);
     weights[cols] = c10::BFloat16(0.0f);  // an odd count's last pair: its second key weighs nothing
   }
   const int64_t pairs = scratch.rows.gather(v, cols);
-  if (cols % 2 != 0) {
-    scratch.rows.rows[cols] = scratch.zero_row.data();
-  }
   in_bands_of_four(rows, [&](auto band_rows, int64_t r) {
     float8_pair_value_band<decltype(band_rows)::value>(
-        scratch.weights.data() + r * scratch.ld, scratch.ld, scratch.rows.rows.data(), pairs, dim_v,
+        scratch.row_weights(r), scratch.ld, scratch.rows.rows.data(), pairs, dim_v,
         out + r * ld_out, ld_out, r == 0 && v.streams != nullptr ? &scratch.rows : nullptr);
   });
 #endif

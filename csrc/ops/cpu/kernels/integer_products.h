@@ -42,7 +42,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
@@ -324,15 +323,12 @@ inline bool integer_values_fit(int64_t dim_v) {
   return dim_v % kIntegerStep == 0 && integer_products_here();
 }
 
-// A task's scratch for accumulate_integer_values: its rows' weights of one block, their units,
-// and the block's value rows.
-struct IntegerWeights {
-  int64_t ld;
-  ScratchVector<int16_t> weights;
+// A task's scratch for accumulate_integer_values: its rows' weights of one block, the block's
+// value rows, and the weights' units.
+struct IntegerWeights : PairWeights<int16_t, int8_t> {
   ScratchVector<float> units;
-  PairedValueRows<int8_t> rows;
-  IntegerWeights(int64_t task_rows, int64_t keys)
-      : ld(keys + 2), weights(task_rows * (keys + 2)), units(task_rows), rows(keys) {}
+  IntegerWeights(int64_t task_rows, int64_t keys, int64_t dim_v)
+      : PairWeights(task_rows, keys, dim_v), units(task_rows) {}
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -349,11 +345,6 @@ C10_ALWAYS_INLINE void integer_value_tile(const int16_t* w, int64_t ld_w, const 
                                           float* out, int64_t ld_out,
                                           const PairedValueRows<int8_t>* requests) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  const auto weight_pair = [&](int64_t i, int64_t t) {
-    int32_t pair;  // w[2t] in the low half, w[2t + 1] in the high
-    std::memcpy(&pair, w + i * ld_w + 2 * t, sizeof(pair));
-    return pair;
-  };
   using Ints = IntVector;
   constexpr int64_t kChunk = kInt16Lanes;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -385,7 +376,7 @@ C10_ALWAYS_INLINE void integer_value_tile(const int16_t* w, int64_t ld_w, const 
     Ints pairs_of_rows[kRows];
 #pragma GCC unroll 4
     for (int64_t i = 0; i < kRows; ++i) {
-      pairs_of_rows[i] = broadcast(weight_pair(i, t));
+      pairs_of_rows[i] = broadcast(weight_pair(w + i * ld_w, t));
     }
 #pragma GCC unroll 2
     for (int64_t h = 0; h < kChunks; ++h) {
@@ -488,7 +479,7 @@ inline bool accumulate_integer_values(const float* p, int64_t ld_p, int64_t rows
                                       const RunRows<int8_t>& v, int64_t dim_v, float* out,
                                       int64_t ld_out, IntegerWeights& scratch) {
   for (int64_t r = 0; r < rows; ++r) {
-    int16_t* weights = scratch.weights.data() + r * scratch.ld;
+    int16_t* weights = scratch.row_weights(r);
     scratch.units[r] = quantize_row(p + r * ld_p, cols, weights);
     if (scratch.units[r] == 0) {
       return false;
@@ -498,7 +489,7 @@ inline bool accumulate_integer_values(const float* p, int64_t ld_p, int64_t rows
   const int64_t pairs = scratch.rows.gather(v, cols);
   in_bands_of_four(rows, [&](auto band_rows, int64_t r) {
     integer_value_band<decltype(band_rows)::value>(
-        scratch.weights.data() + r * scratch.ld, scratch.ld, scratch.rows.rows.data(), pairs, dim_v,
+        scratch.row_weights(r), scratch.ld, scratch.rows.rows.data(), pairs, dim_v,
         scratch.units.data() + r, out + r * ld_out, ld_out,
         r == 0 && v.streams != nullptr ? &scratch.rows : nullptr);
   });

@@ -1,7 +1,7 @@
 // A key block's value rows laid out for the decode's products that take two keys at once (the
 // int8 rows' integer products, integer_products.h, and the float8 rows' bfloat16 pair products,
 // float8_pair_values.h): each key's row in key order, and for each key the next block's row to
-// request as the key's pair is reached.
+// request as the key's pair is reached; and the task's weights those products take.
 //
 // The requests come from this list, pair by pair inside the products' loop, rather than from a
 // call there (StreamAhead's, by run): a call in the loop kept the tile's sixteen accumulators in
@@ -11,23 +11,29 @@
 #pragma once
 
 #include "register_tiles.h"
+#include "scratch_vector.h"
 
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
 template <typename row_t>
 struct PairedValueRows {
-  // keys + 1 each: an odd count's last pair takes row `cols` (gather: a copy of the last row,
-  // which a caller may point elsewhere) as its second, whose weight the caller sets to zero
+  // keys + 1 each: an odd count's last pair takes row `cols` (gather) as its second, zero_row,
+  // whose weight the caller sets to zero
   std::vector<const row_t*> rows;
   std::vector<const char*> next_rows;  // null: none to request
   int64_t row_bytes = 0;               // of a next row
+  // dim_v zeros: a copy of the last row, weighted zero, would give 0 x inf = NaN where that row
+  // holds an infinity (e5m2's)
+  std::vector<row_t> zero_row;
 
-  explicit PairedValueRows(int64_t keys) : rows(keys + 1), next_rows(keys + 1) {}
+  PairedValueRows(int64_t keys, int64_t dim_v)
+      : rows(keys + 1), next_rows(keys + 1), zero_row(dim_v) {}
 
   // Lays out the first `cols` (> 0) rows of v's runs, and with v's streams the next block's row
   // each key stands for (key k of a run for the run's share of the next rows at k); returns the
@@ -48,7 +54,7 @@ struct PairedValueRows {
         }
       }
     }
-    rows[cols] = rows[cols - 1];
+    rows[cols] = zero_row.data();
     next_rows[cols] = nullptr;
     return (cols + 1) / 2;
   }
@@ -60,5 +66,28 @@ struct PairedValueRows {
     }
   }
 };
+
+// A task's scratch for the pair products of a key block's values: each of its rows' weights of
+// the block in weight_t (`ld` apart, with room for an odd count's zero weight), and the block's
+// value rows.
+template <typename weight_t, typename row_t>
+struct PairWeights {
+  int64_t ld;
+  ScratchVector<weight_t> weights;
+  PairedValueRows<row_t> rows;
+  PairWeights(int64_t task_rows, int64_t keys, int64_t dim_v)
+      : ld(keys + 2), weights(task_rows * (keys + 2)), rows(keys, dim_v) {}
+  weight_t* row_weights(int64_t r) { return weights.data() + r * ld; }
+};
+
+// Key pair t's two 16-bit weights of a row w, w[2t] in the low half and w[2t + 1] in the high: the
+// lane a pair product broadcasts against the two keys' interleaved values.
+template <typename weight_t>
+C10_ALWAYS_INLINE int32_t weight_pair(const weight_t* w, int64_t t) {
+  static_assert(sizeof(weight_t) == 2);
+  int32_t pair;
+  std::memcpy(&pair, w + 2 * t, sizeof(pair));
+  return pair;
+}
 
 }  // namespace causal_attention::cpu::CPU_CAPABILITY
