@@ -9,8 +9,8 @@
 #include "causal_attention/nn.h"
 
 #include "../attention_test_utils.h"
+#include "module_test_utils.h"
 
-#include <torch/nn/functional/linear.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/modulelist.h>
 
@@ -25,28 +25,6 @@ namespace {
 using nn::CausalSelfAttention;
 using nn::CausalSelfAttentionOptions;
 using nn::KVCache;
-
-namespace F = torch::nn::functional;
-
-// q (B, Hq, L, D), k (B, Hkv, L, D) and v (B, Hkv, L, Dv) of x, projected by c_attn of `module`.
-std::vector<at::Tensor> project_heads(CausalSelfAttention& module, const at::Tensor& x) {
-  const CausalSelfAttentionOptions& o = module->options;
-  const int64_t batch = x.size(0), len = x.size(1);
-  const int64_t heads = o.num_heads(), kv_heads = *o.num_kv_heads();
-  const int64_t dim = *o.head_dim(), value_dim = *o.value_head_dim();
-  const auto qkv = F::linear(x, module->c_attn->weight, module->c_attn->bias)
-                       .split_with_sizes({heads * dim, kv_heads * dim, kv_heads * value_dim}, -1);
-  const auto split_heads = [&](const at::Tensor& t, int64_t h, int64_t d) {
-    return t.reshape({batch, len, h, d}).transpose(1, 2);
-  };
-  return {split_heads(qkv[0], heads, dim), split_heads(qkv[1], kv_heads, dim),
-          split_heads(qkv[2], kv_heads, value_dim)};
-}
-
-// c_proj of `module` on the attended heads y (B, Hq, L, Dv).
-at::Tensor project_output(CausalSelfAttention& module, const at::Tensor& y) {
-  return F::linear(y.transpose(1, 2).flatten(2), module->c_proj->weight, module->c_proj->bias);
-}
 
 // nanoGPT's computation, with SDPA, on the parameters of `module`. With key_mask (B, L), SDPA gets
 // causality and the key mask as one boolean attn_mask (a row that sees no key gives zeros there,
@@ -610,25 +588,6 @@ TEST(KVCache, DecodingBackpropagatesAndResetDropsTheGraph) {
   EXPECT_TRUE(cache.keys().requires_grad());
   cache.reset();
   EXPECT_FALSE(cache.keys().requires_grad());
-}
-
-// Asserts that fn throws E with every needle in its message and leaves the cache as it was.
-template <typename E, typename Fn>
-void expect_cache_unchanged_after_error(Fn fn, KVCache& cache,
-                                        std::initializer_list<const char*> needles) {
-  const int64_t length = cache.length();
-  const at::Tensor keys = cache.keys().clone(), values = cache.values().clone();
-  const std::optional<at::Tensor> key_mask = cache.key_mask();
-  const std::optional<at::Tensor> saved_mask =
-      key_mask ? std::optional<at::Tensor>(key_mask->clone()) : std::nullopt;
-  expect_error<E>(fn, needles);
-  EXPECT_EQ(cache.length(), length);
-  EXPECT_TRUE(cache.keys().equal(keys));
-  EXPECT_TRUE(cache.values().equal(values));
-  ASSERT_EQ(cache.key_mask().has_value(), saved_mask.has_value());
-  if (saved_mask) {
-    EXPECT_TRUE(cache.key_mask()->equal(*saved_mask));
-  }
 }
 
 TEST(KVCache, MisuseThrowsAndLeavesTheCacheUnchanged) {

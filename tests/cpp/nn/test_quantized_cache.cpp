@@ -6,8 +6,7 @@
 #include "causal_attention/nn.h"
 
 #include "../attention_test_utils.h"
-
-#include <torch/nn/functional/linear.h>
+#include "module_test_utils.h"
 
 #include <limits>
 #include <string>
@@ -22,24 +21,14 @@ using nn::CausalSelfAttentionOptions;
 using nn::KVCache;
 using nn::ScaleLayout;
 
-namespace F = torch::nn::functional;
-
-// q (B, Hq, L, D) of x, projected by c_attn of `module`.
-at::Tensor project_queries(CausalSelfAttention& module, const at::Tensor& x) {
-  const CausalSelfAttentionOptions& o = module->options;
-  const at::Tensor q = F::linear(x, module->c_attn->weight, module->c_attn->bias)
-                           .narrow(-1, 0, o.num_heads() * *o.head_dim());
-  return q.reshape({x.size(0), x.size(1), o.num_heads(), *o.head_dim()}).transpose(1, 2);
-}
-
 // The cache's keys or values as float64: stored value x scale.
 at::Tensor dequantized(const at::Tensor& stored, const at::Tensor& scales) {
   const at::Tensor scale = scales.dim() == 0 ? scales : scales.unsqueeze(-1);
   return stored.to(at::kDouble) * scale.to(at::kDouble);
 }
 
-// The module's output for the queries of x against the cache as it holds them now, in float64:
-// the op's attention on the dequantized cache with the module's score options, then c_proj.
+// The module's output for the queries of x against the cache as it holds them now: the op's
+// attention in float64 on the dequantized cache with the module's score options, then c_proj.
 at::Tensor expected_output(CausalSelfAttention& module, const at::Tensor& x, const KVCache& cache) {
   const CausalSelfAttentionOptions& o = module->options;
   AttentionOptions options = AttentionOptions().window(o.window()).softcap(o.softcap());
@@ -50,10 +39,9 @@ at::Tensor expected_output(CausalSelfAttention& module, const at::Tensor& x, con
     options.sinks(module->sinks.to(at::kDouble));
   }
   const at::Tensor attended = attention(
-      project_queries(module, x).to(at::kDouble), dequantized(cache.keys(), *cache.key_scales()),
+      project_heads(module, x)[0].to(at::kDouble), dequantized(cache.keys(), *cache.key_scales()),
       dequantized(cache.values(), *cache.value_scales()), options);
-  return F::linear(attended.transpose(1, 2).flatten(2), module->c_proj->weight.to(at::kDouble),
-                   module->c_proj->bias.to(at::kDouble));
+  return project_output(module, attended.to(at::kFloat));
 }
 
 struct CacheConfig {
@@ -190,37 +178,25 @@ TEST(QuantizedKVCache, BadStorageAndScalesThrowValueError) {
   }
 }
 
-// Asserts that fn throws E with every needle in its message and leaves the cache as it was.
-template <typename E, typename Fn>
-void expect_unchanged_after_error(Fn fn, KVCache& cache,
-                                  std::initializer_list<const char*> needles) {
-  const int64_t length = cache.length();
-  const at::Tensor keys = cache.keys().clone(), scales = cache.key_scales()->clone();
-  expect_error<E>(fn, needles);
-  EXPECT_EQ(cache.length(), length);
-  EXPECT_TRUE(cache.keys().equal(keys));
-  EXPECT_TRUE(cache.key_scales()->equal(scales));
-}
-
 TEST(QuantizedKVCache, MisuseThrowsTypedErrorsAndLeavesTheCacheUnchanged) {
   KVCache cache = small_cache(at::kChar);
   cache.append(torch::randn({1, 1, 2, 4}), torch::randn({1, 1, 2, 4}));
   const at::Tensor good = torch::randn({1, 1, 1, 4});
-  expect_unchanged_after_error<c10::NotImplementedError>(
+  expect_cache_unchanged_after_error<c10::NotImplementedError>(
       [&] { cache.append(good, good, torch::ones({1, 1}, torch::kBool)); }, cache,
       {"a key_mask with Char storage is not supported"});
   at::Tensor bad = good.clone();
   bad[0][0][0][2] = std::numeric_limits<float>::quiet_NaN();
-  expect_unchanged_after_error<c10::ValueError>([&] { cache.append(bad, good); }, cache,
-                                                {"the new keys must be finite", "NaN or inf"});
+  expect_cache_unchanged_after_error<c10::ValueError>(
+      [&] { cache.append(bad, good); }, cache, {"the new keys must be finite", "NaN or inf"});
   bad[0][0][0][2] = std::numeric_limits<float>::infinity();
-  expect_unchanged_after_error<c10::ValueError>([&] { cache.append(good, bad); }, cache,
-                                                {"the new values must be finite"});
-  expect_unchanged_after_error<c10::TypeError>(
+  expect_cache_unchanged_after_error<c10::ValueError>([&] { cache.append(good, bad); }, cache,
+                                                      {"the new values must be finite"});
+  expect_cache_unchanged_after_error<c10::TypeError>(
       [&] { cache.append(good.to(at::kDouble), good.to(at::kDouble)); }, cache,
       {"must be float32, bfloat16 or float16, one dtype", "keys.dtype=Double"});
-  expect_unchanged_after_error<c10::TypeError>([&] { cache.append(good, good.to(at::kHalf)); },
-                                               cache, {"values.dtype=Half"});
+  expect_cache_unchanged_after_error<c10::TypeError>(
+      [&] { cache.append(good, good.to(at::kHalf)); }, cache, {"values.dtype=Half"});
   cache.append(good.to(at::kBFloat16), good.to(at::kBFloat16));  // still usable
   EXPECT_EQ(cache.length(), 3);
 }
@@ -229,20 +205,20 @@ TEST(QuantizedKVCache, TheModuleDecodesFromItInInferenceOnly) {
   CausalSelfAttention module(CausalSelfAttentionOptions(24, 4).num_kv_heads(2).attn_dropout(0.1));
   KVCache cache = module->make_cache(2, 8, at::kFloat8_e4m3fn);
   const at::Tensor x = torch::randn({2, 3, 24});
-  expect_unchanged_after_error<c10::NotImplementedError>(
+  expect_cache_unchanged_after_error<c10::NotImplementedError>(
       [&] { module(x, &cache); }, cache, {"attn_dropout in training", "call eval()"});
   module->eval();
   // The parameters require grad: outside NoGradGuard the call would record.
-  expect_unchanged_after_error<c10::NotImplementedError>([&] { module(x, &cache); }, cache,
-                                                         {"inference only", "torch::NoGradGuard"});
+  expect_cache_unchanged_after_error<c10::NotImplementedError>(
+      [&] { module(x, &cache); }, cache, {"inference only", "torch::NoGradGuard"});
   torch::NoGradGuard no_grad;
-  expect_unchanged_after_error<c10::NotImplementedError>(
+  expect_cache_unchanged_after_error<c10::NotImplementedError>(
       [&] { module(x, &cache, torch::ones({2, 3}, torch::kBool)); }, cache,
       {"key_mask with an 8-bit KVCache is not supported"});
-  expect_unchanged_after_error<c10::NotImplementedError>(
+  expect_cache_unchanged_after_error<c10::NotImplementedError>(
       [&] { module(x, &cache, std::nullopt, torch::ones({3, 3}, torch::kBool)); }, cache,
       {"attn_mask with an 8-bit KVCache is not supported"});
-  expect_unchanged_after_error<c10::NotImplementedError>(
+  expect_cache_unchanged_after_error<c10::NotImplementedError>(
       [&] { module->forward_with_weights(x, &cache); }, cache,
       {"attention weights from an 8-bit KVCache are not supported"});
   EXPECT_EQ(module(x, &cache).sizes(), x.sizes());

@@ -99,3 +99,41 @@ def assert_matches_dequantized(out, q, k64, v64, scale: float, what: str = "out"
     sdpa = _sdpa_in_dtype(q, k64, v64, scale, reference, options.get("sinks"))
     failures = twice_sdpa_error_failures([what], [out], [sdpa], [reference.out])
     assert not failures, failures
+
+
+def decode_one_page_each(q, keys, values, k_scale, v_scale, lengths, **options):
+    """paged_attention of one query row a sequence, q (B, Hq, D), against the first ``lengths``
+    of its 8-bit keys and values (B, L, Hkv, D or Dv) with per-token scales (B, L, Hkv), laid as
+    a cache of one 512-row page a sequence (its unused rows zero, their scales 1); ``options``
+    are paged_attention's (``return_lse=True`` too)."""
+    from causal_attention import paged_attention
+
+    batch, length, hkv = keys.shape[:3]
+    page = 512
+    k_cache = torch.zeros(batch, page, hkv, keys.shape[-1], dtype=keys.dtype)
+    v_cache = torch.zeros(batch, page, hkv, values.shape[-1], dtype=values.dtype)
+    k_scales, v_scales = torch.ones(batch, page, hkv), torch.ones(batch, page, hkv)
+    k_cache[:, :length], v_cache[:, :length] = keys, values
+    k_scales[:, :length], v_scales[:, :length] = k_scale, v_scale
+    return paged_attention(q, k_cache, v_cache, torch.arange(batch, dtype=torch.int32)[:, None],
+                           torch.tensor(lengths, dtype=torch.int32),
+                           cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
+                           max_seqlen_q=1, k_scale=k_scales, v_scale=v_scales, **options)
+
+
+def one_page_each_reference(q, keys, values, k_scale, v_scale, lengths, window=(-1, 0)):
+    """For each sequence b of decode_one_page_each's call: its float64 out (Hq, Dv) on the
+    dequantized keys and values, and the largest of sum_j P_j |v_j| over its rows and columns
+    (the scale of the rounding of the weights and of the output)."""
+    group = q.shape[1] // keys.shape[2]
+    k = (keys.double() * k_scale.double()[..., None]).repeat_interleave(group, dim=2)
+    v = (values.double() * v_scale.double()[..., None]).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,blhd->bhl", q.double(), k) / q.shape[-1] ** 0.5
+    results = []
+    for b, n in enumerate(lengths):
+        first = 0 if window[0] < 0 else max(0, n - 1 - window[0])
+        p = torch.softmax(scores[b, :, first:n], dim=-1)
+        want = torch.einsum("hl,lhd->hd", p, v[b, first:n])
+        peak = torch.einsum("hl,lhd->hd", p, v[b, first:n].abs()).max().item()
+        results.append((want, peak))
+    return results

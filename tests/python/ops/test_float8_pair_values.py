@@ -12,33 +12,11 @@ every chip; on a chip without AVX-512 BF16 they test the float32 tiles.
 import pytest
 import torch
 
-from causal_attention import paged_attention
+from attention_testing.quantized import decode_one_page_each, one_page_each_reference
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
-PAGE = 512  # one page a sequence
-
-
-def paged(keys, values, k_scale, v_scale):
-    """A paged cache of one page a sequence from (B, L, Hkv, D) float8 keys and values and
-    per-token scales (B, L, Hkv)."""
-    batch, length, hkv = keys.shape[:3]
-    k_cache = torch.zeros(batch, PAGE, hkv, keys.shape[-1], dtype=keys.dtype)
-    v_cache = torch.zeros(batch, PAGE, hkv, values.shape[-1], dtype=values.dtype)
-    k_scales, v_scales = torch.ones(batch, PAGE, hkv), torch.ones(batch, PAGE, hkv)
-    k_cache[:, :length], v_cache[:, :length] = keys, values
-    k_scales[:, :length], v_scales[:, :length] = k_scale, v_scale
-    return k_cache, v_cache, k_scales, v_scales, torch.arange(batch, dtype=torch.int32)[:, None]
-
-
-def decode(q, keys, values, k_scale, v_scale, lengths, **options):
-    """out (B, Hq, Dv) of one bfloat16 query row a sequence against `lengths` of its keys."""
-    k_cache, v_cache, k_scales, v_scales, table = paged(keys, values, k_scale, v_scale)
-    batch = q.shape[0]
-    return paged_attention(q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32),
-                           cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
-                           max_seqlen_q=1, k_scale=k_scales, v_scale=v_scales, **options)
 
 
 def float8_rows(shape, fmt, generator):
@@ -48,19 +26,10 @@ def float8_rows(shape, fmt, generator):
     return (sign * magnitude).to(fmt)
 
 
-def expected(q, keys, values, k_scale, v_scale, lengths, group, window=(-1, 0)):
-    """For each sequence b: float64 out (Hq, Dv) on the dequantized cache, and its bound."""
-    k = (keys.double() * k_scale.double()[..., None]).repeat_interleave(group, dim=2)
-    v = (values.double() * v_scale.double()[..., None]).repeat_interleave(group, dim=2)
-    scores = torch.einsum("bhd,blhd->bhl", q.double(), k) / q.shape[-1] ** 0.5
-    wants = []
-    for b, n in enumerate(lengths):
-        first = 0 if window[0] < 0 else max(0, n - 1 - window[0])
-        p = torch.softmax(scores[b, :, first:n], dim=-1)
-        want = torch.einsum("hl,lhd->hd", p, v[b, first:n])
-        peak = torch.einsum("hl,lhd->hd", p, v[b, first:n].abs()).max().item()
-        wants.append((want, 2.0**-7 * peak * 1.01))
-    return wants
+def bound(peak):
+    """The two bfloat16 roundings' 2^-8 of sum_j P_j |v_j| each (one_page_each_reference's
+    peak), and a hundredth for float32's sums."""
+    return 2.0**-7 * peak * 1.01
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -80,11 +49,11 @@ def test_values_match_float64(fmt, dim_v, group, window):
     values = float8_rows((batch, 150, hkv, dim_v), fmt, generator)
     k_scale = torch.rand(batch, 150, hkv, generator=generator) * 0.004 + 0.0001
     v_scale = torch.rand(batch, 150, hkv, generator=generator) * 0.02 + 0.001
-    out = decode(q, keys, values, k_scale, v_scale, lengths, window=window)
-    for b, (want, bound) in enumerate(
-            expected(q, keys, values, k_scale, v_scale, lengths, group, window)):
+    out = decode_one_page_each(q, keys, values, k_scale, v_scale, lengths, window=window)
+    for b, (want, peak) in enumerate(
+            one_page_each_reference(q, keys, values, k_scale, v_scale, lengths, window)):
         error = (out[b].double() - want).abs().max().item()
-        assert error <= bound, (b, error, bound)
+        assert error <= bound(peak), (b, error, bound(peak))
 
 
 def test_an_infinite_value_in_an_odd_blocks_last_row_stays_infinite():
@@ -98,7 +67,7 @@ def test_an_infinite_value_in_an_odd_blocks_last_row_stays_infinite():
     values = float8_rows((1, length, hkv, dim_v), torch.float8_e5m2, generator)
     values[0, length - 1, 0, 5] = float("inf")
     scales = torch.full((1, length, hkv), 0.01)
-    out = decode(q, keys, values, scales, scales, [length])
+    out = decode_one_page_each(q, keys, values, scales, scales, [length])
     assert torch.isposinf(out[0, :, 5]).all(), out[0, :, 5]
     others = torch.cat([out[0, :, :5], out[0, :, 6:]], dim=-1)
     assert torch.isfinite(others).all()
@@ -116,6 +85,6 @@ def test_rows_are_bitwise_the_same_at_any_thread_count(fmt):
     outs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        outs.append(decode(q, keys, values, scales, scales, [length] * batch))
+        outs.append(decode_one_page_each(q, keys, values, scales, scales, [length] * batch))
     torch.set_num_threads(1)
     assert torch.equal(outs[0], outs[1])

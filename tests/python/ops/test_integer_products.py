@@ -30,7 +30,7 @@ import torch
 
 import causal_attention
 from attention_testing.kernel_builds import EVERY_BUILD, run_in_build
-from causal_attention import paged_attention
+from attention_testing.quantized import decode_one_page_each, one_page_each_reference
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -51,33 +51,12 @@ def query_rows(count, dim, dtype, binades, generator):
     return rows
 
 
-def paged(keys, values, k_scale, v_scale, lengths):
-    """A paged cache of one 512-row page a sequence from (B, L, HKV, D) int8 keys and values and
-    per-token scales (B, L, HKV)."""
-    batch, length, hkv = keys.shape[:3]
-    page = 512
-    k_cache = torch.zeros(batch, page, hkv, keys.shape[-1], dtype=torch.int8)
-    v_cache = torch.zeros(batch, page, hkv, values.shape[-1], dtype=torch.int8)
-    k_scales = torch.ones(batch, page, hkv)
-    v_scales = torch.ones(batch, page, hkv)
-    k_cache[:, :length], v_cache[:, :length] = keys, values
-    k_scales[:, :length], v_scales[:, :length] = k_scale, v_scale
-    table = torch.arange(batch, dtype=torch.int32).view(batch, 1)
-    return k_cache, v_cache, k_scales, v_scales, table, torch.tensor(lengths, dtype=torch.int32)
-
-
 def decode_lse(q, keys, values, k_scale, lengths, v_scale=None, **options):
     """out (B, Hq, Dv) and lse (Hq, B) of one query row a sequence against `lengths` of its
-    keys."""
-    batch = q.shape[0]
+    int8 keys; V's scales 0.01 unless given."""
     v_scale = torch.full(k_scale.shape, 0.01) if v_scale is None else v_scale
-    k_cache, v_cache, k_scales, v_scales, table, seqlens = paged(
-        keys, values, k_scale, v_scale, lengths)
-    cu = torch.arange(batch + 1, dtype=torch.int32)
-    out, lse = paged_attention(q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu,
-                               max_seqlen_q=1, k_scale=k_scales, v_scale=v_scales,
-                               return_lse=True, **options)
-    return out, lse
+    return decode_one_page_each(q, keys, values, k_scale, v_scale, lengths, return_lse=True,
+                                **options)
 
 
 def exact_scores(q, keys, k_scale):
@@ -225,13 +204,8 @@ def test_values_match_float64(dtype, dim_v, group, window):
     k_scale = torch.rand(2, 150, hkv, generator=generator) * 0.04 + 0.001
     v_scale = torch.rand(2, 150, hkv, generator=generator) * 0.02 + 0.001
     out, _ = decode_lse(q, keys, values, k_scale, lengths, v_scale=v_scale, window=window)
-    k = (keys.double() * k_scale.double()[..., None]).repeat_interleave(group, dim=2)
-    v = (values.double() * v_scale.double()[..., None]).repeat_interleave(group, dim=2)
-    scores = torch.einsum("bhd,blhd->bhl", q.double(), k) / dim**0.5
-    for b, n in enumerate(lengths):
-        first = 0 if window[0] < 0 else max(0, n - 1 - window[0])
-        p = torch.softmax(scores[b, :, first:n], dim=-1)
-        want = torch.einsum("hl,lhd->hd", p, v[b, first:n])
+    for b, (want, _) in enumerate(
+            one_page_each_reference(q, keys, values, k_scale, v_scale, lengths, window)):
         error = ((out[b].double() - want).abs().max() / want.abs().max()).item()
         assert error <= TOLERANCE[dtype], (b, error)
 
