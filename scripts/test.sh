@@ -33,6 +33,21 @@ else
   "$PY" -m pytest -q "$@"
 fi
 
+# The decode's tests once more under the products this chip does not choose for bfloat16 query
+# rows against bfloat16 and float8 cache rows (csrc/ops/cpu/decode_products.h): of the chips with
+# AVX-512 BF16 and VBMI, AMD's take the pair dots and Intel's the float32 multiply-adds;
+# CAUSAL_ATTENTION_PAIR_DOTS makes a chip take the other, so each such chip tests both paths.
+# Only for the whole suite (no pytest arguments).
+if [ $# -eq 0 ] && grep -qw avx512_bf16 /proc/cpuinfo && grep -qw avx512vbmi /proc/cpuinfo; then
+  chosen="$("$PY" -c 'import torch, causal_attention
+print(torch.ops.causal_attention.decode_products())')"
+  other="$([ "$chosen" = pairs ] && echo off || echo on)"
+  banner "the decode's tests with CAUSAL_ATTENTION_PAIR_DOTS=$other (this chip takes $chosen)"
+  CAUSAL_ATTENTION_PAIR_DOTS=$other pytest_in_shards "$PY" -m pytest -q tests/python/ops \
+    tests/python/nn -k "bf16 or bfloat16 or float8 or e4m3 or e5m2 or paged or decode or cache" \
+    -p no:cacheprovider
+fi
+
 # The bfloat16/float16 tests once more on the block products other chips take
 # (csrc/ops/cpu/block_gemm.h), where this chip multiplies them natively (avx512_bf16, AMX): with
 # oneDNN capped at AVX2 they run on the widened products (the same code that

@@ -4,9 +4,11 @@
 #include "checks.h"
 #include "cpu/block_gemm.h"
 #include "cpu/block_shapes.h"
+#include "cpu/decode_products.h"
 #include "schema_adapters.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include <string>
@@ -133,6 +135,13 @@ TORCH_LIBRARY(causal_attention, m) {
   // (cpu/block_gemm.h).
   m.def("block_products(ScalarType dtype) -> str",
         [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
+  // How a bfloat16 decode made now multiplies its query rows by bfloat16 and float8 cache rows:
+  // "pairs" (AVX-512 BF16's dot products of pairs) or "float32" (cpu/decode_products.h).
+  m.def("decode_products() -> str", []() {
+    const bool pairs = at::get_cpu_capability() == "AVX512" &&
+                       cpu::native_products_now(at::kBFloat16) && cpu::pair_dots_taken();
+    return std::string(pairs ? "pairs" : "float32");
+  });
   // The block shape (query rows, keys) of a call of this dtype made now with these head and
   // value dims whose query rows see at most len_k keys (every key, or with `windowed` a sliding
   // window's span shorter than the keys: cpu/block_shapes.h), as its kernels take it.

@@ -1,12 +1,14 @@
 """The decode's P V for float8 value rows beside bfloat16 query rows
-(csrc/ops/cpu/kernels/float8_pair_values.h): on chips with AVX-512 BF16, where every row of a task
-sees a whole key block, each row's weights rounded to bfloat16 and two keys' products added by one
+(csrc/ops/cpu/kernels/float8_pair_values.h): where the decode takes AVX-512 BF16's pair dots
+(csrc/ops/cpu/decode_products.h: AMD's chips with them by default, any chip with them under
+CAUSAL_ATTENTION_PAIR_DOTS=on, which scripts/test.sh sets on Intel's) and every row of a task sees a
+whole key block, each row's weights rounded to bfloat16 and two keys' products added by one
 vdpbf16ps; elsewhere (other chips, builds and blocks seen in part) the float32 tiles.
 
 Against float64 on the dequantized cache, the bound is what rounding the weights to bfloat16 and
 the output to bfloat16 allow: 2^-8 (bfloat16's unit roundoff) of sum_j P_j |v_j| each, so 2^-7
 of its largest over the rows (and a little for float32's sums). The float32 tiles meet it too, so these tests hold on
-every chip; on a chip without AVX-512 BF16 they test the float32 tiles.
+every chip; where the pair dots are not taken they test the float32 tiles.
 """
 
 import pytest

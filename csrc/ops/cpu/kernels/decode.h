@@ -66,7 +66,7 @@ class DecodeForward {
         modifiers_(modifiers),
         native_products_(kReducedRows &&
                          native_products_now(c10::CppTypeToScalarType<scalar_t>::value)),
-        pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && cpu_has_pair_dots() &&
+        pair_dots_(kBFloat16PairDots && native_products_now(at::kBFloat16) && pair_dots_here() &&
                    pair_dots_fit<kv_t>(d.head_dim)),
         integer_scores_(kIntegerQueryRows && integer_scores_fit(d.head_dim)),
         integer_values_(kIntegerQueryRows && integer_values_fit(d.value_dim)),

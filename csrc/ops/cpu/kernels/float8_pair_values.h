@@ -38,8 +38,8 @@
 namespace causal_attention::cpu::CPU_CAPABILITY {
 
 // Whether value rows of kv_t beside query rows of scalar_t may take the pair products: float8
-// rows (kByTables) beside bfloat16 rows, in the AVX-512 build (which asks the CPU at run time:
-// float8_pair_values_fit).
+// rows (kByTables) beside bfloat16 rows, in the AVX-512 build (which asks at run time whether the
+// CPU has them and they pay on it: float8_pair_values_fit).
 template <typename scalar_t, typename kv_t>
 inline constexpr bool kFloat8PairValues =
 #if defined(CPU_CAPABILITY_AVX512)
@@ -52,9 +52,9 @@ inline constexpr bool kFloat8PairValues =
 constexpr int64_t kFloat8PairColumns = 64;
 
 // Whether this CPU takes the pair products for value rows of dim_v elements: whole passes, and
-// AVX-512 BF16 with the tables' byte permutes.
+// the pair dots taken here (AVX-512 BF16 with the tables' byte permutes, where they pay).
 inline bool float8_pair_values_fit(int64_t dim_v) {
-  return dim_v % kFloat8PairColumns == 0 && cpu_has_pair_dots();
+  return dim_v % kFloat8PairColumns == 0 && pair_dots_here();
 }
 
 // A task's scratch for accumulate_float8_pair_values: its rows' weights of one block in

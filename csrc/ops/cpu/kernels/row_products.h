@@ -21,6 +21,7 @@
 // Included only by the per-instruction-set kernel sources (see geometry.h).
 #pragma once
 
+#include "../decode_products.h"
 #include "register_tiles.h"
 #include "schedule.h"
 
@@ -154,7 +155,8 @@ constexpr int64_t band_tile_keys(int64_t rows) {
 // Whether query_key_scores may score bfloat16 query rows against key rows of src_t with
 // AVX-512 BF16's dot products of pairs (query_key_pair_band): key rows whose values bfloat16
 // holds exactly (its own and the float8 ones; int8 rows are scored by integer products,
-// integer_products.h), in the AVX-512 build, which asks the CPU at run time (cpu_has_pair_dots).
+// integer_products.h), in the AVX-512 build, which asks at run time whether they pay
+// (pair_dots_here).
 template <typename acc_t, typename src_t>
 inline constexpr bool kPairDots =
 #if defined(CPU_CAPABILITY_AVX512)
@@ -165,13 +167,12 @@ inline constexpr bool kPairDots =
     false;
 #endif
 
-// Whether this CPU has AVX-512 BF16's dot products and AVX-512 VBMI's byte permutes (the float8
-// tables), asked once: every chip seen with the first has the second.
-inline bool cpu_has_pair_dots() {
+// Whether the decode takes AVX-512 BF16's dot products of pairs (and AVX-512 VBMI's byte permutes,
+// the float8 tables) in this kernel build: where the CPU has them and they pay on it
+// (decode_products.h).
+inline bool pair_dots_here() {
 #if defined(CPU_CAPABILITY_AVX512)
-  static const bool has =
-      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
-  return has;
+  return pair_dots_taken();
 #else
   return false;
 #endif
@@ -401,7 +402,7 @@ inline void query_key_band(const acc_t* q, int64_t ld_q, const src_t* k, int64_t
 // rows (fewer for the last) by a few keys, so that each key vector is loaded (and widened, for
 // a reduced dtype) once for four rows, and the tile's sums reduced together. The first band
 // tells the stream. Where q_pairs holds the same rows in bfloat16 (given only where kPairDots,
-// cpu_has_pair_dots and pair_dots_fit(dim)), the bands are query_key_pair_band's.
+// pair_dots_here and pair_dots_fit(dim)), the bands are query_key_pair_band's.
 template <typename acc_t, typename src_t>
 void query_key_scores(const acc_t* q, const c10::BFloat16* q_pairs, int64_t ld_q, int64_t rows,
                       const src_t* k, int64_t ld_k, int64_t cols, int64_t dim, acc_t* scores,
