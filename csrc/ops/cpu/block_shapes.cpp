@@ -94,7 +94,11 @@ bool products_on_tiles(at::ScalarType products) {
 //     (2 MiB L2), bfloat16 grid at L 1024-4096 against the vector-unit shapes forced back with
 //     CAUSAL_ATTENTION_BLOCK_SHAPE (docs/benchmarks/README.md): forward 0.95-1.34x as fast
 //     (median 1.13), forward+backward 0.97-1.50x (median 1.10); at L 128-512 longer blocks gained
-//     nothing.
+//     nothing. On another AMX Xeon (family 6 model 167 as its VM reports it, 2 MiB L2, stop 72)
+//     they did at head dims of 64 from rows of 160 keys: forwards at L 160-512 took 0.83-0.98 of
+//     their time and forwards+backwards 0.85-1.01 (B 1, H 8), so at D <= 64 the tiles take them
+//     where the vector units' rule does (a row seeing more than half a block's keys, a window's
+//     span four blocks'); at D 128 the backward at L 256-512 took 1.13x its time with them.
 BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, bool windowed,
                        at::ScalarType products) {
   if (const auto forced = shape_from_environment()) {
@@ -110,10 +114,6 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, b
   // Where bfloat16's blocks run from L2 (on AMX tiles, or its longer blocks on vector units): a
   // quarter of it.
   const auto fit_l2 = [&](int64_t keys) { return block_bytes(keys, 2) <= l2_bytes / 4; };
-  constexpr int64_t kTileKeys = 256;
-  if (products_on_tiles(products) && keys_seen >= 4 * kTileKeys && fit_l2(kTileKeys)) {
-    return {128, kTileKeys};
-  }
   // Whether rows that see keys_seen keys gain from blocks of `keys`: a window's rows take key
   // blocks aligned before its start, each up to keys - 1 keys past it, so the span must be four
   // blocks long; other rows compute no key they do not see, and gain once they see more keys
@@ -121,6 +121,11 @@ BlockSizes block_sizes(int64_t head_dim, int64_t value_dim, int64_t keys_seen, b
   const auto longer_blocks_pay = [&](int64_t keys) {
     return windowed ? keys_seen >= 4 * keys : 2 * keys_seen > keys;
   };
+  constexpr int64_t kTileKeys = 256;
+  if (products_on_tiles(products) && fit_l2(kTileKeys) &&
+      (keys_seen >= 4 * kTileKeys || (head_dim <= 64 && longer_blocks_pay(kTileKeys)))) {
+    return {128, kTileKeys};
+  }
   if (products == at::kBFloat16 && !products_on_tiles(products)) {
     for (const int64_t keys : {256, 128}) {
       if (fit_l2(keys) && longer_blocks_pay(keys)) {

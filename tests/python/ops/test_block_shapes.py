@@ -44,9 +44,10 @@ def _cache_bytes(name, fallback):
 
 def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
     """The rule of block_shapes.cpp, written out, for rows that see len_k keys (with `windowed`,
-    a sliding window's span): 128 x 256 where bfloat16 products are native on AMX tiles, the keys
-    are at least 1024 and such a key block's K (bfloat16) and V (float32) rows fit in a quarter
-    of L2; else, where bfloat16 products are native on vector units (no AMX), 64 query rows by
+    a sliding window's span): 128 x 256 where bfloat16 products are native on AMX tiles, such a
+    key block's K (bfloat16) and V (float32) rows fit in a quarter of L2 and the keys are at least
+    1024 (or, at head dims up to 64, more than half a block's; a window's span four blocks');
+    else, where bfloat16 products are native on vector units (no AMX), 64 query rows by
     256 keys, else 128, where the keys are more than half a block's (a window's span: four
     blocks') and such a block's K (bfloat16) and V (4 bytes a value) rows fit in a quarter of
     L2; else 64 by 128 keys where 128 float32 K and V rows fit in twice L1d, or 64."""
@@ -59,12 +60,15 @@ def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
     def fit_l2(keys):
         return block_bytes(keys, 2) <= l2 // 4
 
-    if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and len_k >= 1024
-            and fit_l2(256)):
+    def longer_blocks_pay(keys):
+        return len_k >= 4 * keys if windowed else 2 * len_k > keys
+
+    if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and fit_l2(256)
+            and (len_k >= 1024 or (head_dim <= 64 and longer_blocks_pay(256)))):
         return [128, 256]
     if dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags():
         for keys in (256, 128):
-            if fit_l2(keys) and (len_k >= 4 * keys if windowed else 2 * len_k > keys):
+            if fit_l2(keys) and longer_blocks_pay(keys):
                 return [64, keys]
     return [64, 128 if block_bytes(128, 4) <= 2 * l1d else 64]
 
