@@ -1,15 +1,14 @@
 """The decode's products for bfloat16 query rows against bfloat16 and float8 cache rows
 (csrc/ops/cpu/decode_products.h): AVX-512 BF16's dot products of pairs where the CPU has them
 and they pay (AMD's cores), float32 multiply-adds on widened rows elsewhere (Intel's cores run a
-vdpbf16ps at half the rate of those), and CAUSAL_ATTENTION_PAIR_DOTS ("auto", "on", "off") to
-make a chip take either: scripts/test.sh runs the decode's suites once more under the setting
-its chip does not choose, so that each chip with the instructions tests both paths. Each setting
-is read once per process, so each case here runs in a fresh interpreter."""
+vdpbf16ps at a quarter of a multiply-add's rate), and CAUSAL_ATTENTION_PAIR_DOTS ("auto", "on",
+"off") to make a chip take either: scripts/test.sh runs the decode's suites once more under the
+setting its chip does not choose, so that each chip with the instructions tests both paths. Each
+setting is read once per process, so each case here runs in a fresh interpreter."""
 
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 import causal_attention
