@@ -8,7 +8,6 @@
 #include "schema_adapters.h"
 
 #include <ATen/OpMathType.h>
-#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include <string>
@@ -137,11 +136,7 @@ TORCH_LIBRARY(causal_attention, m) {
         [](c10::ScalarType dtype) { return std::string(cpu::block_products_in_use(dtype)); });
   // How a bfloat16 decode made now multiplies its query rows by bfloat16 and float8 cache rows:
   // "pairs" (AVX-512 BF16's dot products of pairs) or "float32" (cpu/decode_products.h).
-  m.def("decode_products() -> str", []() {
-    const bool pairs = at::get_cpu_capability() == "AVX512" &&
-                       cpu::native_products_now(at::kBFloat16) && cpu::pair_dots_taken();
-    return std::string(pairs ? "pairs" : "float32");
-  });
+  m.def("decode_products() -> str", []() { return std::string(cpu::decode_products_in_use()); });
   // The block shape (query rows, keys) of a call of this dtype made now with these head and
   // value dims whose query rows see at most len_k keys (every key, or with `windowed` a sliding
   // window's span shorter than the keys: cpu/block_shapes.h), as its kernels take it.

@@ -1,5 +1,8 @@
 #include "decode_products.h"
 
+#include "block_gemm.h"
+
+#include <ATen/Version.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -25,6 +28,12 @@ bool pair_dots_taken() {
     return choice == "on";
   }();
   return taken;
+}
+
+const char* decode_products_in_use() {
+  const bool pairs = at::get_cpu_capability() == "AVX512" && native_products_now(at::kBFloat16) &&
+                     pair_dots_taken();
+  return pairs ? "pairs" : "float32";
 }
 
 }  // namespace causal_attention::cpu

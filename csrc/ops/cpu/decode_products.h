@@ -21,4 +21,9 @@ namespace causal_attention::cpu {
 // without them is a ValueError.
 bool pair_dots_taken();
 
+// How a bfloat16 decode made now multiplies (torch.ops.causal_attention.decode_products):
+// "pairs" where the AVX-512 kernel build runs, bfloat16 products are native now
+// (block_gemm.h) and pair_dots_taken(); else "float32".
+const char* decode_products_in_use();
+
 }  // namespace causal_attention::cpu

@@ -46,3 +46,17 @@ def run_in_build(capability: str, script: str, path: Path, monkeypatch
     result = run_python(script, path, timeout=120)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result
+
+
+def cpu_vendor_and_flags() -> tuple[str, set[str]]:
+    """The first CPU's vendor_id ("GenuineIntel", "AuthenticAMD") and flags in /proc/cpuinfo
+    (what the chip has, whatever build or cap this process runs under)."""
+    vendor, flags = "", set()
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    return vendor, flags

@@ -19,20 +19,14 @@ import pytest
 import torch
 
 import causal_attention
+from attention_testing.kernel_builds import cpu_vendor_and_flags
 from attention_testing.shards import SHARD_VARIABLE
 from attention_testing.subprocesses import assert_first_call_refuses, saved_results
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parents[1]
 SHAPE_VARIABLE = "CAUSAL_ATTENTION_BLOCK_SHAPE"
-
-
-def _cpu_flags():
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+_, CPU_FLAGS = cpu_vendor_and_flags()
 
 
 def _cache_bytes(name, fallback):
@@ -63,10 +57,10 @@ def _expected_shape(dtype, head_dim, value_dim, len_k, windowed):
     def longer_blocks_pay(keys):
         return len_k >= 4 * keys if windowed else 2 * len_k > keys
 
-    if (dtype == torch.bfloat16 and native and "amx_bf16" in _cpu_flags() and fit_l2(256)
+    if (dtype == torch.bfloat16 and native and "amx_bf16" in CPU_FLAGS and fit_l2(256)
             and (len_k >= 1024 or (head_dim <= 64 and longer_blocks_pay(256)))):
         return [128, 256]
-    if dtype == torch.bfloat16 and native and "amx_bf16" not in _cpu_flags():
+    if dtype == torch.bfloat16 and native and "amx_bf16" not in CPU_FLAGS:
         for keys in (256, 128):
             if fit_l2(keys) and longer_blocks_pay(keys):
                 return [64, keys]

@@ -12,26 +12,13 @@ from pathlib import Path
 import torch
 
 import causal_attention
-from attention_testing.subprocesses import run_python
+from attention_testing.kernel_builds import cpu_vendor_and_flags
+from attention_testing.subprocesses import saved_results
 
 PACKAGE_PARENT = Path(causal_attention.__file__).resolve().parents[1]
 TESTS_PYTHON = Path(__file__).resolve().parents[1]
 
-
-def cpu_facts():
-    """(vendor, flags) of the first CPU in /proc/cpuinfo."""
-    vendor, flags = "", set()
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id" and not vendor:
-                vendor = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    return vendor, flags
-
-
-VENDOR, FLAGS = cpu_facts()
+VENDOR, FLAGS = cpu_vendor_and_flags()
 HAS_PAIR_DOTS = {"avx512_bf16", "avx512vbmi"} <= FLAGS
 # Where a bfloat16 decode may take them at all: the AVX-512 kernel build, native bfloat16
 # products (what ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA or CAUSAL_ATTENTION_REDUCED_PRODUCTS
@@ -40,11 +27,12 @@ PAIRS_POSSIBLE = (HAS_PAIR_DOTS and torch.backends.cpu.get_cpu_capability() == "
                   and torch.ops.causal_attention.block_products(torch.bfloat16) == "native")
 
 # An e4m3 decode of bfloat16 rows (4 query heads a KV head, value width 128: the pair values'
-# case, and the pair scores' at D 128) whose output the parent compares.
+# case, and the pair scores' at D 128), saved with the choice decode_products reports, or the
+# ValueError's text.
 DECODE = textwrap.dedent(
     """
     import sys, torch
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, TESTS_PYTHON)
     from attention_testing.quantized import decode_one_page_each
     try:
         choice = torch.ops.causal_attention.decode_products()
@@ -56,26 +44,18 @@ DECODE = textwrap.dedent(
         k_scale = torch.rand(2, 300, 2, generator=g) * 0.01 + 0.001
         v_scale = torch.rand(2, 300, 2, generator=g) * 0.01 + 0.001
         out = decode_one_page_each(q, keys, values, k_scale, v_scale, lengths)
-        torch.save(out, {out_file!r})
-        print("CHOICE", choice)
+        torch.save({"choice": choice, "out": out}, RESULTS_PATH)
     except ValueError as error:
-        print("VALUE_ERROR", error)
-    """)
+        torch.save({"choice": str(error), "out": None}, RESULTS_PATH)
+    """).replace("TESTS_PYTHON", repr(str(TESTS_PYTHON)))
 
 
 def decode_under(setting, tmp_path, monkeypatch):
     """(the choice decode_products reports or the ValueError's text, the decode's output or
     None) in a fresh interpreter under CAUSAL_ATTENTION_PAIR_DOTS=``setting``."""
     monkeypatch.setenv("CAUSAL_ATTENTION_PAIR_DOTS", setting)
-    out_file = tmp_path / f"{setting}.pt"
-    result = run_python(DECODE.format(tests=str(TESTS_PYTHON), out_file=str(out_file)),
-                        PACKAGE_PARENT, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    word, _, rest = result.stdout.strip().splitlines()[-1].partition(" ")
-    if word == "VALUE_ERROR":
-        return rest, None
-    assert word == "CHOICE", result.stdout
-    return rest, torch.load(out_file)
+    results = saved_results(DECODE, tmp_path / f"{setting}.pt", PACKAGE_PARENT)
+    return results["choice"], results["out"]
 
 
 def test_auto_takes_the_pair_dots_on_amd_cores_only(tmp_path, monkeypatch):
